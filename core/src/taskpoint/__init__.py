@@ -1,0 +1,52 @@
+"""taskpoint: intra-task checkpoints that survive crashes, preemption and retries.
+
+Inside a task, ``taskpoint.ctx().checkpoint`` saves in-progress state to a store and loads
+the newest committed state back on the next attempt::
+
+    import taskpoint
+
+    env = taskpoint.TaskEnvironment(name="demo")
+
+    @env.task(retries=3)
+    def count(n: int = 10) -> int:
+        ckpt = taskpoint.ctx().checkpoint
+        prev = ckpt.load_sync()
+        start = int(prev.read_bytes()) if prev else 0
+        for i in range(start, n):
+            ckpt.save_sync(str(i + 1).encode())
+        return n
+"""
+
+from taskpoint._types import CheckpointLike
+from taskpoint.checkpoint import Checkpoint, SaveInput, latest_checkpoint
+from taskpoint.context import TaskContext, ctx
+from taskpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointStoreError,
+    CheckpointUnsafeError,
+    TaskpointWarning,
+)
+from taskpoint.runtime import TaskEnvironment
+from taskpoint.store import RetryPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointLike",
+    "CheckpointStoreError",
+    "CheckpointUnsafeError",
+    "RetryPolicy",
+    "SaveInput",
+    "TaskContext",
+    "TaskEnvironment",
+    "TaskpointWarning",
+    "__version__",
+    "ctx",
+    "latest_checkpoint",
+]

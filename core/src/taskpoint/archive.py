@@ -1,0 +1,186 @@
+"""Directory trees to and from one streamed, compressed tar archive.
+
+Packing streams the tree through tar and a compressor straight into a writable binary
+stream; unpacking streams the other way. Neither holds more than a few blocks in memory
+nor writes an intermediate file.
+
+Codecs:
+    ``gzip`` (default): multi-threaded, low-level gzip (python-isal); any ``tar xzf`` reads it.
+    ``zstd``: multi-threaded zstandard; needs ``pip install "taskpoint[zstd]"``.
+    ``none``: a plain tar.
+
+What a tree may hold: regular files, directories (empty ones too), hard links and symbolic
+links whose target stays inside the tree. Modes and modification times round-trip; owners
+do not. Anything else is refused with :class:`~taskpoint.CheckpointUnsafeError`, when packing
+and again when unpacking, and nothing is written outside the restore directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from taskpoint.errors import CheckpointUnsafeError
+from taskpoint.manifest import CODECS, Codec
+
+__all__ = ["check_codec", "pack_directory", "unpack_directory"]
+
+_GZIP_LEVEL = 1
+_ZSTD_LEVEL = 3
+_BLOCK = 1024 * 1024
+
+
+def check_codec(codec: str) -> Codec:
+    """Return ``codec`` if it names a usable codec.
+
+    Raises:
+        ValueError: ``codec`` is not one of ``gzip``, ``zstd``, ``none``.
+        ImportError: ``zstd`` was asked for but ``zstandard`` is not installed.
+    """
+    if codec not in CODECS:
+        raise ValueError(f"codec must be one of {', '.join(CODECS)}; got {codec!r}")
+    if codec == "zstd":
+        _zstandard()
+    return codec  # type: ignore[return-value]
+
+
+def _zstandard():  # type: ignore[no-untyped-def]
+    try:
+        import zstandard
+    except ImportError as exc:
+        raise ImportError(
+            'codec="zstd" needs the zstandard package: pip install "taskpoint[zstd]"'
+        ) from exc
+    return zstandard
+
+
+def _threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def _compressing(out: BinaryIO, codec: Codec) -> Iterator[BinaryIO]:
+    if codec == "none":
+        yield out
+        return
+    if codec == "gzip":
+        from isal import igzip_threaded
+
+        writer = igzip_threaded.open(
+            out, "wb", compresslevel=_GZIP_LEVEL, threads=_threads(), block_size=_BLOCK
+        )
+    else:
+        writer = _zstandard().ZstdCompressor(level=_ZSTD_LEVEL, threads=-1).stream_writer(
+            out, closefd=False
+        )
+    try:
+        yield writer  # type: ignore[misc]
+    finally:
+        writer.close()
+
+
+@contextlib.contextmanager
+def _decompressing(src: BinaryIO, codec: Codec) -> Iterator[BinaryIO]:
+    if codec == "none":
+        yield src
+        return
+    if codec == "gzip":
+        from isal import igzip_threaded
+
+        reader = igzip_threaded.open(src, "rb", threads=1, block_size=_BLOCK)
+    else:
+        reader = _zstandard().ZstdDecompressor().stream_reader(src, closefd=False)
+    try:
+        yield reader  # type: ignore[misc]
+        # Read past the tar end-of-archive blocks so the codec checks its trailer
+        # (gzip CRC, zstd frame) and the caller's digest sees every stored byte.
+        while reader.read(_BLOCK):
+            pass
+    finally:
+        reader.close()
+
+
+def _entries(root: Path) -> Iterator[Path]:
+    """Every path below ``root``, parents before children, in a stable order."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        base = Path(dirpath)
+        for name in dirnames:
+            yield base / name
+        for name in sorted(filenames):
+            yield base / name
+
+
+def _check_entry(root: Path, path: Path) -> None:
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(path)
+        resolved = os.path.normpath(os.path.join(path.parent, target))
+        if os.path.isabs(target) or os.path.commonpath([resolved, str(root)]) != str(root):
+            raise CheckpointUnsafeError(
+                f"cannot checkpoint {root}: symbolic link {path} points outside the tree "
+                f"(to {target!r}); only relative links inside the directory are kept"
+            )
+    elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise CheckpointUnsafeError(
+            f"cannot checkpoint {root}: {path} is not a regular file, directory or "
+            "symbolic link (devices, sockets and FIFOs are not stored)"
+        )
+
+
+def pack_directory(root: Path, out: BinaryIO, codec: Codec = "gzip") -> None:
+    """Write the tree under ``root`` to ``out`` as a tar archive encoded with ``codec``.
+
+    Entry names are relative to ``root`` (``./`` is not stored). ``out`` is not closed.
+
+    Raises:
+        CheckpointUnsafeError: the tree holds a special file or a link leaving it.
+    """
+    root = Path(os.path.abspath(root))
+    for path in _entries(root):  # refuse before writing anything
+        _check_entry(root, path)
+    with _compressing(out, codec) as stream, tarfile.open(
+        fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT, bufsize=_BLOCK
+    ) as tar:
+        for path in _entries(root):
+            info = tar.gettarinfo(str(path), arcname=path.relative_to(root).as_posix())
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            if info.isreg():
+                with path.open("rb") as fh:
+                    tar.addfile(info, fh)
+            else:
+                tar.addfile(info)
+
+
+def _member_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
+    """Refuse unsafe entries (Python's ``data`` filter), keep modes, drop owners."""
+    try:
+        checked = tarfile.data_filter(member, dest)
+    except tarfile.FilterError as exc:
+        raise CheckpointUnsafeError(f"refusing archive entry {member.name!r}: {exc}") from exc
+    mode = None if member.issym() else member.mode & 0o777
+    return checked.replace(mode=mode, uid=None, gid=None, uname=None, gname=None, deep=False)
+
+
+def unpack_directory(src: BinaryIO, dest: Path, codec: Codec = "gzip") -> None:
+    """Extract a tar archive encoded with ``codec`` from ``src`` into ``dest``.
+
+    ``dest`` is created if missing. ``src`` is read to its end and not closed.
+
+    Raises:
+        CheckpointUnsafeError: an entry is absolute, climbs out with ``..``, links outside
+            ``dest``, or is a device or other special file. Entries before it may have
+            been written inside ``dest``, never outside it.
+        tarfile.TarError, OSError, EOFError: the stream is not a valid archive.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    with _decompressing(src, codec) as stream, tarfile.open(
+        fileobj=stream, mode="r|", bufsize=_BLOCK
+    ) as tar:
+        tar.extractall(dest, filter=_member_filter)

@@ -1,0 +1,462 @@
+"""``Checkpoint``: save in-progress state to a store, load the newest intact one back.
+
+Example::
+
+    import taskpoint
+
+    ckpt = taskpoint.Checkpoint("s3://bucket/jobs/train-42")
+    prev = ckpt.load_sync()              # pathlib.Path, or None on the first attempt
+    start = int(prev.read_bytes()) if prev else 0
+    for step in range(start, 100):
+        ...
+        ckpt.save_sync(str(step + 1).encode())
+
+Inside a task, ``taskpoint.ctx().checkpoint`` is a ``Checkpoint`` already bound to the
+action's location and attempt.
+
+A save writes the payload under a fresh name, then its manifest (the commit), then prunes
+checkpoints beyond the newest ``keep``. A crash at any point leaves the newest committed
+checkpoint loadable; a reader never sees a half-written one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Union
+
+from taskpoint import archive
+from taskpoint._digest import HashingReader, HashingWriter, copy_stream
+from taskpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointStoreError,
+    CheckpointUnsafeError,
+    TaskpointWarning,
+)
+from taskpoint.manifest import (
+    Codec,
+    Manifest,
+    manifest_name,
+    parse_manifest_name,
+    payload_name,
+)
+from taskpoint.store import RetryPolicy, Store
+
+__all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+SaveInput = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
+"""What ``save`` accepts: raw bytes, or the path of a file or directory."""
+
+CHECKPOINTS = "checkpoints"
+"""The folder, under a checkpoint's URL, that holds manifests and payloads."""
+ATTEMPTS = "attempts"
+"""The folder, under a checkpoint's URL, that holds one marker per claimed attempt."""
+BYTES_NAME = "checkpoint.bin"
+"""The file name a restored bytes payload gets."""
+
+
+@dataclass(frozen=True)
+class _Source:
+    kind: str
+    data: bytes | None = None
+    path: Path | None = None
+
+
+def _classify(data: object) -> _Source:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return _Source("bytes", data=bytes(data))
+    if isinstance(data, (str, os.PathLike)):
+        path = Path(os.fspath(data))
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"cannot checkpoint {str(path)!r}: no such file or directory"
+            ) from None
+        if stat.S_ISDIR(mode):
+            return _Source("directory", path=path.absolute())
+        if stat.S_ISREG(mode):
+            return _Source("file", path=path.absolute())
+        raise ValueError(
+            f"cannot checkpoint {str(path)!r}: it is neither a regular file nor a directory"
+        )
+    raise TypeError(
+        "checkpoint save() takes bytes, bytearray or memoryview (stored as raw bytes) or a "
+        f"str / os.PathLike naming a file or directory; got {type(data).__name__}"
+    )
+
+
+_workdirs: list[str] = []
+
+
+@atexit.register
+def _remove_workdirs() -> None:
+    for path in _workdirs:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Checkpoint:
+    """A checkpoint location: ``save`` commits new state, ``load`` restores the newest.
+
+    Args:
+        url: where checkpoints live: a local path or any fsspec URL (``s3://b/p``,
+            ``gs://b/p``, ``az://c/p``, ``memory://p``, ``file:///p``).
+        attempt: the attempt number this process saves as. ``None`` claims the next
+            free number from the store at the first save, so two restarts never share one.
+        keep: how many committed checkpoints to keep (newest first); at least 1.
+        codec: how directories are compressed: ``"gzip"``, ``"zstd"`` or ``"none"``.
+        storage_options: passed to the fsspec filesystem (credentials, endpoints).
+        workdir: local folder that ``load`` restores into; a temporary folder, removed at
+            interpreter exit, by default.
+        retry: how store calls retry transient failures.
+
+    Raises:
+        ValueError: ``keep`` is below 1, ``attempt`` is negative or ``codec`` is unknown.
+        TypeError: ``url`` is not a string or path.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        attempt: int | None = None,
+        keep: int = 1,
+        codec: str = "gzip",
+        storage_options: Mapping[str, Any] | None = None,
+        workdir: str | os.PathLike[str] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if not isinstance(url, (str, os.PathLike)):
+            raise TypeError(f"url must be a str or os.PathLike; got {type(url).__name__}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int of at least 1; got {keep!r}")
+        if attempt is not None and (not isinstance(attempt, int) or attempt < 0):
+            raise ValueError(f"attempt must be a non-negative int or None; got {attempt!r}")
+        self._codec: Codec = archive.check_codec(codec)
+        self._store = Store(os.fspath(url), storage_options, retry)
+        self._attempt = attempt
+        self._keep = keep
+        self._workdir = Path(workdir) if workdir is not None else None
+        self._save_lock = threading.Lock()
+        self._tickets = itertools.count()
+        self._seq_base: int | None = None
+        self._loads = itertools.count()
+
+    @classmethod
+    def at(cls, url: str | os.PathLike[str], **options: Any) -> Checkpoint:
+        """Bind a checkpoint to ``url`` explicitly, outside any taskpoint task.
+
+        Same arguments as the constructor. Useful inside another orchestrator's task
+        (a Flyte task, a Kubernetes Job) that retries on its own: each process claims a new
+        attempt number from the store and resumes from the newest committed checkpoint.
+        """
+        return cls(url, **options)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self._store.url!r}, attempt={self._attempt!r}, keep={self._keep})"
+
+    @property
+    def url(self) -> str:
+        """The checkpoint location's URL."""
+        return self._store.url
+
+    @property
+    def attempt(self) -> int | None:
+        """The attempt number saves are made as; ``None`` until claimed from the store."""
+        return self._attempt
+
+    # -- saving -----------------------------------------------------------------------
+
+    def save_sync(self, data: SaveInput) -> None:
+        """Commit ``data`` as the newest checkpoint, blocking until it is durable.
+
+        Args:
+            data: raw bytes (bytes, bytearray, memoryview), or the path (str or
+                os.PathLike) of a file, stored as-is, or of a directory, stored as one
+                compressed tar archive.
+
+        Concurrent saves on one ``Checkpoint`` run one at a time; the one started last
+        is the newest once all have returned.
+
+        Raises:
+            TypeError: ``data`` is of another type.
+            FileNotFoundError: the path does not exist.
+            CheckpointUnsafeError: the directory holds a special file or a link leaving it.
+            CheckpointStoreError: the store failed; earlier checkpoints are untouched.
+        """
+        source = _classify(data)
+        self._save(source, next(self._tickets))
+
+    async def save(self, data: SaveInput) -> None:
+        """Async :meth:`save_sync`: the upload runs in a worker thread."""
+        source = _classify(data)
+        ticket = next(self._tickets)
+        await asyncio.to_thread(self._save, source, ticket)
+
+    def _save(self, source: _Source, ticket: int) -> None:
+        started = time.monotonic()
+        with self._save_lock:
+            attempt = self._claim_attempt()
+            seq = self._next_seq(attempt, ticket)
+            token = uuid.uuid4().hex[:8]
+            payload = payload_name(attempt, seq, token)
+            digest, name, codec = self._write_payload(source, payload)
+            manifest = Manifest(
+                kind=source.kind,  # type: ignore[arg-type]
+                name=name,
+                codec=codec,
+                size=digest.size,
+                checksum=digest.checksum,
+                payload=payload,
+                attempt=attempt,
+                seq=seq,
+                created=time.time(),
+            )
+            self._store.write_atomic(f"{CHECKPOINTS}/{manifest.key}", manifest.to_json())
+            log.info(
+                "committed %s checkpoint %s (%d bytes) in %.2fs",
+                source.kind, self._store.url_of(f"{CHECKPOINTS}/{manifest.key}"),
+                digest.size, time.monotonic() - started,
+            )
+            self._prune()
+
+    def _write_payload(self, source: _Source, payload: str) -> tuple[Any, str | None, Codec]:
+        target = f"{CHECKPOINTS}/{payload}"
+        box: dict[str, HashingWriter] = {}
+
+        def produce(raw: BinaryIO) -> None:
+            writer = box["w"] = HashingWriter(raw)
+            if source.kind == "bytes":
+                assert source.data is not None
+                writer.write(source.data)
+            elif source.kind == "file":
+                assert source.path is not None
+                with source.path.open("rb") as fh:
+                    copy_stream(fh, writer)  # type: ignore[arg-type]
+            else:
+                assert source.path is not None
+                archive.pack_directory(source.path, writer, self._codec)  # type: ignore[arg-type]
+
+        self._store.write_stream(target, produce)
+        name = source.path.name if source.path is not None else None
+        codec: Codec = self._codec if source.kind == "directory" else "none"
+        return box["w"].digest, name, codec
+
+    def _claim_attempt(self) -> int:
+        if self._attempt is None:
+            taken = [int(n) for n in self._store.list(ATTEMPTS) if n.isdigit()]
+            self._attempt = max(taken, default=-1) + 1
+            self._mark_attempt(self._attempt)
+        return self._attempt
+
+    def _mark_attempt(self, attempt: int) -> None:
+        marker = json.dumps({"started": time.time(), "pid": os.getpid()}).encode()
+        self._store.write_atomic(f"{ATTEMPTS}/{attempt:06d}", marker)
+
+    def _next_seq(self, attempt: int, ticket: int) -> int:
+        if self._seq_base is None:
+            seqs = [
+                order[1]
+                for order in map(parse_manifest_name, self._store.list(CHECKPOINTS))
+                if order is not None and order[0] == attempt
+            ]
+            self._seq_base = max(seqs, default=-1) + 1
+        return self._seq_base + ticket
+
+    def _prune(self) -> None:
+        """Delete all but the newest ``keep`` checkpoints, and stale payloads."""
+        names = self._store.list(CHECKPOINTS)
+        committed = sorted(
+            (order, name) for name in names if (order := parse_manifest_name(name)) is not None
+        )
+        if not committed:
+            return
+        kept = {order for order, _ in committed[-self._keep :]}
+        newest = committed[-1][0]
+        for order, name in committed[: -self._keep]:
+            self._store.remove(f"{CHECKPOINTS}/{name}")
+        for name in names:
+            if not name.endswith(".payload"):
+                continue
+            order = _payload_order(name)
+            if order is not None and order not in kept and order < newest:
+                self._store.remove(f"{CHECKPOINTS}/{name}")
+
+    # -- loading ----------------------------------------------------------------------
+
+    def committed(self) -> list[Manifest]:
+        """The committed checkpoints' manifests, newest first, without verifying payloads.
+
+        Manifests that cannot be parsed are left out.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+            CheckpointFormatError: a manifest comes from a newer format.
+        """
+        result = []
+        for name in reversed(self._manifest_names()):
+            try:
+                result.append(self._read_manifest(name))
+            except (CheckpointCorruptError, FileNotFoundError):
+                continue
+        return result
+
+    def _manifest_names(self) -> list[str]:
+        names = self._store.list(CHECKPOINTS)
+        return sorted(
+            (n for n in names if parse_manifest_name(n) is not None),
+            key=lambda n: parse_manifest_name(n) or (0, 0),
+        )
+
+    def _read_manifest(self, name: str) -> Manifest:
+        key = f"{CHECKPOINTS}/{name}"
+        return Manifest.from_json(self._store.read_bytes(key), url=self._store.url_of(key))
+
+    def load_sync(self) -> Path | None:
+        """Restore the newest intact committed checkpoint to a local path.
+
+        Returns:
+            The restored file (keeping its name), the restored directory tree, or a file
+            named ``checkpoint.bin`` holding saved bytes; ``None`` when nothing has been
+            committed. Each call restores afresh into a new folder.
+
+        A checkpoint that fails its checksum or cannot be read back is skipped, with a
+        :class:`~taskpoint.TaskpointWarning` naming it, for the next newest.
+
+        Raises:
+            CheckpointCorruptError: checkpoints exist but none is intact.
+            CheckpointFormatError: the newest manifest comes from a newer format.
+            CheckpointUnsafeError: a directory archive holds an unsafe entry.
+            CheckpointStoreError: the store failed (after retries for transient errors).
+        """
+        names = self._manifest_names()
+        if not names:
+            log.info("no checkpoint committed at %s", self._store.url)
+            return None
+        skipped: list[str] = []
+        for name in reversed(names):
+            url = self._store.url_of(f"{CHECKPOINTS}/{name}")
+            try:
+                manifest = self._read_manifest(name)
+                started = time.monotonic()
+                path = self._restore(manifest)
+            except (CheckpointStoreError, CheckpointFormatError, CheckpointUnsafeError):
+                raise
+            except (CheckpointError, FileNotFoundError) as exc:
+                skipped.append(url)
+                message = f"skipping checkpoint {url}: {exc}"
+                log.warning(message)
+                warnings.warn(message, TaskpointWarning, stacklevel=2)
+                continue
+            log.info(
+                "restored %s checkpoint %s (%d bytes) in %.2fs",
+                manifest.kind, url, manifest.size, time.monotonic() - started,
+            )
+            return path
+        raise CheckpointCorruptError(
+            f"no intact checkpoint at {self._store.url}: all {len(skipped)} committed "
+            f"checkpoints failed verification ({', '.join(skipped)})",
+            url=self._store.url,
+            skipped=skipped,
+        )
+
+    async def load(self) -> Path | None:
+        """Async :meth:`load_sync`: the download runs in a worker thread."""
+        return await asyncio.to_thread(self.load_sync)
+
+    def _restore_dir(self, manifest: Manifest) -> Path:
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix="taskpoint-restore-"))
+            _workdirs.append(str(self._workdir))
+        target = self._workdir / f"{manifest.attempt:06d}-{manifest.seq:09d}-{next(self._loads)}"
+        target.mkdir(parents=True, exist_ok=False)
+        return target
+
+    def _restore(self, manifest: Manifest) -> Path:
+        key = f"{CHECKPOINTS}/{manifest.payload}"
+        url = self._store.url_of(key)
+        staging = self._restore_dir(manifest)
+        path = staging / (manifest.name or BYTES_NAME)
+        try:
+            with self._store.open_read(key) as raw:
+                reader = HashingReader(raw)
+                try:
+                    if manifest.kind == "directory":
+                        archive.unpack_directory(reader, path, manifest.codec)  # type: ignore[arg-type]
+                    else:
+                        with path.open("wb") as out:
+                            copy_stream(reader, out)  # type: ignore[arg-type]
+                    reader.drain()
+                except (CheckpointStoreError, CheckpointUnsafeError):
+                    raise
+                except Exception as exc:
+                    raise CheckpointCorruptError(
+                        f"payload {url} cannot be decoded as a {manifest.kind} "
+                        f"({type(exc).__name__}: {exc})",
+                        url=url,
+                    ) from exc
+            digest = reader.digest
+            if digest.size != manifest.size or digest.checksum != manifest.checksum:
+                raise CheckpointCorruptError(
+                    f"payload {url} does not match its manifest: {digest.size} bytes with "
+                    f"{digest.checksum}, expected {manifest.size} bytes with {manifest.checksum}",
+                    url=url,
+                )
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return path
+
+
+def _payload_order(name: str) -> tuple[int, int] | None:
+    parts = name.split("-")
+    if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def latest_checkpoint(
+    root: str | os.PathLike[str] | None,
+    glob_pattern: str = "**/last.ckpt",
+    key: Callable[[Path], Any] | None = None,
+) -> Path | None:
+    """The newest file under ``root`` matching ``glob_pattern``, or ``None``.
+
+    Args:
+        root: a restored directory (what ``load`` returned). ``None`` or a missing path
+            gives ``None``. A file is returned itself when its name matches the pattern's
+            last part.
+        glob_pattern: a :meth:`pathlib.Path.glob` pattern relative to ``root``.
+        key: orders the matches; the largest wins. Defaults to the modification time
+            (following symbolic links), then the path.
+    """
+    if root is None:
+        return None
+    base = Path(os.fspath(root))
+    if base.is_file():
+        return base if base.match(glob_pattern.rsplit("/", 1)[-1]) else None
+    if not base.is_dir():
+        return None
+    matches = [p for p in base.glob(glob_pattern) if p.is_file()]
+    if not matches:
+        return None
+    order = key or (lambda p: (p.stat().st_mtime_ns, str(p)))
+    return max(matches, key=order)

@@ -1,0 +1,68 @@
+"""The exceptions taskpoint raises.
+
+Every failure that is taskpoint's own derives from :class:`CheckpointError`::
+
+    CheckpointError
+    ├── CheckpointStoreError      the store could not be reached, read or written
+    ├── CheckpointCorruptError    checkpoints exist, but none passes its checksum
+    ├── CheckpointUnsafeError     an archive entry would escape the restore directory
+    └── CheckpointFormatError     a manifest from a newer (or unknown) format
+
+Bad arguments raise the builtin exceptions Python users expect: ``TypeError`` for a
+value of the wrong kind, ``ValueError`` for a bad value and ``FileNotFoundError`` for a
+path that does not exist.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointStoreError",
+    "CheckpointUnsafeError",
+    "TaskpointWarning",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error taskpoint raises for a checkpoint."""
+
+
+class CheckpointStoreError(CheckpointError):
+    """The store at ``url`` failed, after retries where the failure looked transient.
+
+    Attributes:
+        url: the URL of the object or prefix that failed.
+    """
+
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class CheckpointCorruptError(CheckpointError):
+    """Committed checkpoints exist but none is intact (checksum, size or manifest).
+
+    Attributes:
+        url: the checkpoint location that was searched.
+        skipped: the manifest URLs that were tried and rejected, newest first.
+    """
+
+    def __init__(self, message: str, *, url: str, skipped: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.skipped = list(skipped or [])
+
+
+class CheckpointUnsafeError(CheckpointError):
+    """An archive entry is an absolute path, climbs out with ``..``, links outside the
+    tree, or is a device or other special file. Nothing is written for it."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """A manifest is from a format this version of taskpoint cannot read."""
+
+
+class TaskpointWarning(UserWarning):
+    """Warnings taskpoint issues (a skipped corrupt checkpoint, for example)."""

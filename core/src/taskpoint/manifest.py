@@ -1,0 +1,166 @@
+"""The manifest: what a committed checkpoint is, as stored next to its payload.
+
+A manifest is a small JSON object written *after* its payload; writing it is the commit.
+This module builds, names, serialises and validates manifests. It performs no I/O.
+
+Format 1 (``"format": 1``)::
+
+    {
+      "format": 1,
+      "kind": "bytes" | "file" | "directory",
+      "name": "training.pt",          # file or directory name; null for bytes
+      "codec": "gzip" | "zstd" | "none",  # how the payload is encoded (directories only
+                                      # use a compressed tar; bytes and files are "none")
+      "size": 1234,                   # stored payload size, in bytes
+      "checksum": "sha256:<hex>",     # over the stored payload bytes
+      "payload": "000001-000000004-3f2a9c1d.payload",  # key relative to checkpoints/
+      "attempt": 1, "seq": 4,         # which attempt committed it, and its save number
+      "created": 1764412345.123       # Unix time in seconds, from the writer's clock
+    }
+
+Manifests are named ``<attempt:06d>-<seq:09d>.manifest.json`` so that sorting names sorts
+checkpoints from oldest to newest: by attempt, then by save order within the attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from taskpoint.errors import CheckpointCorruptError, CheckpointFormatError
+
+__all__ = [
+    "CODECS",
+    "FORMAT_VERSION",
+    "KINDS",
+    "Manifest",
+    "manifest_name",
+    "parse_manifest_name",
+    "payload_name",
+]
+
+FORMAT_VERSION = 1
+"""The manifest format this version writes, and the newest it reads."""
+
+Kind = Literal["bytes", "file", "directory"]
+Codec = Literal["gzip", "zstd", "none"]
+KINDS: tuple[Kind, ...] = ("bytes", "file", "directory")
+CODECS: tuple[Codec, ...] = ("gzip", "zstd", "none")
+
+_SUFFIX = ".manifest.json"
+_NAME_RE = re.compile(r"^(\d{6,})-(\d{9,})\.manifest\.json$")
+
+
+def manifest_name(attempt: int, seq: int) -> str:
+    """The manifest's object name for save ``seq`` of ``attempt``."""
+    return f"{attempt:06d}-{seq:09d}{_SUFFIX}"
+
+
+def payload_name(attempt: int, seq: int, token: str) -> str:
+    """The payload's object name; ``token`` keeps concurrent writers apart."""
+    return f"{attempt:06d}-{seq:09d}-{token}.payload"
+
+
+def parse_manifest_name(name: str) -> tuple[int, int] | None:
+    """``(attempt, seq)`` for a manifest object name, or ``None`` for any other name."""
+    match = _NAME_RE.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One committed checkpoint. See the module docstring for the fields."""
+
+    kind: Kind
+    name: str | None
+    codec: Codec
+    size: int
+    checksum: str
+    payload: str
+    attempt: int
+    seq: int
+    created: float
+    format: int = FORMAT_VERSION
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """The sort key: later attempts first, then later saves within an attempt."""
+        return (self.attempt, self.seq)
+
+    @property
+    def key(self) -> str:
+        """This manifest's object name."""
+        return manifest_name(self.attempt, self.seq)
+
+    def to_json(self) -> bytes:
+        """Serialise to UTF-8 JSON."""
+        return json.dumps(asdict(self), sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, url: str) -> Manifest:
+        """Parse and validate a manifest read from ``url``.
+
+        Raises:
+            CheckpointFormatError: the manifest comes from a newer format.
+            CheckpointCorruptError: it is not a valid manifest of any known format.
+        """
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointCorruptError(f"manifest {url} is not valid JSON: {exc}", url=url) from exc
+        if not isinstance(raw, dict):
+            raise CheckpointCorruptError(f"manifest {url} is not a JSON object", url=url)
+        fmt = raw.get("format")
+        if isinstance(fmt, int) and fmt > FORMAT_VERSION:
+            raise CheckpointFormatError(
+                f"checkpoint {url} was written in manifest format {fmt}, but this taskpoint "
+                f"reads formats up to {FORMAT_VERSION}: upgrade taskpoint to load it"
+            )
+        return cls._validated(raw, url)
+
+    @classmethod
+    def _validated(cls, raw: dict[str, Any], url: str) -> Manifest:
+        def bad(field: str) -> CheckpointCorruptError:
+            return CheckpointCorruptError(
+                f"manifest {url} has an invalid {field!r}: {raw.get(field)!r}", url=url
+            )
+
+        if raw.get("format") != FORMAT_VERSION:
+            raise bad("format")
+        if raw.get("kind") not in KINDS:
+            raise bad("kind")
+        if raw.get("codec") not in CODECS:
+            raise bad("codec")
+        name = raw.get("name")
+        if name is not None and (not isinstance(name, str) or "/" in name or name in ("", ".", "..")):
+            raise bad("name")
+        if raw["kind"] != "bytes" and name is None:
+            raise bad("name")
+        for field in ("size", "attempt", "seq"):
+            value = raw.get(field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise bad(field)
+        checksum = raw.get("checksum")
+        if not isinstance(checksum, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", checksum):
+            raise bad("checksum")
+        payload = raw.get("payload")
+        if not isinstance(payload, str) or "/" in payload or not payload.endswith(".payload"):
+            raise bad("payload")
+        created = raw.get("created")
+        if not isinstance(created, (int, float)) or isinstance(created, bool):
+            raise bad("created")
+        return cls(
+            kind=raw["kind"],
+            name=name,
+            codec=raw["codec"],
+            size=raw["size"],
+            checksum=checksum,
+            payload=payload,
+            attempt=raw["attempt"],
+            seq=raw["seq"],
+            created=float(created),
+        )

@@ -1,0 +1,262 @@
+"""``TaskEnvironment`` and its ``task`` decorator: run a function as a retried action.
+
+Example::
+
+    import taskpoint
+
+    env = taskpoint.TaskEnvironment(name="train")
+
+    @env.task(retries=3)
+    def train(steps: int = 100) -> int:
+        ckpt = taskpoint.ctx().checkpoint
+        prev = ckpt.load_sync()
+        start = int(prev.read_bytes()) if prev else 0
+        for step in range(start, steps):
+            ...
+            ckpt.save_sync(str(step + 1).encode())
+        return steps
+
+    train()     # attempt 0, then up to 3 retries, each resuming from the checkpoint
+
+Where checkpoints go, first match wins: ``TaskEnvironment(root=...)``, the environment
+variable ``TASKPOINT_ROOT``, then ``.taskpoint/checkpoints`` under the working directory.
+Each call of a task is one action at ``<root>/<env>.<function>/<run_id>/``; a new run id
+is made per call unless ``TaskEnvironment(run_id=...)`` or ``TASKPOINT_RUN_ID`` names one,
+which re-attaches to that run's checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar, overload
+
+from taskpoint.archive import check_codec
+from taskpoint.checkpoint import Checkpoint
+from taskpoint.context import TaskContext, _current
+
+__all__ = ["ENV_ROOT", "ENV_RUN_ID", "TaskEnvironment", "new_run_id"]
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+ENV_ROOT = "TASKPOINT_ROOT"
+"""Environment variable: the checkpoint root URL when the environment names none."""
+ENV_RUN_ID = "TASKPOINT_RUN_ID"
+"""Environment variable: the run id to attach to instead of starting a new run."""
+DEFAULT_ROOT = Path(".taskpoint") / "checkpoints"
+"""The embedded local store, relative to the working directory."""
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def _check_name(what: str, value: object) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ValueError(
+            f"{what} must be a non-empty string of letters, digits, '_', '.' and '-' "
+            f"(it becomes part of the store path); got {value!r}"
+        )
+    return value
+
+
+def new_run_id() -> str:
+    """A fresh run id: UTC time to the second plus random hex, so ids sort by start."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+
+
+class TaskEnvironment:
+    """A named group of tasks sharing checkpoint settings.
+
+    Args:
+        name: the environment's name, the first part of each task's name.
+        root: where checkpoints go (any fsspec URL or local path); see the module docs.
+        run_id: attach every call to this run instead of starting a new one.
+        checkpoints: ``False`` makes ``ctx().checkpoint`` ``None`` in its tasks.
+        keep: committed checkpoints kept per action, newest first.
+        codec: directory compression, ``"gzip"``, ``"zstd"`` or ``"none"``.
+        storage_options: passed to the fsspec filesystem (credentials, endpoints).
+
+    Raises:
+        ValueError: a name or run id with characters unfit for a path, ``keep`` < 1, or an
+            unknown codec.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        root: str | os.PathLike[str] | None = None,
+        run_id: str | None = None,
+        checkpoints: bool = True,
+        keep: int = 1,
+        codec: str = "gzip",
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.name = _check_name("TaskEnvironment name", name)
+        self.root = os.fspath(root) if root is not None else None
+        self.run_id = _check_name("run_id", run_id) if run_id is not None else None
+        self.checkpoints = checkpoints
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int of at least 1; got {keep!r}")
+        self.keep = keep
+        self.codec = check_codec(codec)
+        self.storage_options = dict(storage_options or {})
+
+    def __repr__(self) -> str:
+        return f"TaskEnvironment(name={self.name!r}, root={self.root!r})"
+
+    def resolve_root(self) -> str:
+        """The checkpoint root in force now: argument, ``TASKPOINT_ROOT``, or the default."""
+        if self.root is not None:
+            return self.root
+        from_env = os.environ.get(ENV_ROOT)
+        if from_env:
+            return from_env
+        return str(DEFAULT_ROOT.absolute())
+
+    def resolve_run_id(self) -> str:
+        """The run id for a new call: argument, ``TASKPOINT_RUN_ID``, or a fresh one."""
+        if self.run_id is not None:
+            return self.run_id
+        from_env = os.environ.get(ENV_RUN_ID)
+        if from_env:
+            return _check_name(ENV_RUN_ID, from_env)
+        return new_run_id()
+
+    @overload
+    def task(self, fn: Callable[P, R], /) -> Callable[P, R]: ...
+
+    @overload
+    def task(
+        self, *, retries: int = 0, backoff: float = 0.1, name: str | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+    def task(
+        self,
+        fn: Callable[P, R] | None = None,
+        /,
+        *,
+        retries: int = 0,
+        backoff: float = 0.1,
+        name: str | None = None,
+    ) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
+        """Make ``fn`` a task: each call runs as one action with up to ``retries`` retries.
+
+        Args:
+            retries: how many times a failed attempt is retried (0: run once).
+            backoff: seconds before the first retry; doubles per retry, capped at 30 s.
+            name: the task's function name in the store (default: ``fn.__name__``).
+
+        The last attempt's exception propagates unchanged. ``KeyboardInterrupt``,
+        ``SystemExit`` and other non-``Exception`` errors are never retried.
+        Works on ``def`` and ``async def`` functions.
+
+        Raises:
+            ValueError: ``retries`` or ``backoff`` is negative.
+        """
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be a non-negative int; got {retries!r}")
+        if backoff < 0:
+            raise ValueError(f"backoff must be >= 0 seconds; got {backoff!r}")
+
+        def decorate(func: Callable[P, R]) -> Callable[P, R]:
+            task_name = f"{self.name}.{_check_name('task name', name or func.__name__)}"
+            runner = _Runner(self, task_name, retries, backoff)
+            if inspect.iscoroutinefunction(func):
+                return functools.wraps(func)(runner.wrap_async(func))  # type: ignore[arg-type,return-value]
+            return functools.wraps(func)(runner.wrap_sync(func))
+
+        return decorate(fn) if fn is not None else decorate
+
+
+class _Runner:
+    """The attempt loop, once for sync and async tasks."""
+
+    def __init__(self, env: TaskEnvironment, task: str, retries: int, backoff: float) -> None:
+        self.env = env
+        self.task = task
+        self.retries = retries
+        self.backoff = backoff
+
+    def _context(self, run_id: str, attempt: int) -> TaskContext:
+        checkpoint = None
+        if self.env.checkpoints:
+            checkpoint = Checkpoint(
+                f"{self.env.resolve_root().rstrip('/')}/{self.task}/{run_id}",
+                attempt=attempt,
+                keep=self.env.keep,
+                codec=self.env.codec,
+                storage_options=self.env.storage_options,
+            )
+        return TaskContext(
+            task=self.task,
+            run_id=run_id,
+            action=f"{self.task}/{run_id}",
+            attempt=attempt,
+            retries=self.retries,
+            checkpoint=checkpoint,
+        )
+
+    def _delay(self, attempt: int) -> float:
+        return float(min(30.0, self.backoff * (2 ** (attempt - 1))))
+
+    def _failed(self, context: TaskContext, exc: Exception) -> bool:
+        """Log a failed attempt; whether another attempt follows."""
+        again = context.attempt < self.retries
+        log.warning(
+            "%s attempt %d/%d failed: %s: %s%s",
+            context.action, context.attempt, self.retries, type(exc).__name__, exc,
+            "; retrying" if again else "; no retries left",
+        )
+        return again
+
+    def wrap_sync(self, func: Callable[P, R]) -> Callable[P, R]:
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            run_id = self.env.resolve_run_id()
+            for attempt in range(self.retries + 1):
+                context = self._context(run_id, attempt)
+                token = _current.set(context)
+                try:
+                    log.info("%s attempt %d/%d starting", context.action, attempt, self.retries)
+                    return func(*args, **kwargs)
+                except Exception as exc:
+                    if not self._failed(context, exc):
+                        raise
+                finally:
+                    _current.reset(token)
+                time.sleep(self._delay(attempt + 1))
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        return run
+
+    def wrap_async(
+        self, func: Callable[P, Awaitable[R]]
+    ) -> Callable[P, Awaitable[R]]:
+        async def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            run_id = self.env.resolve_run_id()
+            for attempt in range(self.retries + 1):
+                context = self._context(run_id, attempt)
+                token = _current.set(context)
+                try:
+                    log.info("%s attempt %d/%d starting", context.action, attempt, self.retries)
+                    return await func(*args, **kwargs)
+                except Exception as exc:
+                    if not self._failed(context, exc):
+                        raise
+                finally:
+                    _current.reset(token)
+                await asyncio.sleep(self._delay(attempt + 1))
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        return run
