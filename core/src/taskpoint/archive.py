@@ -23,12 +23,12 @@ import stat
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, cast
 
 from taskpoint.errors import CheckpointUnsafeError
 from taskpoint.manifest import CODECS, Codec
 
-__all__ = ["check_codec", "pack_directory", "unpack_directory"]
+__all__ = ["check_codec", "check_tree", "pack_directory", "unpack_directory"]
 
 _GZIP_LEVEL = 1
 _ZSTD_LEVEL = 3
@@ -46,10 +46,10 @@ def check_codec(codec: str) -> Codec:
         raise ValueError(f"codec must be one of {', '.join(CODECS)}; got {codec!r}")
     if codec == "zstd":
         _zstandard()
-    return codec  # type: ignore[return-value]
+    return codec
 
 
-def _zstandard():  # type: ignore[no-untyped-def]
+def _zstandard() -> Any:
     try:
         import zstandard
     except ImportError as exc:
@@ -71,7 +71,7 @@ def _compressing(out: BinaryIO, codec: Codec) -> Iterator[BinaryIO]:
     if codec == "gzip":
         from isal import igzip_threaded
 
-        writer = igzip_threaded.open(
+        writer: Any = igzip_threaded.open(  # type: ignore[no-untyped-call]
             out, "wb", compresslevel=_GZIP_LEVEL, threads=_threads(), block_size=_BLOCK
         )
     else:
@@ -79,7 +79,7 @@ def _compressing(out: BinaryIO, codec: Codec) -> Iterator[BinaryIO]:
             out, closefd=False
         )
     try:
-        yield writer  # type: ignore[misc]
+        yield cast(BinaryIO, writer)
     finally:
         writer.close()
 
@@ -92,11 +92,13 @@ def _decompressing(src: BinaryIO, codec: Codec) -> Iterator[BinaryIO]:
     if codec == "gzip":
         from isal import igzip_threaded
 
-        reader = igzip_threaded.open(src, "rb", threads=1, block_size=_BLOCK)
+        reader: Any = igzip_threaded.open(  # type: ignore[no-untyped-call]
+            src, "rb", threads=1, block_size=_BLOCK
+        )
     else:
         reader = _zstandard().ZstdDecompressor().stream_reader(src, closefd=False)
     try:
-        yield reader  # type: ignore[misc]
+        yield cast(BinaryIO, reader)
         # Read past the tar end-of-archive blocks so the codec checks its trailer
         # (gzip CRC, zstd frame) and the caller's digest sees every stored byte.
         while reader.read(_BLOCK):
@@ -133,6 +135,13 @@ def _check_entry(root: Path, path: Path) -> None:
         )
 
 
+def check_tree(root: Path) -> None:
+    """Raise CheckpointUnsafeError if the tree under ``root`` cannot be archived safely."""
+    root = Path(os.path.abspath(root))
+    for path in _entries(root):
+        _check_entry(root, path)
+
+
 def pack_directory(root: Path, out: BinaryIO, codec: Codec = "gzip") -> None:
     """Write the tree under ``root`` to ``out`` as a tar archive encoded with ``codec``.
 
@@ -142,8 +151,7 @@ def pack_directory(root: Path, out: BinaryIO, codec: Codec = "gzip") -> None:
         CheckpointUnsafeError: the tree holds a special file or a link leaving it.
     """
     root = Path(os.path.abspath(root))
-    for path in _entries(root):  # refuse before writing anything
-        _check_entry(root, path)
+    check_tree(root)  # refuse before writing anything
     with _compressing(out, codec) as stream, tarfile.open(
         fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT, bufsize=_BLOCK
     ) as tar:
@@ -160,12 +168,18 @@ def pack_directory(root: Path, out: BinaryIO, codec: Codec = "gzip") -> None:
 
 def _member_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
     """Refuse unsafe entries (Python's ``data`` filter), keep modes, drop owners."""
+    if member.name.startswith("/") or os.path.isabs(member.name):
+        raise CheckpointUnsafeError(f"refusing archive entry {member.name!r}: absolute path")
     try:
         checked = tarfile.data_filter(member, dest)
     except tarfile.FilterError as exc:
         raise CheckpointUnsafeError(f"refusing archive entry {member.name!r}: {exc}") from exc
-    mode = None if member.issym() else member.mode & 0o777
-    return checked.replace(mode=mode, uid=None, gid=None, uname=None, gname=None, deep=False)
+    # None means "do not set": links keep no mode, and nobody's owner is applied.
+    unset: Any = None
+    mode = unset if member.issym() else member.mode & 0o777
+    return checked.replace(
+        mode=mode, uid=unset, gid=unset, uname=unset, gname=unset, deep=False
+    )
 
 
 def unpack_directory(src: BinaryIO, dest: Path, codec: Codec = "gzip") -> None:

@@ -52,7 +52,6 @@ from taskpoint.errors import (
 from taskpoint.manifest import (
     Codec,
     Manifest,
-    manifest_name,
     parse_manifest_name,
     payload_name,
 )
@@ -92,6 +91,7 @@ def _classify(data: object) -> _Source:
                 f"cannot checkpoint {str(path)!r}: no such file or directory"
             ) from None
         if stat.S_ISDIR(mode):
+            archive.check_tree(path)
             return _Source("directory", path=path.absolute())
         if stat.S_ISREG(mode):
             return _Source("file", path=path.absolute())
@@ -291,7 +291,7 @@ class Checkpoint:
             return
         kept = {order for order, _ in committed[-self._keep :]}
         newest = committed[-1][0]
-        for order, name in committed[: -self._keep]:
+        for _, name in committed[: -self._keep]:
             self._store.remove(f"{CHECKPOINTS}/{name}")
         for name in names:
             if not name.endswith(".payload"):
@@ -347,11 +347,31 @@ class Checkpoint:
             CheckpointUnsafeError: a directory archive holds an unsafe entry.
             CheckpointStoreError: the store failed (after retries for transient errors).
         """
-        names = self._manifest_names()
-        if not names:
-            log.info("no checkpoint committed at %s", self._store.url)
-            return None
+        for _ in range(5):
+            names = self._manifest_names()
+            if not names:
+                log.info("no checkpoint committed at %s", self._store.url)
+                return None
+            path, skipped, pruned = self._load_newest(names)
+            if path is not None:
+                return path
+            if not pruned:
+                raise CheckpointCorruptError(
+                    f"no intact checkpoint at {self._store.url}: all {len(skipped)} committed "
+                    f"checkpoints failed verification ({', '.join(skipped)})",
+                    url=self._store.url,
+                    skipped=skipped,
+                )
+            # A writer pruned what we were reading: list again and take its newer commit.
+        raise CheckpointStoreError(
+            f"checkpoints at {self._store.url} kept being replaced while loading; try again",
+            url=self._store.url,
+        )
+
+    def _load_newest(self, names: list[str]) -> tuple[Path | None, list[str], bool]:
+        """Restore the newest intact of ``names``; also report skipped and pruned ones."""
         skipped: list[str] = []
+        pruned = False
         for name in reversed(names):
             url = self._store.url_of(f"{CHECKPOINTS}/{name}")
             try:
@@ -361,22 +381,20 @@ class Checkpoint:
             except (CheckpointStoreError, CheckpointFormatError, CheckpointUnsafeError):
                 raise
             except (CheckpointError, FileNotFoundError) as exc:
+                if name not in self._store.list(CHECKPOINTS):
+                    pruned = True  # replaced by a newer commit while we read it
+                    continue
                 skipped.append(url)
                 message = f"skipping checkpoint {url}: {exc}"
                 log.warning(message)
-                warnings.warn(message, TaskpointWarning, stacklevel=2)
+                warnings.warn(message, TaskpointWarning, stacklevel=3)
                 continue
             log.info(
                 "restored %s checkpoint %s (%d bytes) in %.2fs",
                 manifest.kind, url, manifest.size, time.monotonic() - started,
             )
-            return path
-        raise CheckpointCorruptError(
-            f"no intact checkpoint at {self._store.url}: all {len(skipped)} committed "
-            f"checkpoints failed verification ({', '.join(skipped)})",
-            url=self._store.url,
-            skipped=skipped,
-        )
+            return path, skipped, pruned
+        return None, skipped, pruned
 
     async def load(self) -> Path | None:
         """Async :meth:`load_sync`: the download runs in a worker thread."""

@@ -142,7 +142,7 @@ class TaskEnvironment:
         self, *, retries: int = 0, backoff: float = 0.1, name: str | None = None
     ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
-    def task(
+    def task(  # type: ignore[misc]  # mypy cannot match ParamSpec overloads
         self,
         fn: Callable[P, R] | None = None,
         /,
@@ -174,7 +174,7 @@ class TaskEnvironment:
             task_name = f"{self.name}.{_check_name('task name', name or func.__name__)}"
             runner = _Runner(self, task_name, retries, backoff)
             if inspect.iscoroutinefunction(func):
-                return functools.wraps(func)(runner.wrap_async(func))  # type: ignore[arg-type,return-value]
+                return functools.wraps(func)(runner.wrap_async(func))  # type: ignore[return-value]
             return functools.wraps(func)(runner.wrap_sync(func))
 
         return decorate(fn) if fn is not None else decorate

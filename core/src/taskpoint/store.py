@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from taskpoint.errors import CheckpointStoreError
+from taskpoint.errors import CheckpointError, CheckpointStoreError
 
 __all__ = ["RetryPolicy", "Store"]
 
@@ -151,7 +151,7 @@ class Store:
                 return fn()
             except FileNotFoundError:
                 raise
-            except CheckpointStoreError:
+            except CheckpointError:
                 raise
             except Exception as exc:
                 last = retry == self._retry.attempts - 1
@@ -185,10 +185,12 @@ class Store:
         def run() -> list[str]:
             self._invalidate(prefix)
             try:
-                entries = self.fs.ls(self._path(prefix), detail=True)
+                # detail=False: no per-entry stat, so an entry vanishing mid-listing (a
+                # concurrent prune) cannot make the whole prefix look missing.
+                entries = self.fs.ls(self._path(prefix), detail=False)
             except FileNotFoundError:
                 return []
-            return sorted(os.path.basename(str(e["name"]).rstrip("/")) for e in entries)
+            return sorted(os.path.basename(str(e).rstrip("/")) for e in entries)
 
         return self._call("list", prefix, run)
 

@@ -1,0 +1,109 @@
+"""Transient store faults are retried; persistent ones raise CheckpointStoreError."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import uuid
+from typing import Any, ClassVar
+
+import fsspec
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+from taskpoint import Checkpoint, CheckpointStoreError, RetryPolicy
+
+
+class FlakyMemoryFileSystem(MemoryFileSystem):
+    """An in-memory filesystem whose calls fail while ``faults`` has entries left.
+
+    Each entry is the exception the next matching call raises.
+    """
+
+    protocol = ("flakymem",)
+    faults: ClassVar[list[BaseException]] = []
+    calls: ClassVar[int] = 0
+
+    def _maybe_fail(self) -> None:
+        type(self).calls += 1
+        if self.faults:
+            raise self.faults.pop(0)
+
+    def cat_file(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        self._maybe_fail()
+        return super().cat_file(path, *args, **kwargs)
+
+    def _open(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        self._maybe_fail()
+        return super()._open(path, *args, **kwargs)
+
+    def ls(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        self._maybe_fail()
+        return super().ls(path, *args, **kwargs)
+
+    def pipe_file(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        self._maybe_fail()
+        return super().pipe_file(path, *args, **kwargs)
+
+
+fsspec.register_implementation("flakymem", FlakyMemoryFileSystem, clobber=True)
+
+FAST = RetryPolicy(attempts=4, initial=0.0, maximum=0.0)
+
+
+@pytest.fixture
+def flaky_url() -> str:
+    FlakyMemoryFileSystem.faults = []
+    FlakyMemoryFileSystem.calls = 0
+    return f"flakymem://faults/{uuid.uuid4().hex}"
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        ConnectionResetError(errno.ECONNRESET, "connection reset by peer"),
+        TimeoutError("read timed out"),
+        OSError(errno.EIO, "503 Slow Down"),
+    ],
+    ids=["reset", "timeout", "throttled"],
+)
+def test_transient_faults_are_retried(
+    flaky_url: str, fault: BaseException, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = Checkpoint(flaky_url, retry=FAST)
+    FlakyMemoryFileSystem.faults = [fault, fault]
+    with caplog.at_level(logging.WARNING, logger="taskpoint"):
+        ckpt.save_sync(b"survives")
+    assert "retrying" in caplog.text
+    FlakyMemoryFileSystem.faults = [fault, fault]
+    restored = Checkpoint(flaky_url, retry=FAST).load_sync()
+    assert restored is not None and restored.read_bytes() == b"survives"
+
+
+def test_persistent_fault_raises_naming_url_and_cause(flaky_url: str) -> None:
+    ckpt = Checkpoint(flaky_url, retry=FAST)
+    ckpt.save_sync(b"committed")
+    FlakyMemoryFileSystem.faults = [OSError(errno.EIO, "500 Internal Error")] * 20
+    with pytest.raises(CheckpointStoreError, match=r"flakymem://faults/.*after 4 tries.*500 Internal Error"):
+        ckpt.save_sync(b"lost")
+    with pytest.raises(CheckpointStoreError, match="500 Internal Error"):
+        ckpt.load_sync()
+    FlakyMemoryFileSystem.faults = []
+    restored = ckpt.load_sync()
+    assert restored is not None and restored.read_bytes() == b"committed"
+
+
+@pytest.mark.parametrize(
+    "fault", [PermissionError(errno.EACCES, "AccessDenied"), ValueError("bad credentials")]
+)
+def test_permanent_faults_are_not_retried(flaky_url: str, fault: BaseException) -> None:
+    ckpt = Checkpoint(flaky_url, retry=FAST)
+    FlakyMemoryFileSystem.faults = [fault]
+    with pytest.raises(CheckpointStoreError, match=flaky_url):
+        ckpt.load_sync()
+    assert FlakyMemoryFileSystem.calls == 1
+
+
+def test_a_fault_is_never_reported_as_no_checkpoint(flaky_url: str) -> None:
+    FlakyMemoryFileSystem.faults = [OSError(errno.EIO, "boom")] * 10
+    with pytest.raises(CheckpointStoreError):
+        Checkpoint(flaky_url, retry=FAST).load_sync()
