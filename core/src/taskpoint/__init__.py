@@ -19,13 +19,14 @@ the newest committed state back on the next attempt::
 
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import Checkpoint, SaveInput, latest_checkpoint
-from taskpoint.context import TaskContext, ctx
+from taskpoint.context import Preempted, TaskContext, ctx
 from taskpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
     CheckpointStoreError,
     CheckpointUnsafeError,
+    TaskAttemptError,
     TaskpointWarning,
 )
 from taskpoint.runtime import TaskEnvironment
@@ -41,8 +42,10 @@ __all__ = [
     "CheckpointLike",
     "CheckpointStoreError",
     "CheckpointUnsafeError",
+    "Preempted",
     "RetryPolicy",
     "SaveInput",
+    "TaskAttemptError",
     "TaskContext",
     "TaskEnvironment",
     "TaskpointWarning",

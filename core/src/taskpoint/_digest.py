@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import BinaryIO
 
 CHUNK = 8 * 1024 * 1024
@@ -25,15 +26,22 @@ class Digest:
         return "sha256:" + self._hash.hexdigest()
 
 
+Progress = Callable[[int], object]
+"""Called with the number of bytes just moved."""
+
+
 class HashingWriter:
     """A write-only binary stream that hashes what it passes on to ``raw``."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, progress: Progress | None = None) -> None:
         self._raw = raw
+        self._progress = progress
         self.digest = Digest()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         self.digest.update(data)
+        if self._progress is not None:
+            self._progress(len(data))
         self._raw.write(data)
         return len(data)
 
@@ -60,13 +68,16 @@ class HashingWriter:
 class HashingReader:
     """A read-only binary stream that hashes what it reads from ``raw``."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, progress: Progress | None = None) -> None:
         self._raw = raw
+        self._progress = progress
         self.digest = Digest()
 
     def read(self, size: int = -1) -> bytes:
         data = self._raw.read(size)
         self.digest.update(data)
+        if self._progress is not None and data:
+            self._progress(len(data))
         return data
 
     def readinto(self, buffer: bytearray | memoryview) -> int:

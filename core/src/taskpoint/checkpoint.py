@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Union
 
 from taskpoint import archive
-from taskpoint._digest import HashingReader, HashingWriter, copy_stream
+from taskpoint._digest import HashingReader, HashingWriter, Progress, copy_stream
 from taskpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -68,6 +68,8 @@ CHECKPOINTS = "checkpoints"
 """The folder, under a checkpoint's URL, that holds manifests and payloads."""
 ATTEMPTS = "attempts"
 """The folder, under a checkpoint's URL, that holds one marker per claimed attempt."""
+STATUS = "status.json"
+"""The object, under a checkpoint's URL, that records how the action finished."""
 BYTES_NAME = "checkpoint.bin"
 """The file name a restored bytes payload gets."""
 
@@ -127,6 +129,7 @@ class Checkpoint:
         workdir: local folder that ``load`` restores into; a temporary folder, removed at
             interpreter exit, by default.
         retry: how store calls retry transient failures.
+        progress: called with the number of payload bytes moved, as saves and loads stream.
 
     Raises:
         ValueError: ``keep`` is below 1, ``attempt`` is negative or ``codec`` is unknown.
@@ -143,6 +146,7 @@ class Checkpoint:
         storage_options: Mapping[str, Any] | None = None,
         workdir: str | os.PathLike[str] | None = None,
         retry: RetryPolicy | None = None,
+        progress: Progress | None = None,
     ) -> None:
         if not isinstance(url, (str, os.PathLike)):
             raise TypeError(f"url must be a str or os.PathLike; got {type(url).__name__}")
@@ -159,6 +163,7 @@ class Checkpoint:
         self._tickets = itertools.count()
         self._seq_base: int | None = None
         self._loads = itertools.count()
+        self._progress = progress
 
     @classmethod
     def at(cls, url: str | os.PathLike[str], **options: Any) -> Checkpoint:
@@ -243,7 +248,7 @@ class Checkpoint:
         box: dict[str, HashingWriter] = {}
 
         def produce(raw: BinaryIO) -> None:
-            writer = box["w"] = HashingWriter(raw)
+            writer = box["w"] = HashingWriter(raw, self._progress)
             if source.kind == "bytes":
                 assert source.data is not None
                 writer.write(source.data)
@@ -282,23 +287,87 @@ class Checkpoint:
         return self._seq_base + ticket
 
     def _prune(self) -> None:
-        """Delete all but the newest ``keep`` checkpoints, and stale payloads."""
+        self.prune(self._keep)
+
+    def prune(self, keep: int) -> None:
+        """Delete all but the newest ``keep`` committed checkpoints, and stale payloads.
+
+        ``keep=0`` deletes every checkpoint. Manifests go before their payloads, so a
+        reader never finds a manifest whose payload is gone for good.
+
+        Raises:
+            ValueError: ``keep`` is negative.
+            CheckpointStoreError: the store failed.
+        """
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0; got {keep!r}")
         names = self._store.list(CHECKPOINTS)
         committed = sorted(
             (order, name) for name in names if (order := parse_manifest_name(name)) is not None
         )
         if not committed:
             return
-        kept = {order for order, _ in committed[-self._keep :]}
+        cut = max(0, len(committed) - keep)
+        kept = {order for order, _ in committed[cut:]}
         newest = committed[-1][0]
-        for _, name in committed[: -self._keep]:
+        for _, name in committed[:cut]:
             self._store.remove(f"{CHECKPOINTS}/{name}")
         for name in names:
             if not name.endswith(".payload"):
                 continue
             order = _payload_order(name)
-            if order is not None and order not in kept and order < newest:
+            if order is not None and order not in kept and order <= newest:
                 self._store.remove(f"{CHECKPOINTS}/{name}")
+
+    def delete(self) -> None:
+        """Delete everything stored at this checkpoint's URL: checkpoints, markers, status.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        self._store.remove_tree()
+
+    def verify(self, manifest: Manifest) -> bool:
+        """Whether ``manifest``'s payload exists and matches its size and checksum.
+
+        Reads the payload through without writing it anywhere.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        try:
+            with self._store.open_read(f"{CHECKPOINTS}/{manifest.payload}") as raw:
+                reader = HashingReader(raw, self._progress)
+                reader.drain()
+        except FileNotFoundError:
+            return False
+        return reader.digest.size == manifest.size and reader.digest.checksum == manifest.checksum
+
+    def mark_finished(self, state: str, *, attempts: int) -> None:
+        """Record that the action ended (``"succeeded"`` or ``"failed"``) after ``attempts``.
+
+        Best effort: a store failure is logged, not raised, so it never hides the task's
+        own outcome. ``taskpoint gc``/``rm`` treat actions without this record as unfinished.
+        """
+        record = {"state": state, "attempts": attempts, "finished": time.time()}
+        try:
+            self._store.write_atomic(STATUS, json.dumps(record).encode())
+        except CheckpointError as exc:
+            log.warning("could not record %s as %s: %s", self._store.url, state, exc)
+
+    def status(self) -> dict[str, Any] | None:
+        """The record :meth:`mark_finished` wrote, or ``None`` while the action is unfinished.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        try:
+            raw = json.loads(self._store.read_bytes(STATUS))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return None
+        return raw if isinstance(raw, dict) else None
 
     # -- loading ----------------------------------------------------------------------
 
@@ -415,7 +484,7 @@ class Checkpoint:
         path = staging / (manifest.name or BYTES_NAME)
         try:
             with self._store.open_read(key) as raw:
-                reader = HashingReader(raw)
+                reader = HashingReader(raw, self._progress)
                 try:
                     if manifest.kind == "directory":
                         archive.unpack_directory(reader, path, manifest.codec)  # type: ignore[arg-type]

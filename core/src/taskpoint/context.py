@@ -1,13 +1,62 @@
-"""``ctx()``: what the running task knows about itself."""
+"""``ctx()``: what the running task knows about itself.
+
+Inside a ``@env.task`` the context comes from the runtime. Outside any task, in a plain
+script that another orchestrator restarts, it comes from the environment:
+
+============================  =============================================================
+``TASKPOINT_ROOT``            the checkpoint root URL (default ``.taskpoint/checkpoints``)
+``TASKPOINT_ACTION``          the task's name (default: the script's file name)
+``TASKPOINT_RUN_ID``          the run (job) id that all restarts share
+``TASKPOINT_ATTEMPT``         this attempt's number; without it the store numbers attempts
+============================  =============================================================
+
+Without ``TASKPOINT_ACTION``, these orchestrators are recognised by their stable job
+identity: torchelastic / ``torchrun`` (``TORCHELASTIC_RUN_ID``, attempt from
+``TORCHELASTIC_RESTART_COUNT``), SLURM (``SLURM_JOB_ID``, attempt from
+``SLURM_RESTART_COUNT``) and SkyPilot (``SKYPILOT_TASK_ID``). Anywhere else ``ctx()``
+outside a task is ``None``.
+"""
 
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
 
 from taskpoint.checkpoint import Checkpoint
 
-__all__ = ["TaskContext", "ctx"]
+__all__ = [
+    "ENV_ACTION",
+    "ENV_ATTEMPT",
+    "ENV_ROOT",
+    "ENV_RUN_ID",
+    "Preempted",
+    "TaskContext",
+    "ctx",
+    "environment_context",
+]
+
+ENV_ROOT = "TASKPOINT_ROOT"
+ENV_ACTION = "TASKPOINT_ACTION"
+ENV_RUN_ID = "TASKPOINT_RUN_ID"
+ENV_ATTEMPT = "TASKPOINT_ATTEMPT"
+DEFAULT_ROOT = Path(".taskpoint") / "checkpoints"
+"""The embedded local store, relative to the working directory."""
+DEFAULT_RUN_ID = "default"
+"""The run id of a plain script that names none and runs under no known orchestrator."""
+
+
+class Preempted(Exception):
+    """The attempt received SIGTERM; its ``on_preempt`` callbacks have run.
+
+    It derives from ``Exception`` so the runtime retries the attempt like any failure.
+    """
 
 
 @dataclass(frozen=True)
@@ -15,27 +64,137 @@ class TaskContext:
     """The context of one attempt of a running task.
 
     Attributes:
-        task: the task's name, ``"<environment>.<function>"``.
+        task: the task's name (``"<environment>.<function>"`` inside ``@env.task``).
         run_id: the run this action belongs to.
         action: the action's id, ``"<task>/<run_id>"``: all attempts share it.
-        attempt: this attempt's number, from 0.
-        retries: how many retries the task allows after attempt 0.
+        attempt: this attempt's number, from 0; ``None`` until the store numbers it.
+        retries: how many retries the task allows after attempt 0 (0 when unknown).
         checkpoint: the action's checkpoint, or ``None`` where checkpoints are disabled.
     """
 
     task: str
     run_id: str
     action: str
-    attempt: int
+    attempt: int | None
     retries: int
     checkpoint: Checkpoint | None
+    _preempt_callbacks: list[Callable[[], object]] = field(
+        default_factory=list, repr=False, compare=False
+    )
+
+    def on_preempt(self, callback: Callable[[], object]) -> Callable[[], object]:
+        """Run ``callback`` when this attempt receives SIGTERM, before it ends.
+
+        Callbacks run in the order registered, in the main thread; a typical one saves a
+        checkpoint. Then the attempt fails with :class:`Preempted` and is retried. Usable
+        as a decorator; returns ``callback``.
+        """
+        self._preempt_callbacks.append(callback)
+        install_sigterm_handler()
+        return callback
+
+    def _run_preempt_callbacks(self) -> None:
+        for callback in list(self._preempt_callbacks):
+            callback()
 
 
 _current: contextvars.ContextVar[TaskContext | None] = contextvars.ContextVar(
     "taskpoint_context", default=None
 )
+_env_context: TaskContext | None = None
+_env_key: tuple[str | None, ...] | None = None
+_ENV_NAMES = (
+    ENV_ROOT, ENV_ACTION, ENV_RUN_ID, ENV_ATTEMPT,
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SKYPILOT_TASK_ID",
+)
 
 
 def ctx() -> TaskContext | None:
-    """The running task's context, or ``None`` outside any task."""
-    return _current.get()
+    """The running task's context; outside any task, the environment contract's or ``None``."""
+    current = _current.get()
+    if current is not None:
+        return current
+    global _env_context, _env_key
+    key = tuple(os.environ.get(name) for name in _ENV_NAMES)
+    if key != _env_key:
+        _env_context, _env_key = environment_context(os.environ), key
+    return _env_context
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a non-negative integer; got {value!r}") from None
+    if number < 0:
+        raise ValueError(f"{name} must be a non-negative integer; got {value!r}")
+    return number
+
+
+def environment_context(env: Mapping[str, str]) -> TaskContext | None:
+    """Build the context the environment variables describe, or ``None`` if they describe none.
+
+    Raises:
+        ValueError: a variable holds a value that cannot be used (named in the message).
+    """
+    from taskpoint.runtime import check_name
+
+    run_id: str | None = env.get(ENV_RUN_ID) or None
+    attempt = _int(env, ENV_ATTEMPT)
+    action = env.get(ENV_ACTION) or None
+    if env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none"):
+        run_id = run_id or f"torchelastic-{env['TORCHELASTIC_RUN_ID']}"
+        attempt = attempt if attempt is not None else _int(env, "TORCHELASTIC_RESTART_COUNT")
+    elif env.get("SLURM_JOB_ID"):
+        array = env.get("SLURM_ARRAY_TASK_ID")
+        run_id = run_id or f"slurm-{env['SLURM_JOB_ID']}" + (f"-{array}" if array else "")
+        attempt = attempt if attempt is not None else _int(env, "SLURM_RESTART_COUNT") or 0
+    elif env.get("SKYPILOT_TASK_ID"):
+        run_id = run_id or "skypilot-" + "".join(
+            c if c.isalnum() or c in "_.-" else "-" for c in env["SKYPILOT_TASK_ID"]
+        )
+    elif action is None:
+        return None
+    if action is None:
+        action = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "script"
+    task = check_name(ENV_ACTION, action)
+    run = check_name(ENV_RUN_ID, run_id or DEFAULT_RUN_ID)
+    root = env.get(ENV_ROOT) or str(DEFAULT_ROOT.absolute())
+    checkpoint = Checkpoint(f"{root.rstrip('/')}/{task}/{run}", attempt=attempt)
+    return TaskContext(
+        task=task, run_id=run, action=f"{task}/{run}", attempt=attempt, retries=0,
+        checkpoint=checkpoint,
+    )
+
+
+# -- SIGTERM ------------------------------------------------------------------------------
+
+_handler_lock = threading.Lock()
+_handler_installed = False
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    context = ctx()
+    if context is not None:
+        context._run_preempt_callbacks()
+    raise Preempted(f"received signal {signal.Signals(signum).name}; preempt callbacks ran")
+
+
+def install_sigterm_handler() -> bool:
+    """Route SIGTERM to the current context's ``on_preempt`` callbacks.
+
+    Only possible from the main thread; returns whether the handler is in place.
+    """
+    global _handler_installed
+    with _handler_lock:
+        if _handler_installed:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _handler_installed = True
+        return True

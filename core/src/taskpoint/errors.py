@@ -6,7 +6,8 @@ Every failure that is taskpoint's own derives from :class:`CheckpointError`::
     ├── CheckpointStoreError      the store could not be reached, read or written
     ├── CheckpointCorruptError    checkpoints exist, but none passes its checksum
     ├── CheckpointUnsafeError     an archive entry would escape the restore directory
-    └── CheckpointFormatError     a manifest from a newer (or unknown) format
+    ├── CheckpointFormatError     a manifest from a newer (or unknown) format
+    └── TaskAttemptError          a process-isolated attempt died (signal, exit code)
 
 Bad arguments raise the builtin exceptions Python users expect: ``TypeError`` for a
 value of the wrong kind, ``ValueError`` for a bad value and ``FileNotFoundError`` for a
@@ -21,6 +22,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointStoreError",
     "CheckpointUnsafeError",
+    "TaskAttemptError",
     "TaskpointWarning",
 ]
 
@@ -62,6 +64,21 @@ class CheckpointUnsafeError(CheckpointError):
 
 class CheckpointFormatError(CheckpointError):
     """A manifest is from a format this version of taskpoint cannot read."""
+
+
+class TaskAttemptError(CheckpointError):
+    """A process-isolated attempt ended without a result: killed by a signal, exited with
+    a non-zero code, or raised an exception that could not be sent back.
+
+    Attributes:
+        returncode: the child's exit status (negative: the signal number that killed it).
+        traceback: the child's traceback text, when it had one.
+    """
+
+    def __init__(self, message: str, *, returncode: int | None, traceback: str = "") -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.traceback = traceback
 
 
 class TaskpointWarning(UserWarning):

@@ -28,6 +28,7 @@ which re-attaches to that run's checkpoints.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import logging
@@ -37,31 +38,34 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any, Literal, ParamSpec, TypeVar, overload
 
+from taskpoint import _isolation
 from taskpoint.archive import check_codec
 from taskpoint.checkpoint import Checkpoint
-from taskpoint.context import TaskContext, _current
+from taskpoint.context import (
+    DEFAULT_ROOT,
+    ENV_ROOT,
+    ENV_RUN_ID,
+    TaskContext,
+    _current,
+    install_sigterm_handler,
+)
 
-__all__ = ["ENV_ROOT", "ENV_RUN_ID", "TaskEnvironment", "new_run_id"]
+__all__ = ["Isolation", "TaskEnvironment", "check_name", "new_run_id"]
 
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-ENV_ROOT = "TASKPOINT_ROOT"
-"""Environment variable: the checkpoint root URL when the environment names none."""
-ENV_RUN_ID = "TASKPOINT_RUN_ID"
-"""Environment variable: the run id to attach to instead of starting a new run."""
-DEFAULT_ROOT = Path(".taskpoint") / "checkpoints"
-"""The embedded local store, relative to the working directory."""
+Isolation = Literal["inline", "process"]
+ISOLATIONS: tuple[Isolation, ...] = ("inline", "process")
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
-def _check_name(what: str, value: object) -> str:
+def check_name(what: str, value: object) -> str:
     if not isinstance(value, str) or not _NAME_RE.match(value):
         raise ValueError(
             f"{what} must be a non-empty string of letters, digits, '_', '.' and '-' "
@@ -103,9 +107,9 @@ class TaskEnvironment:
         codec: str = "gzip",
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.name = _check_name("TaskEnvironment name", name)
+        self.name = check_name("TaskEnvironment name", name)
         self.root = os.fspath(root) if root is not None else None
-        self.run_id = _check_name("run_id", run_id) if run_id is not None else None
+        self.run_id = check_name("run_id", run_id) if run_id is not None else None
         self.checkpoints = checkpoints
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int of at least 1; got {keep!r}")
@@ -131,7 +135,7 @@ class TaskEnvironment:
             return self.run_id
         from_env = os.environ.get(ENV_RUN_ID)
         if from_env:
-            return _check_name(ENV_RUN_ID, from_env)
+            return check_name(ENV_RUN_ID, from_env)
         return new_run_id()
 
     @overload
@@ -139,7 +143,12 @@ class TaskEnvironment:
 
     @overload
     def task(
-        self, *, retries: int = 0, backoff: float = 0.1, name: str | None = None
+        self,
+        *,
+        retries: int = 0,
+        backoff: float = 0.1,
+        name: str | None = None,
+        isolation: Isolation = "inline",
     ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
     def task(  # type: ignore[misc]  # mypy cannot match ParamSpec overloads
@@ -150,6 +159,7 @@ class TaskEnvironment:
         retries: int = 0,
         backoff: float = 0.1,
         name: str | None = None,
+        isolation: Isolation = "inline",
     ) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
         """Make ``fn`` a task: each call runs as one action with up to ``retries`` retries.
 
@@ -157,43 +167,91 @@ class TaskEnvironment:
             retries: how many times a failed attempt is retried (0: run once).
             backoff: seconds before the first retry; doubles per retry, capped at 30 s.
             name: the task's function name in the store (default: ``fn.__name__``).
+            isolation: ``"inline"`` runs attempts in this process; ``"process"`` runs each
+                in a fresh child process, so a crash, ``os._exit``, OOM kill or signal is a
+                failed attempt that is retried too. Arguments and the return value must
+                then be picklable, and ``fn`` importable from its module.
 
-        The last attempt's exception propagates unchanged. ``KeyboardInterrupt``,
+        The last attempt's exception propagates unchanged (for process isolation: the
+        child's exception with its traceback text as a note, or
+        :class:`~taskpoint.TaskAttemptError` when the child died). ``KeyboardInterrupt``,
         ``SystemExit`` and other non-``Exception`` errors are never retried.
         Works on ``def`` and ``async def`` functions.
 
         Raises:
-            ValueError: ``retries`` or ``backoff`` is negative.
+            ValueError: ``retries`` or ``backoff`` is negative, or ``isolation`` unknown.
         """
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be a non-negative int; got {retries!r}")
         if backoff < 0:
             raise ValueError(f"backoff must be >= 0 seconds; got {backoff!r}")
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"isolation must be one of {ISOLATIONS}; got {isolation!r}")
 
         def decorate(func: Callable[P, R]) -> Callable[P, R]:
-            task_name = f"{self.name}.{_check_name('task name', name or func.__name__)}"
-            runner = _Runner(self, task_name, retries, backoff)
-            if inspect.iscoroutinefunction(func):
-                return functools.wraps(func)(runner.wrap_async(func))  # type: ignore[return-value]
-            return functools.wraps(func)(runner.wrap_sync(func))
+            task_name = f"{self.name}.{check_name('task name', name or func.__name__)}"
+            runner = Runner(self, task_name, func, retries, backoff, isolation)
+            wrapper: Any = runner.wrap_async() if runner.is_async else runner.wrap_sync()
+            functools.update_wrapper(wrapper, func)
+            wrapper.__taskpoint_runner__ = runner
+            return wrapper  # type: ignore[no-any-return]
 
         return decorate(fn) if fn is not None else decorate
 
 
-class _Runner:
-    """The attempt loop, once for sync and async tasks."""
+class Runner:
+    """The attempt loop of one task, written once for sync and async tasks.
 
-    def __init__(self, env: TaskEnvironment, task: str, retries: int, backoff: float) -> None:
+    ``taskpoint run`` reaches it through the decorated function's ``__taskpoint_runner__``
+    to run a task with other settings (:meth:`with_options`).
+    """
+
+    def __init__(
+        self,
+        env: TaskEnvironment,
+        task: str,
+        func: Callable[..., Any],
+        retries: int,
+        backoff: float,
+        isolation: Isolation,
+    ) -> None:
         self.env = env
         self.task = task
+        self.func = func
         self.retries = retries
         self.backoff = backoff
+        self.isolation = isolation
+        self.is_async = inspect.iscoroutinefunction(func)
 
-    def _context(self, run_id: str, attempt: int) -> TaskContext:
+    def with_options(
+        self,
+        *,
+        retries: int | None = None,
+        isolation: Isolation | None = None,
+        root: str | None = None,
+        run_id: str | None = None,
+    ) -> Runner:
+        """A copy running with the given settings in place of the task's own."""
+        env = self.env
+        if root is not None or run_id is not None:
+            env = copy.copy(env)
+            env.root = root if root is not None else env.root
+            env.run_id = check_name("run_id", run_id) if run_id is not None else env.run_id
+        return Runner(
+            env,
+            self.task,
+            self.func,
+            self.retries if retries is None else retries,
+            self.backoff,
+            self.isolation if isolation is None else isolation,
+        )
+
+    def context(self, run_id: str, attempt: int) -> TaskContext:
+        """The context attempt ``attempt`` of run ``run_id`` runs with."""
         checkpoint = None
         if self.env.checkpoints:
             checkpoint = Checkpoint(
-                f"{self.env.resolve_root().rstrip('/')}/{self.task}/{run_id}",
+                self.action_url(run_id),
                 attempt=attempt,
                 keep=self.env.keep,
                 codec=self.env.codec,
@@ -208,12 +266,20 @@ class _Runner:
             checkpoint=checkpoint,
         )
 
+    def action_url(self, run_id: str) -> str:
+        """Where run ``run_id`` of this task keeps its checkpoints."""
+        return f"{self.env.resolve_root().rstrip('/')}/{self.task}/{run_id}"
+
     def _delay(self, attempt: int) -> float:
         return float(min(30.0, self.backoff * (2 ** (attempt - 1))))
 
-    def _failed(self, context: TaskContext, exc: Exception) -> bool:
+    def _failed(self, context: TaskContext, exc: BaseException) -> bool:
         """Log a failed attempt; whether another attempt follows."""
-        again = context.attempt < self.retries
+        again = (
+            isinstance(exc, Exception)
+            and not getattr(exc, "__taskpoint_fatal__", False)
+            and (context.attempt or 0) < self.retries
+        )
         log.warning(
             "%s attempt %d/%d failed: %s: %s%s",
             context.action, context.attempt, self.retries, type(exc).__name__, exc,
@@ -221,41 +287,72 @@ class _Runner:
         )
         return again
 
-    def wrap_sync(self, func: Callable[P, R]) -> Callable[P, R]:
-        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+    def _finish(self, context: TaskContext, state: str) -> None:
+        if context.checkpoint is not None:
+            context.checkpoint.mark_finished(state, attempts=(context.attempt or 0) + 1)
+
+    def _attempt_inline(self, context: TaskContext, args: Any, kwargs: Any) -> Any:
+        token = _current.set(context)
+        try:
+            install_sigterm_handler()
+            return self.func(*args, **kwargs)
+        finally:
+            _current.reset(token)
+
+    def _attempt(self, context: TaskContext, args: Any, kwargs: Any) -> Any:
+        log.info("%s attempt %d/%d starting", context.action, context.attempt, self.retries)
+        if self.isolation == "process":
+            return _isolation.run_attempt(self, context, args, kwargs)
+        return self._attempt_inline(context, args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the task (awaitable for async tasks when inline)."""
+        return self.wrap_async()(*args, **kwargs) if self.is_async else self.wrap_sync()(*args, **kwargs)
+
+    def wrap_sync(self) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
             run_id = self.env.resolve_run_id()
             for attempt in range(self.retries + 1):
-                context = self._context(run_id, attempt)
-                token = _current.set(context)
+                context = self.context(run_id, attempt)
                 try:
-                    log.info("%s attempt %d/%d starting", context.action, attempt, self.retries)
-                    return func(*args, **kwargs)
-                except Exception as exc:
+                    result = self._attempt(context, args, kwargs)
+                except BaseException as exc:
                     if not self._failed(context, exc):
+                        self._finish(context, "failed")
                         raise
-                finally:
-                    _current.reset(token)
+                else:
+                    self._finish(context, "succeeded")
+                    return result
                 time.sleep(self._delay(attempt + 1))
             raise AssertionError("unreachable")  # pragma: no cover
 
         return run
 
-    def wrap_async(
-        self, func: Callable[P, Awaitable[R]]
-    ) -> Callable[P, Awaitable[R]]:
-        async def run(*args: P.args, **kwargs: P.kwargs) -> R:
+    def wrap_async(self) -> Callable[..., Awaitable[Any]]:
+        async def run(*args: Any, **kwargs: Any) -> Any:
             run_id = self.env.resolve_run_id()
             for attempt in range(self.retries + 1):
-                context = self._context(run_id, attempt)
-                token = _current.set(context)
+                context = self.context(run_id, attempt)
                 try:
-                    log.info("%s attempt %d/%d starting", context.action, attempt, self.retries)
-                    return await func(*args, **kwargs)
-                except Exception as exc:
+                    if self.isolation == "process":
+                        result = await asyncio.to_thread(self._attempt, context, args, kwargs)
+                    else:
+                        log.info(
+                            "%s attempt %d/%d starting", context.action, attempt, self.retries
+                        )
+                        token = _current.set(context)
+                        try:
+                            install_sigterm_handler()
+                            result = await self.func(*args, **kwargs)
+                        finally:
+                            _current.reset(token)
+                except BaseException as exc:
                     if not self._failed(context, exc):
+                        self._finish(context, "failed")
                         raise
-                finally:
-                    _current.reset(token)
+                else:
+                    self._finish(context, "succeeded")
+                    return result
                 await asyncio.sleep(self._delay(attempt + 1))
             raise AssertionError("unreachable")  # pragma: no cover
 

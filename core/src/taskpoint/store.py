@@ -262,6 +262,18 @@ class Store:
         """The size of ``name`` in bytes. Raises FileNotFoundError when it is missing."""
         return self._call("stat", name, lambda: int(self.fs.size(self._path(name))))
 
+    def remove_tree(self, name: str = "") -> None:
+        """Delete ``name`` and everything under it; a missing prefix is not an error."""
+
+        def run() -> None:
+            path = self._path(name)
+            with contextlib.suppress(FileNotFoundError):
+                if self.fs.exists(path):
+                    self.fs.rm(path, recursive=True)
+            self._invalidate(name)
+
+        self._call("delete", name, run)
+
     def remove(self, name: str) -> None:
         """Delete ``name``; a name that is already gone is not an error."""
 

@@ -1,0 +1,286 @@
+"""The ``taskpoint`` command: run tasks, and inspect, pull and clean up checkpoints.
+
+User mistakes (a bad root, an unknown action) print one line and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from taskpoint._isolation import FILE_MODULE
+from taskpoint.errors import CheckpointError
+from taskpoint.inventory import ActionInfo, default_root, find_action, list_actions
+
+__all__ = ["main"]
+
+PROGRESS_MIN_BYTES = 8 * 1024 * 1024
+"""Transfers smaller than this never show a progress bar."""
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _age(seconds: float) -> str:
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+@contextlib.contextmanager
+def _errors() -> Iterator[None]:
+    try:
+        yield
+    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@contextlib.contextmanager
+def _progress(total: int, label: str) -> Iterator[Callable[[int], object] | None]:
+    """A progress callback drawing a bar on a terminal, for transfers worth one."""
+    if total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
+        yield None
+        return
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        yield bar.update
+
+
+root_option = click.option(
+    "--root", default=None, metavar="URL",
+    help="Checkpoint root (default: $TASKPOINT_ROOT, else ./.taskpoint/checkpoints).",
+)
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log what taskpoint does.")
+@click.version_option(package_name="taskpoint")
+def main(verbose: bool) -> None:
+    """Intra-task checkpoints: run tasks that resume, and manage what they saved."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _load_task(target: str) -> Any:
+    path_text, sep, name = target.rpartition(":")
+    if not sep or not path_text or not name:
+        raise click.UsageError(f"TARGET is path/to/file.py:task_name; got {target!r}")
+    path = Path(path_text)
+    if not path.is_file():
+        raise click.UsageError(f"no such file: {path_text}")
+    sys.path.insert(0, str(path.resolve().parent))
+    spec = importlib.util.spec_from_file_location(FILE_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise click.UsageError(f"cannot import {path_text}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[FILE_MODULE] = module
+    spec.loader.exec_module(module)
+    task = getattr(module, name, None)
+    runner = getattr(task, "__taskpoint_runner__", None)
+    if runner is None:
+        raise click.UsageError(f"{path_text} has no @env.task function named {name!r}")
+    return runner
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("target")
+@click.option("--retries", type=click.IntRange(min=0), default=None, help="Override the task's retries.")
+@root_option
+@click.option("--run-id", default=None, help="Attach to this run (resume its checkpoints).")
+@click.option(
+    "--isolation", type=click.Choice(["process", "inline"]), default="process", show_default=True,
+    help="Run each attempt in a fresh process (survives crashes) or in this one.",
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run(
+    target: str, retries: int | None, root: str | None, run_id: str | None, isolation: str,
+    args: tuple[str, ...],
+) -> None:
+    """Run TARGET (path/to/file.py:task) with retries; ARGS after -- go to the task.
+
+    An ARG written key=value is a keyword argument, anything else positional; values are
+    parsed as JSON when they are valid JSON, else passed as strings. Prints the result as
+    JSON and exits 0, or prints the last attempt's error and exits 1.
+    """
+    runner = _load_task(target)
+    positional: list[Any] = []
+    keywords: dict[str, Any] = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and key.isidentifier():
+            keywords[key] = _parse_value(value)
+        else:
+            positional.append(_parse_value(arg))
+    with _errors():
+        configured = runner.with_options(
+            retries=retries, isolation=isolation, root=root, run_id=run_id
+        )
+    try:
+        result = configured(*positional, **keywords)
+    except Exception as exc:
+        click.echo(f"error: {configured.task} failed: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(1)
+    try:
+        click.echo(json.dumps(result))
+    except TypeError:
+        click.echo(repr(result))
+
+
+@main.command("ls")
+@click.argument("root", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option("--no-verify", is_flag=True, help="Skip reading payloads to check checksums.")
+def ls_command(root: str | None, as_json: bool, no_verify: bool) -> None:
+    """List tasks, runs, attempts and committed checkpoints under ROOT."""
+    root = root or default_root()
+    with _errors():
+        actions = list(list_actions(root))
+        verified = {a.action: _verify(a, no_verify) for a in actions}
+    if as_json:
+        payload = {
+            "root": root,
+            "actions": [a.to_json(verified[a.action]) for a in actions],
+        }
+        click.echo(json.dumps(payload, indent=2))
+        return
+    if not actions:
+        click.echo(f"no checkpoints under {root}")
+        return
+    for action in actions:
+        _print_action(action, verified[action.action])
+
+
+def _verify(action: ActionInfo, skip: bool) -> dict[str, bool] | None:
+    if skip:
+        return None
+    checkpoint = action.checkpoint()
+    return {m.key: checkpoint.verify(m) for m in action.checkpoints}
+
+
+def _print_action(action: ActionInfo, verified: dict[str, bool] | None) -> None:
+    state = (action.status or {}).get("state", "unfinished")
+    attempts = ",".join(map(str, action.attempts)) or "-"
+    click.echo(f"{action.action}  [{state}]  attempts: {attempts}")
+    now = time.time()
+    for m in action.checkpoints:
+        check = "unverified" if verified is None else ("ok" if verified[m.key] else "CORRUPT")
+        label = m.name or "(bytes)"
+        click.echo(
+            f"  {m.key:<32} {m.kind:<9} {label:<24} {_human(m.size):>10}  "
+            f"{_age(now - m.created):>4} ago  {check}"
+        )
+
+
+def _require(root: str, action: str) -> ActionInfo:
+    info = find_action(root, action)
+    if info is None:
+        raise click.ClickException(
+            f"no action {action!r} under {root} (run `taskpoint ls {root}` to see them)"
+        )
+    return info
+
+
+@main.command()
+@click.argument("action")
+@root_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def show(action: str, root: str | None, as_json: bool) -> None:
+    """Show ACTION (<task>/<run id>): its state, attempts and checkpoints, verified."""
+    root = root or default_root()
+    with _errors():
+        info = _require(root, action)
+        verified = _verify(info, False)
+    if as_json:
+        click.echo(json.dumps(info.to_json(verified), indent=2))
+    else:
+        _print_action(info, verified)
+
+
+@main.command()
+@click.argument("action")
+@click.argument("dest", type=click.Path(path_type=Path))
+@root_option
+def pull(action: str, dest: Path, root: str | None) -> None:
+    """Restore ACTION's newest intact checkpoint to DEST (verified against its checksum)."""
+    root = root or default_root()
+    if dest.exists():
+        raise click.ClickException(f"{dest} already exists; pull into a new path")
+    with _errors():
+        info = _require(root, action)
+        size = info.checkpoints[0].size if info.checkpoints else 0
+        with tempfile.TemporaryDirectory(prefix="taskpoint-pull-") as tmp, _progress(
+            size, "pulling"
+        ) as progress:
+            restored = info.checkpoint(workdir=tmp, progress=progress).load_sync()
+            if restored is None:
+                raise click.ClickException(f"{action} has no committed checkpoint")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(restored), str(dest))
+    click.echo(f"pulled {action} to {dest}")
+
+
+@main.command()
+@click.argument("action")
+@root_option
+@click.option("--force", is_flag=True, help="Also remove an unfinished run's checkpoints.")
+def rm(action: str, root: str | None, force: bool) -> None:
+    """Remove ACTION and everything it stored."""
+    root = root or default_root()
+    with _errors():
+        info = _require(root, action)
+        if not info.finished and info.checkpoints and not force:
+            raise click.ClickException(
+                f"{action} is unfinished and would resume from its checkpoints; "
+                "pass --force to remove it anyway"
+            )
+        info.checkpoint().delete()
+    click.echo(f"removed {action}")
+
+
+@main.command()
+@click.argument("root", required=False)
+@click.option("--keep", type=click.IntRange(min=0), required=True, help="Checkpoints kept per action.")
+@click.option("--force", is_flag=True, help="Let --keep 0 empty unfinished runs too.")
+def gc(root: str | None, keep: int, force: bool) -> None:
+    """Prune every action under ROOT to its newest KEEP checkpoints.
+
+    An unfinished run always keeps the checkpoint it would resume from, unless --force.
+    """
+    root = root or default_root()
+    removed = 0
+    with _errors():
+        for info in list_actions(root):
+            floor = keep if (info.finished or force) else max(keep, 1)
+            excess = max(0, len(info.checkpoints) - floor)
+            if excess:
+                info.checkpoint().prune(floor)
+                removed += excess
+    click.echo(f"removed {removed} checkpoint(s) under {root}")
+if __name__ == "__main__":
+    main()

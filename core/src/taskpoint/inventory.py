@@ -1,0 +1,137 @@
+"""What a checkpoint root holds: tasks, their runs (actions), attempts and checkpoints.
+
+Layout under a root (a public contract, see the README)::
+
+    <root>/<task>/<run id>/checkpoints/<attempt>-<seq>.manifest.json
+    <root>/<task>/<run id>/checkpoints/<attempt>-<seq>-<token>.payload
+    <root>/<task>/<run id>/attempts/<attempt>        (attempts numbered by the store)
+    <root>/<task>/<run id>/status.json               (written when the action ends)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from taskpoint.checkpoint import ATTEMPTS, CHECKPOINTS, STATUS, Checkpoint
+from taskpoint.context import DEFAULT_ROOT, ENV_ROOT
+from taskpoint.manifest import Manifest, parse_manifest_name
+from taskpoint.store import Store
+
+__all__ = ["ActionInfo", "default_root", "find_action", "list_actions"]
+
+
+def default_root() -> str:
+    """``TASKPOINT_ROOT``, else the embedded local store under the working directory."""
+    return os.environ.get(ENV_ROOT) or str(DEFAULT_ROOT.absolute())
+
+
+@dataclass(frozen=True)
+class ActionInfo:
+    """One action (a run of a task) found under a root.
+
+    Attributes:
+        task: the task's name.
+        run_id: the run's id.
+        url: the action's checkpoint URL.
+        status: what the action recorded when it ended, or ``None`` while unfinished.
+        attempts: the attempt numbers seen (from markers and checkpoints), ascending.
+        checkpoints: committed manifests, newest first.
+    """
+
+    task: str
+    run_id: str
+    url: str
+    status: dict[str, Any] | None
+    attempts: list[int]
+    checkpoints: list[Manifest]
+
+    @property
+    def action(self) -> str:
+        return f"{self.task}/{self.run_id}"
+
+    @property
+    def finished(self) -> bool:
+        return self.status is not None
+
+    def checkpoint(self, **options: Any) -> Checkpoint:
+        """A :class:`Checkpoint` bound to this action (for loading, pruning, deleting)."""
+        return Checkpoint(self.url, **options)
+
+    def to_json(self, verified: Mapping[str, bool] | None = None) -> dict[str, Any]:
+        """A JSON-ready description; ``verified`` maps manifest keys to checksum results."""
+        now = time.time()
+        return {
+            "action": self.action,
+            "task": self.task,
+            "run_id": self.run_id,
+            "url": self.url,
+            "state": (self.status or {}).get("state", "unfinished"),
+            "attempts": self.attempts,
+            "checkpoints": [
+                {
+                    "key": m.key,
+                    "attempt": m.attempt,
+                    "seq": m.seq,
+                    "kind": m.kind,
+                    "name": m.name,
+                    "codec": m.codec,
+                    "size": m.size,
+                    "checksum": m.checksum,
+                    "created": m.created,
+                    "age_seconds": round(now - m.created, 3),
+                    "verified": None if verified is None else verified.get(m.key),
+                }
+                for m in self.checkpoints
+            ],
+        }
+
+
+def _describe(root: str, task: str, run_id: str, options: Mapping[str, Any]) -> ActionInfo:
+    url = f"{root.rstrip('/')}/{task}/{run_id}"
+    checkpoint = Checkpoint(url, storage_options=options)
+    store = Store(url, options)
+    manifests = checkpoint.committed()
+    attempts = {int(n) for n in store.list(ATTEMPTS) if n.isdigit()}
+    attempts |= {m.attempt for m in manifests}
+    return ActionInfo(
+        task=task, run_id=run_id, url=url, status=checkpoint.status(),
+        attempts=sorted(attempts), checkpoints=manifests,
+    )
+
+
+def _is_action(store: Store, task: str, run_id: str) -> bool:
+    names = store.list(f"{task}/{run_id}")
+    return any(n in (CHECKPOINTS, ATTEMPTS, STATUS) for n in names)
+
+
+def list_actions(
+    root: str, storage_options: Mapping[str, Any] | None = None
+) -> Iterator[ActionInfo]:
+    """Every action under ``root``, by task then run id.
+
+    Raises:
+        CheckpointStoreError: the store failed or the root cannot be opened.
+    """
+    options = dict(storage_options or {})
+    store = Store(root, options)
+    for task in store.list(""):
+        for run_id in store.list(task):
+            if parse_manifest_name(run_id) is None and _is_action(store, task, run_id):
+                yield _describe(root, task, run_id, options)
+
+
+def find_action(
+    root: str, action: str, storage_options: Mapping[str, Any] | None = None
+) -> ActionInfo | None:
+    """The action ``"<task>/<run id>"`` under ``root``, or ``None`` if it holds nothing."""
+    task, sep, run_id = action.strip("/").partition("/")
+    if not sep or not task or not run_id or "/" in run_id:
+        raise ValueError(f"an action is written <task>/<run id> (as `taskpoint ls` shows); got {action!r}")
+    options = dict(storage_options or {})
+    if not _is_action(Store(root, options), task, run_id):
+        return None
+    return _describe(root, task, run_id, options)

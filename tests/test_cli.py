@@ -1,0 +1,157 @@
+"""The taskpoint command line, on a store holding several runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from taskpoint import Checkpoint
+from taskpoint.cli import main
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    """A root with a finished run, an unfinished run and a directory checkpoint."""
+    root = f"file://{tmp_path / 'store'}"
+    done = Checkpoint(f"{root}/train.fit/run-a", attempt=0, keep=3)
+    for i in range(3):
+        done.save_sync(f"a{i}".encode())
+    done.mark_finished("succeeded", attempts=1)
+    live = Checkpoint(f"{root}/train.fit/run-b", attempt=1, keep=3)
+    for i in range(3):
+        live.save_sync(f"b{i}".encode())
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "w.bin").write_bytes(b"w" * 1000)
+    Checkpoint(f"{root}/eval.score/run-c", attempt=0).save_sync(tree)
+    return root
+
+
+def _invoke(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def test_ls_json_round_trips(store: str) -> None:
+    code, out = _invoke("ls", store, "--json")
+    assert code == 0
+    data = json.loads(out)
+    actions = {a["action"]: a for a in data["actions"]}
+    assert set(actions) == {"train.fit/run-a", "train.fit/run-b", "eval.score/run-c"}
+    assert actions["train.fit/run-a"]["state"] == "succeeded"
+    assert actions["train.fit/run-b"]["state"] == "unfinished"
+    assert actions["train.fit/run-b"]["attempts"] == [1]
+    newest = actions["train.fit/run-b"]["checkpoints"][0]
+    assert newest["seq"] == 2 and newest["kind"] == "bytes" and newest["size"] == 2
+    assert newest["verified"] is True and newest["age_seconds"] >= 0
+    tree = actions["eval.score/run-c"]["checkpoints"][0]
+    assert tree["kind"] == "directory" and tree["name"] == "tree" and tree["codec"] == "gzip"
+
+
+def test_ls_human_and_corruption_shows(store: str, tmp_path: Path) -> None:
+    payload = next((tmp_path / "store" / "eval.score" / "run-c" / "checkpoints").glob("*.payload"))
+    payload.write_bytes(b"garbage")
+    code, out = _invoke("ls", store)
+    assert code == 0
+    assert "train.fit/run-a  [succeeded]" in out and "train.fit/run-b  [unfinished]" in out
+    assert "CORRUPT" in out and out.count(" ok") == 6
+
+
+def test_show_and_pull(store: str, tmp_path: Path) -> None:
+    code, out = _invoke("show", "eval.score/run-c", "--root", store, "--json")
+    assert code == 0 and json.loads(out)["checkpoints"][0]["verified"] is True
+    dest = tmp_path / "pulled"
+    code, out = _invoke("pull", "eval.score/run-c", str(dest), "--root", store)
+    assert code == 0, out
+    assert (dest / "sub" / "w.bin").read_bytes() == b"w" * 1000
+    code, out = _invoke("pull", "train.fit/run-b", str(tmp_path / "b.bin"), "--root", store)
+    assert code == 0 and (tmp_path / "b.bin").read_bytes() == b"b2"
+
+
+def test_rm_protects_unfinished_runs(store: str) -> None:
+    code, out = _invoke("rm", "train.fit/run-b", "--root", store)
+    assert code == 1 and "unfinished" in out and "--force" in out
+    code, _ = _invoke("rm", "train.fit/run-a", "--root", store)
+    assert code == 0
+    code, out = _invoke("rm", "train.fit/run-b", "--root", store, "--force")
+    assert code == 0
+    code, out = _invoke("ls", store, "--json")
+    assert [a["action"] for a in json.loads(out)["actions"]] == ["eval.score/run-c"]
+
+
+def test_gc(store: str) -> None:
+    code, out = _invoke("gc", store, "--keep", "1")
+    assert code == 0 and "removed 4" in out
+    code, out = _invoke("gc", store, "--keep", "0")
+    assert code == 0 and "removed 1" in out  # the finished run only
+    actions = {a["action"]: a for a in json.loads(_invoke("ls", store, "--json")[1])["actions"]}
+    assert len(actions["train.fit/run-b"]["checkpoints"]) == 1
+    assert len(actions["eval.score/run-c"]["checkpoints"]) == 1
+    code, out = _invoke("gc", store, "--keep", "0", "--force")
+    assert code == 0 and "removed 2" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["ls", "s4://nope/root"], "s4://nope/root"),
+        (["show", "no/such", "--root", "memory://empty-root"], "no action 'no/such'"),
+        (["show", "not-an-action", "--root", "memory://empty-root"], "<task>/<run id>"),
+        (["gc", "--keep", "-1"], "-1"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(args: list[str], message: str) -> None:
+    code, out = _invoke(*args)
+    assert code != 0
+    assert message in out
+    assert "Traceback" not in out
+
+
+RUN_TASK = textwrap.dedent(
+    """
+    import os
+    import taskpoint
+
+    env = taskpoint.TaskEnvironment(name="cli")
+
+    @env.task(retries=0)
+    def count(n: int, fail_first: bool = False) -> int:
+        ctx = taskpoint.ctx()
+        prev = ctx.checkpoint.load_sync()
+        start = int(prev.read_bytes()) if prev else 0
+        for i in range(start, n):
+            if fail_first and ctx.attempt == 0 and i == 2:
+                os._exit(9)
+            ctx.checkpoint.save_sync(str(i + 1).encode())
+        return start
+    """
+)
+
+
+def test_run_command(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(RUN_TASK)
+    cmd = [sys.executable, "-m", "taskpoint.cli"]
+    env = {**os.environ, "TASKPOINT_ROOT": f"file://{tmp_path / 'store'}"}
+    ok = subprocess.run(
+        [*cmd, "run", f"{script}:count", "--retries", "2", "--run-id", "cli-1", "--",
+         "5", "fail_first=true"],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == "2", "attempt 1 resumed from the step attempt 0 reached"
+    assert "exited with code 9" in ok.stderr
+    failed = subprocess.run(
+        [*cmd, "run", f"{script}:count", "--retries", "0", "--", "5", "fail_first=true"],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )
+    assert failed.returncode == 1
+    assert failed.stderr.strip().splitlines()[-1].startswith("error: cli.count failed")
+    bad = subprocess.run([*cmd, "run", f"{script}:nope"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "no @env.task function named 'nope'" in bad.stderr
