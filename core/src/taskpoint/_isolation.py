@@ -242,8 +242,12 @@ def child_main(spec_path: str, outcome_path: str) -> int:
             value = runner.func(*spec.args, **spec.kwargs)
             if asyncio.iscoroutine(value):
                 value = asyncio.run(value)
+        except BaseException:
+            runner.settle(context, failed=True)
+            raise
         finally:
             _current.reset(token)
+        runner.settle(context, failed=False)
     except BaseException as exc:  # reported to the parent, which decides on retries
         return _report_error(outcome_path, exc)
     try:

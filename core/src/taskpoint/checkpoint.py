@@ -79,6 +79,7 @@ class _Source:
     kind: str
     data: bytes | None = None
     path: Path | None = None
+    snapshot: Path | None = None  # a private copy's folder, removed once uploaded
 
 
 def _classify(data: object) -> _Source:
@@ -164,6 +165,7 @@ class Checkpoint:
         self._seq_base: int | None = None
         self._loads = itertools.count()
         self._progress = progress
+        self._background = _Background(self._save)
 
     @classmethod
     def at(cls, url: str | os.PathLike[str], **options: Any) -> Checkpoint:
@@ -190,13 +192,17 @@ class Checkpoint:
 
     # -- saving -----------------------------------------------------------------------
 
-    def save_sync(self, data: SaveInput) -> None:
-        """Commit ``data`` as the newest checkpoint, blocking until it is durable.
+    def save_sync(self, data: SaveInput, *, background: bool = False) -> None:
+        """Commit ``data`` as the newest checkpoint.
 
         Args:
             data: raw bytes (bytes, bytearray, memoryview), or the path (str or
                 os.PathLike) of a file, stored as-is, or of a directory, stored as one
                 compressed tar archive.
+            background: snapshot ``data`` (a local copy of the file or tree) and return;
+                the upload runs in a background thread. Changing the file or tree afterwards
+                cannot change the checkpoint. A newer save supersedes a background save still
+                queued. Its errors are raised by the next save or by :meth:`wait`.
 
         Concurrent saves on one ``Checkpoint`` run one at a time; the one started last
         is the newest once all have returned.
@@ -205,16 +211,43 @@ class Checkpoint:
             TypeError: ``data`` is of another type.
             FileNotFoundError: the path does not exist.
             CheckpointUnsafeError: the directory holds a special file or a link leaving it.
-            CheckpointStoreError: the store failed; earlier checkpoints are untouched.
+            CheckpointStoreError: the store failed (this save's, or an earlier background
+                save's); earlier checkpoints are untouched.
         """
-        source = _classify(data)
-        self._save(source, next(self._tickets))
-
-    async def save(self, data: SaveInput) -> None:
-        """Async :meth:`save_sync`: the upload runs in a worker thread."""
+        self._raise_background_error()
         source = _classify(data)
         ticket = next(self._tickets)
-        await asyncio.to_thread(self._save, source, ticket)
+        if background:
+            self._background.submit(_snapshot(source), ticket)
+        else:
+            self._background.supersede(ticket)
+            self._save(source, ticket)
+
+    async def save(self, data: SaveInput, *, background: bool = False) -> None:
+        """Async :meth:`save_sync`: the snapshot and upload run in worker threads."""
+        self._raise_background_error()
+        source = _classify(data)
+        ticket = next(self._tickets)
+        if background:
+            snapshot = await asyncio.to_thread(_snapshot, source)
+            self._background.submit(snapshot, ticket)
+        else:
+            self._background.supersede(ticket)
+            await asyncio.to_thread(self._save, source, ticket)
+
+    def wait(self) -> None:
+        """Block until background saves have committed.
+
+        Raises:
+            CheckpointError: what the last failed background save raised.
+        """
+        self._background.wait()
+        self._raise_background_error()
+
+    def _raise_background_error(self) -> None:
+        error = self._background.take_error()
+        if error is not None:
+            raise error
 
     def _save(self, source: _Source, ticket: int) -> None:
         started = time.monotonic()
@@ -511,6 +544,94 @@ class Checkpoint:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         return path
+
+
+def _snapshot(source: _Source) -> _Source:
+    """A private copy of ``source`` that later changes to the original cannot reach."""
+    if source.path is None:
+        return source
+    folder = Path(tempfile.mkdtemp(prefix="taskpoint-snapshot-"))
+    target = folder / source.path.name
+    if source.kind == "directory":
+        shutil.copytree(source.path, target, symlinks=True)
+    else:
+        shutil.copy2(source.path, target)
+    return _Source(source.kind, path=target, snapshot=folder)
+
+
+class _Background:
+    """One upload thread per checkpoint, holding at most one queued save.
+
+    A queued save is dropped when a newer one (background or not) starts; its snapshot is
+    removed. The error of a failed save is kept until :meth:`take_error`.
+    """
+
+    def __init__(self, save: Callable[[_Source, int], None]) -> None:
+        self._save = save
+        self._cond = threading.Condition()
+        self._queued: tuple[_Source, int] | None = None
+        self._running = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def submit(self, source: _Source, ticket: int) -> None:
+        with self._cond:
+            self._drop_queued()
+            self._queued = (source, ticket)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="taskpoint-background-save", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def supersede(self, ticket: int) -> None:
+        with self._cond:
+            if self._queued is not None and self._queued[1] < ticket:
+                self._drop_queued()
+                self._cond.notify_all()
+
+    def _drop_queued(self) -> None:
+        if self._queued is not None:
+            _discard(self._queued[0])
+            self._queued = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._queued is None:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                source, ticket = self._queued
+                self._queued = None
+                self._running = True
+            try:
+                self._save(source, ticket)
+            except BaseException as exc:  # kept for the caller's next save or wait()
+                log.warning("background save failed: %s", exc)
+                with self._cond:
+                    self._error = exc
+            finally:
+                _discard(source)
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def wait(self) -> None:
+        with self._cond:
+            while self._queued is not None or self._running:
+                self._cond.wait()
+
+    def take_error(self) -> BaseException | None:
+        with self._cond:
+            error, self._error = self._error, None
+            return error
+
+
+def _discard(source: _Source) -> None:
+    if source.snapshot is not None:
+        shutil.rmtree(source.snapshot, ignore_errors=True)
 
 
 def _payload_order(name: str) -> tuple[int, int] | None:

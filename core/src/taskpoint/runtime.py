@@ -287,6 +287,18 @@ class Runner:
         )
         return again
 
+    def settle(self, context: TaskContext, failed: bool) -> None:
+        """Wait for the attempt's background saves; their errors fail a successful attempt."""
+        if context.checkpoint is None:
+            return
+        try:
+            context.checkpoint.wait()
+        except Exception as exc:
+            if not failed:
+                raise
+            log.warning("%s: a background save of the failed attempt failed too: %s",
+                        context.action, exc)
+
     def _finish(self, context: TaskContext, state: str) -> None:
         if context.checkpoint is not None:
             context.checkpoint.mark_finished(state, attempts=(context.attempt or 0) + 1)
@@ -295,9 +307,14 @@ class Runner:
         token = _current.set(context)
         try:
             install_sigterm_handler()
-            return self.func(*args, **kwargs)
+            result = self.func(*args, **kwargs)
+        except BaseException:
+            self.settle(context, failed=True)
+            raise
         finally:
             _current.reset(token)
+        self.settle(context, failed=False)
+        return result
 
     def _attempt(self, context: TaskContext, args: Any, kwargs: Any) -> Any:
         log.info("%s attempt %d/%d starting", context.action, context.attempt, self.retries)
@@ -344,8 +361,12 @@ class Runner:
                         try:
                             install_sigterm_handler()
                             result = await self.func(*args, **kwargs)
+                        except BaseException:
+                            await asyncio.to_thread(self.settle, context, True)
+                            raise
                         finally:
                             _current.reset(token)
+                        await asyncio.to_thread(self.settle, context, False)
                 except BaseException as exc:
                     if not self._failed(context, exc):
                         self._finish(context, "failed")

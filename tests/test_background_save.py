@@ -1,0 +1,165 @@
+"""Background saves: snapshot now, upload later, errors surface, the runtime waits."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, ClassVar
+
+import fsspec
+import pytest
+import taskpoint
+from fsspec.implementations.memory import MemoryFileSystem
+from taskpoint import Checkpoint, CheckpointStoreError, RetryPolicy
+
+
+class SlowMemoryFileSystem(MemoryFileSystem):
+    """In-memory store whose payload writes take ``delay`` seconds, or fail."""
+
+    protocol = ("slowmem",)
+    delay: ClassVar[float] = 0.0
+    fail: ClassVar[bool] = False
+
+    def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        if "w" in mode and path.endswith(".payload"):
+            time.sleep(self.delay)
+            if self.fail:
+                raise OSError(errno.EIO, "503 Service Unavailable")
+        return super()._open(path, mode, *args, **kwargs)
+
+
+fsspec.register_implementation("slowmem", SlowMemoryFileSystem, clobber=True)
+
+
+@pytest.fixture
+def slow_url() -> str:
+    SlowMemoryFileSystem.delay = 0.0
+    SlowMemoryFileSystem.fail = False
+    return f"slowmem://bg/{uuid.uuid4().hex}"
+
+
+def test_background_save_returns_before_the_upload(slow_url: str) -> None:
+    SlowMemoryFileSystem.delay = 0.5
+    ckpt = Checkpoint(slow_url)
+    started = time.monotonic()
+    ckpt.save_sync(b"state", background=True)
+    assert time.monotonic() - started < 0.25
+    ckpt.wait()
+    assert Checkpoint(slow_url).load_sync().read_bytes() == b"state"  # type: ignore[union-attr]
+
+
+def test_snapshot_is_taken_before_returning(slow_url: str, tmp_path: Path) -> None:
+    SlowMemoryFileSystem.delay = 0.3
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "w.bin").write_bytes(b"v1")
+    single = tmp_path / "model.pt"
+    single.write_bytes(b"file-v1")
+    ckpt = Checkpoint(slow_url, keep=1)
+    ckpt.save_sync(tree, background=True)
+    (tree / "w.bin").write_bytes(b"v2-after-return")
+    (tree / "new.bin").write_bytes(b"added later")
+    ckpt.wait()
+    restored = Checkpoint(slow_url).load_sync()
+    assert restored is not None
+    assert (restored / "w.bin").read_bytes() == b"v1" and not (restored / "new.bin").exists()
+    ckpt.save_sync(single, background=True)
+    single.write_bytes(b"file-v2")
+    ckpt.wait()
+    assert Checkpoint(slow_url).load_sync().read_bytes() == b"file-v1"  # type: ignore[union-attr]
+    leftovers = list(Path(os.environ.get("TMPDIR", "/tmp")).glob("taskpoint-snapshot-*"))
+    assert not [p for p in leftovers if p.exists() and any(p.iterdir())]
+
+
+def test_newer_save_supersedes_a_queued_one(slow_url: str) -> None:
+    SlowMemoryFileSystem.delay = 0.3
+    ckpt = Checkpoint(slow_url, keep=10)
+    for i in range(5):
+        ckpt.save_sync(str(i).encode(), background=True)
+    ckpt.wait()
+    seqs = [m.seq for m in ckpt.committed()]
+    assert seqs[0] == 4, "the newest save always commits"
+    assert len(seqs) < 5, "queued saves overtaken by newer ones are dropped"
+    assert Checkpoint(slow_url).load_sync().read_bytes() == b"4"  # type: ignore[union-attr]
+
+
+def test_background_errors_surface_at_wait_and_next_save(slow_url: str) -> None:
+    ckpt = Checkpoint(slow_url, retry=RetryPolicy(attempts=1))
+    ckpt.save_sync(b"good")
+    SlowMemoryFileSystem.fail = True
+    ckpt.save_sync(b"doomed", background=True)
+    with pytest.raises(CheckpointStoreError, match="503"):
+        ckpt.wait()
+    ckpt.save_sync(b"doomed again", background=True)
+    time.sleep(0.2)
+    SlowMemoryFileSystem.fail = False
+    with pytest.raises(CheckpointStoreError, match="503"):
+        ckpt.save_sync(b"next")
+    assert Checkpoint(slow_url).load_sync().read_bytes() == b"good"  # type: ignore[union-attr]
+
+
+async def test_async_background_save(slow_url: str) -> None:
+    SlowMemoryFileSystem.delay = 0.2
+    ckpt = Checkpoint(slow_url)
+    await ckpt.save(b"async-bg", background=True)
+    ckpt.wait()
+    restored = await Checkpoint(slow_url).load()
+    assert restored is not None and restored.read_bytes() == b"async-bg"
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_runtime_waits_for_pending_saves(slow_url: str, fails: bool) -> None:
+    SlowMemoryFileSystem.delay = 0.4
+    env = taskpoint.TaskEnvironment(name="bg", root=slow_url, run_id="r")
+
+    @env.task(retries=0)
+    def task() -> str:
+        context = taskpoint.ctx()
+        assert context is not None and context.checkpoint is not None
+        context.checkpoint.save_sync(b"pending at return", background=True)
+        if fails:
+            raise RuntimeError("attempt fails")
+        return "done"
+
+    if fails:
+        with pytest.raises(RuntimeError):
+            task()
+    else:
+        assert task() == "done"
+    restored = Checkpoint(f"{slow_url}/bg.task/r").load_sync()
+    assert restored is not None and restored.read_bytes() == b"pending at return"
+
+
+def test_runtime_fails_an_attempt_whose_background_save_failed(slow_url: str) -> None:
+    env = taskpoint.TaskEnvironment(name="bgfail", root=slow_url, run_id="r")
+    attempts: list[int] = []
+
+    @env.task(retries=1, backoff=0)
+    def task() -> int:
+        context = taskpoint.ctx()
+        assert context is not None and context.checkpoint is not None
+        attempts.append(context.attempt or 0)
+        SlowMemoryFileSystem.fail = context.attempt == 0
+        context.checkpoint.save_sync(b"x", background=True)
+        return len(attempts)
+
+    assert task() == 2 and attempts == [0, 1]
+
+
+def test_async_task_waits_too(slow_url: str) -> None:
+    SlowMemoryFileSystem.delay = 0.3
+    env = taskpoint.TaskEnvironment(name="bgasync", root=slow_url, run_id="r")
+
+    @env.task
+    async def task() -> None:
+        context = taskpoint.ctx()
+        assert context is not None and context.checkpoint is not None
+        await context.checkpoint.save(b"async pending", background=True)
+
+    asyncio.run(task())
+    restored = Checkpoint(f"{slow_url}/bgasync.task/r").load_sync()
+    assert restored is not None and restored.read_bytes() == b"async pending"
