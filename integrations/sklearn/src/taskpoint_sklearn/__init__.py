@@ -1,1 +1,67 @@
-"""placeholder"""
+"""taskpoint_sklearn: resumable scikit-learn ``partial_fit`` training, in a safe format.
+
+A :class:`PartialFitBundle` holds the estimator (or a ``Pipeline`` ending in one with
+``partial_fit``), a progress counter, the ``numpy.random.Generator`` the loop draws from
+and your metadata. :class:`TaskpointSklearnCheckpoint` saves it after each chunk and
+restores it on the next attempt, so the loop continues from the next chunk and ends
+exactly where a run that never failed would::
+
+    import numpy as np
+    import taskpoint
+    from sklearn.linear_model import SGDClassifier
+    from taskpoint_sklearn import TaskpointSklearnCheckpoint
+
+    env = taskpoint.TaskEnvironment(name="sk")
+
+    @env.task(retries=3)
+    async def incremental_sgd(chunks: int = 10) -> float:
+        ckpt = TaskpointSklearnCheckpoint(taskpoint.ctx().checkpoint)
+        bundle = await ckpt.resume(
+            SGDClassifier(max_iter=1, tol=None, random_state=0),
+            rng=np.random.default_rng(0),
+        )
+        for i in range(bundle.progress, chunks):
+            x = bundle.rng.standard_normal((32, 8))
+            y = (x[:, 0] + x[:, 1] > 0).astype(int)
+            bundle.partial_fit(x, y, classes=[0, 1])
+            bundle.progress = i + 1
+            await ckpt.save(bundle)
+        return float(bundle.estimator.coef_.sum())
+
+Bundles are skops files by default, restored with an explicit list of trusted types
+(skops' defaults, :data:`DEFAULT_TRUSTED_TYPES` and your ``trusted=``), so a restore runs
+no code from the store; a bundle naming another type is refused with
+:class:`UntrustedTypesError`. ``format="pickle"`` or ``"joblib"`` is an explicit opt-in.
+"""
+
+from taskpoint_sklearn._compat import check_versions
+
+check_versions()
+
+from taskpoint_sklearn.bundle import BIT_GENERATORS, BUNDLE_VERSION, PartialFitBundle  # noqa: E402
+from taskpoint_sklearn.checkpoint import TaskpointSklearnCheckpoint  # noqa: E402
+from taskpoint_sklearn.errors import BundleFormatError, UntrustedTypesError  # noqa: E402
+from taskpoint_sklearn.estimator import (  # noqa: E402
+    check_partial_fit,
+    partial_fit,
+    supports_partial_fit,
+)
+from taskpoint_sklearn.formats import DEFAULT_TRUSTED_TYPES, FORMATS, Format  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BIT_GENERATORS",
+    "BUNDLE_VERSION",
+    "DEFAULT_TRUSTED_TYPES",
+    "FORMATS",
+    "BundleFormatError",
+    "Format",
+    "PartialFitBundle",
+    "TaskpointSklearnCheckpoint",
+    "UntrustedTypesError",
+    "__version__",
+    "check_partial_fit",
+    "partial_fit",
+    "supports_partial_fit",
+]

@@ -1,0 +1,257 @@
+"""``TaskpointSklearnCheckpoint``: save a :class:`PartialFitBundle` after each chunk,
+restore it on the next attempt.
+
+Example::
+
+    import numpy as np
+    import taskpoint
+    from sklearn.linear_model import SGDClassifier
+    from taskpoint_sklearn import TaskpointSklearnCheckpoint
+
+    env = taskpoint.TaskEnvironment(name="sk")
+
+    @env.task(retries=3)
+    def train(chunks: int = 10) -> float:
+        ckpt = TaskpointSklearnCheckpoint(taskpoint.ctx().checkpoint)
+        bundle = ckpt.resume_sync(SGDClassifier(random_state=0), rng=np.random.default_rng(0))
+        for i in range(bundle.progress, chunks):
+            x = bundle.rng.standard_normal((32, 8))
+            bundle.partial_fit(x, (x[:, 0] > 0).astype(int), classes=[0, 1])
+            bundle.progress = i + 1
+            ckpt.save_sync(bundle)
+        return float(bundle.estimator.coef_.sum())
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from taskpoint import CheckpointLike
+
+from taskpoint_sklearn.bundle import PartialFitBundle
+from taskpoint_sklearn.errors import BundleFormatError
+from taskpoint_sklearn.formats import (
+    DEFAULT_TRUSTED_TYPES,
+    FORMATS,
+    Format,
+    decode,
+    encode,
+    filename_for,
+    type_names,
+)
+
+__all__ = ["TaskpointSklearnCheckpoint"]
+
+log = logging.getLogger(__name__)
+
+
+class TaskpointSklearnCheckpoint:
+    """Saves and restores :class:`PartialFitBundle` s through any taskpoint-style checkpoint.
+
+    Args:
+        checkpoint: where bundles go: ``taskpoint.ctx().checkpoint``, a
+            ``taskpoint.Checkpoint``, or any object with the same methods (Flyte's).
+        format: ``"skops"`` (default): restoring constructs only trusted types and runs no
+            code from the file. ``"pickle"`` or ``"joblib"``: opt-in, for estimators skops
+            cannot represent; restoring runs code from the checkpoint, so use them only
+            with a store that nobody untrusted can write to.
+        trusted: extra types (names like ``"mypkg.MyTransformer"`` or the types) a skops
+            bundle may hold, on top of skops' defaults and :data:`DEFAULT_TRUSTED_TYPES`.
+        filename: the bundle's file name in the checkpoint, without the suffix.
+
+    Raises:
+        TypeError: ``checkpoint`` lacks the checkpoint methods (``None`` outside a task,
+            for one), or ``trusted`` holds something that is not a type or a name.
+        ValueError: ``format`` or ``filename`` is not accepted.
+    """
+
+    def __init__(
+        self,
+        checkpoint: CheckpointLike,
+        *,
+        format: Format = "skops",
+        trusted: Iterable[str | type] = (),
+        filename: str = "sklearn-bundle",
+    ) -> None:
+        if not isinstance(checkpoint, CheckpointLike):
+            hint = (
+                " (taskpoint.ctx() is None outside a task, and ctx().checkpoint is None "
+                "where checkpoints are disabled)"
+                if checkpoint is None
+                else ""
+            )
+            raise TypeError(
+                "checkpoint must have save/save_sync/load/load_sync, like "
+                f"taskpoint.ctx().checkpoint or taskpoint.Checkpoint(url); got "
+                f"{type(checkpoint).__name__}{hint}"
+            )
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {list(FORMATS)}; got {format!r}")
+        if not isinstance(filename, str) or not filename or "/" in filename or "\\" in filename:
+            raise ValueError(f"filename must be a non-empty name without slashes; got {filename!r}")
+        self._checkpoint = checkpoint
+        self._format: Format = format
+        self._allowed = DEFAULT_TRUSTED_TYPES | type_names(trusted)
+        self._filename = filename_for(format, filename)
+
+    def __repr__(self) -> str:
+        return f"TaskpointSklearnCheckpoint({self._checkpoint!r}, format={self._format!r})"
+
+    @property
+    def format(self) -> str:
+        """The format bundles are saved in."""
+        return self._format
+
+    @property
+    def trusted(self) -> frozenset[str]:
+        """Every type name a skops bundle may hold beyond skops' own defaults."""
+        return self._allowed
+
+    # -- saving -----------------------------------------------------------------------
+
+    def _encode(self, bundle: PartialFitBundle) -> bytes:
+        if not isinstance(bundle, PartialFitBundle):
+            raise TypeError(f"save() takes a PartialFitBundle; got {type(bundle).__name__}")
+        return encode(bundle.to_payload(), self._format, self._allowed)
+
+    def save_sync(self, bundle: PartialFitBundle) -> None:
+        """Commit ``bundle`` as the newest checkpoint, blocking until it is durable.
+
+        The bundle is serialised before this returns, so it is a snapshot: training may
+        continue right after.
+
+        Raises:
+            TypeError: ``bundle`` is not a :class:`PartialFitBundle`, or holds an object
+                the format cannot represent.
+            UntrustedTypesError: a skops bundle holds a type a restore would refuse
+                (nothing is saved; pass it in ``trusted`` if you trust it).
+            taskpoint.CheckpointError: the store failed.
+        """
+        started = time.monotonic()
+        data = self._encode(bundle)
+        with tempfile.TemporaryDirectory(prefix="taskpoint-sklearn-") as tmp:
+            path = Path(tmp) / self._filename
+            path.write_bytes(data)
+            self._checkpoint.save_sync(path)
+        self._log_saved(bundle, len(data), started)
+
+    async def save(self, bundle: PartialFitBundle) -> None:
+        """Async :meth:`save_sync`: serialises now, then awaits the checkpoint's upload."""
+        started = time.monotonic()
+        data = self._encode(bundle)
+        with tempfile.TemporaryDirectory(prefix="taskpoint-sklearn-") as tmp:
+            path = Path(tmp) / self._filename
+            path.write_bytes(data)
+            await self._checkpoint.save(path)
+        self._log_saved(bundle, len(data), started)
+
+    def _log_saved(self, bundle: PartialFitBundle, size: int, started: float) -> None:
+        log.debug(
+            "saved %s bundle of %s at progress %d (%d bytes) in %.2fs",
+            self._format, type(bundle.estimator).__name__, bundle.progress, size,
+            time.monotonic() - started,
+        )
+
+    # -- loading ----------------------------------------------------------------------
+
+    def _decode(self, path: Path | None) -> PartialFitBundle | None:
+        if path is None:
+            return None
+        path = Path(path)
+        if not path.is_file():
+            raise BundleFormatError(
+                f"the checkpoint restored to {str(path)!r}, which is not a single file: it was "
+                "not saved by TaskpointSklearnCheckpoint",
+                path=str(path),
+            )
+        payload = decode(path, self._format, self._allowed)
+        bundle = PartialFitBundle.from_payload(payload, source=str(path))
+        log.info(
+            "restored %s at progress %d from %s",
+            type(bundle.estimator).__name__, bundle.progress, path,
+        )
+        return bundle
+
+    def load_sync(self) -> PartialFitBundle | None:
+        """The newest saved bundle, or ``None`` when nothing was saved yet.
+
+        Raises:
+            UntrustedTypesError: the skops bundle holds a type outside the trusted list;
+                the message names it, and nothing from the file was constructed.
+            BundleFormatError: the checkpoint is not a bundle, or is a pickle/joblib file
+                while ``format`` is ``"skops"``.
+            taskpoint.CheckpointError: the store failed.
+        """
+        return self._decode(self._checkpoint.load_sync())
+
+    async def load(self) -> PartialFitBundle | None:
+        """Async :meth:`load_sync`."""
+        return self._decode(await self._checkpoint.load())
+
+    # -- resuming ---------------------------------------------------------------------
+
+    def _resume(
+        self,
+        restored: PartialFitBundle | None,
+        estimator: Any,
+        rng: np.random.Generator | None,
+        metadata: Mapping[str, Any] | None,
+    ) -> PartialFitBundle:
+        if restored is None:
+            return PartialFitBundle(estimator, 0, rng, dict(metadata or {}))
+        if type(restored.estimator) is not type(estimator):
+            raise BundleFormatError(
+                f"the checkpoint holds a {type(restored.estimator).__name__} but this run "
+                f"trains a {type(estimator).__name__}: point the checkpoint somewhere else",
+                path=self._filename,
+            )
+        if (restored.rng is None) != (rng is None):
+            raise BundleFormatError(
+                "the checkpoint was saved "
+                + ("without" if restored.rng is None else "with")
+                + " an rng but this run passes "
+                + ("one" if rng is not None else "none")
+                + ": keep the rng argument the same across attempts",
+                path=self._filename,
+            )
+        return restored
+
+    def resume_sync(
+        self,
+        estimator: Any,
+        *,
+        rng: np.random.Generator | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> PartialFitBundle:
+        """The restored bundle, or a fresh one at progress 0 built from the arguments.
+
+        Args:
+            estimator: the untrained estimator a first attempt starts from.
+            rng: the generator a first attempt draws from (restored ones carry their own).
+            metadata: a first attempt's metadata.
+
+        Raises:
+            TypeError: ``estimator`` has no ``partial_fit``.
+            BundleFormatError: the checkpoint holds another kind of estimator, or disagrees
+                on whether there is an rng.
+            UntrustedTypesError: as in :meth:`load_sync`.
+        """
+        PartialFitBundle(estimator, 0, rng, dict(metadata or {}))  # validate before any I/O
+        return self._resume(self.load_sync(), estimator, rng, metadata)
+
+    async def resume(
+        self,
+        estimator: Any,
+        *,
+        rng: np.random.Generator | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> PartialFitBundle:
+        """Async :meth:`resume_sync`."""
+        PartialFitBundle(estimator, 0, rng, dict(metadata or {}))
+        return self._resume(await self.load(), estimator, rng, metadata)
