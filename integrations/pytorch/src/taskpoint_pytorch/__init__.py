@@ -1,1 +1,76 @@
-"""placeholder"""
+"""taskpoint-pytorch: exact resume of plain PyTorch training loops.
+
+``TaskpointState`` bundles what a loop needs back after a crash: models, optimizers, LR
+schedulers, AMP grad scalers, your counters and extra state, and the Python, NumPy, torch
+and CUDA RNG states. ``save``/``save_sync`` commit it through a :class:`taskpoint.Checkpoint`
+(or any ``CheckpointLike``); ``restore``/``restore_sync`` load it back, with
+``torch.load(weights_only=True)``, and return where to resume (``None`` on the first
+attempt)::
+
+    import taskpoint
+    import torch
+    from taskpoint_pytorch import TaskpointState
+
+    env = taskpoint.TaskEnvironment(name="train")
+
+    @env.task(retries=3)
+    def train(epochs: int = 10) -> float:
+        checkpoint = taskpoint.ctx().checkpoint
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        state = TaskpointState(model, opt)
+
+        resume = state.restore_sync(checkpoint)       # None on the first attempt
+        start = resume.epoch if resume else 0
+        for epoch in range(start, epochs):
+            loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.save_sync(checkpoint, epoch=epoch + 1)
+        return model(torch.ones(1, 4)).item()
+
+Under ``torch.distributed`` (DDP, any backend, gloo on CPU included) every rank calls the
+same methods: only global rank 0 writes and commits, the other ranks wait for the commit,
+and on restore every rank loads the same bundle and its own RNG state.
+
+With a shuffling ``DataLoader``, saving at epoch boundaries resumes bit for bit: the
+restored torch RNG draws the same next permutation. To save mid-epoch as well, make the
+order a function of the epoch (``DistributedSampler.set_epoch``, or a ``generator=``
+seeded per epoch) and skip the batches already done.
+"""
+
+from taskpoint_pytorch._compat import SUPPORTED_TORCH, check_torch_version
+
+check_torch_version()
+
+from taskpoint_pytorch._errors import (  # noqa: E402
+    StateError,
+    StateLayoutError,
+    StateMismatchError,
+)
+from taskpoint_pytorch.state import (  # noqa: E402
+    LAYOUT,
+    LAYOUT_VERSION,
+    STATE_FILE,
+    ResumePoint,
+    Stateful,
+    TaskpointState,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LAYOUT",
+    "LAYOUT_VERSION",
+    "STATE_FILE",
+    "SUPPORTED_TORCH",
+    "ResumePoint",
+    "StateError",
+    "StateLayoutError",
+    "StateMismatchError",
+    "Stateful",
+    "TaskpointState",
+    "__version__",
+]

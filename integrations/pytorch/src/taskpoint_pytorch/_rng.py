@@ -1,0 +1,92 @@
+"""Capture and restore the global random number generators in a ``weights_only`` form.
+
+``random.getstate()`` and ``numpy.random.get_state()`` return tuples holding Python and
+NumPy objects that ``torch.load(weights_only=True)`` refuses to rebuild. They are stored
+here as tensors, lists, numbers and strings only, and turned back on restore.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["capture_rng", "restore_rng"]
+
+log = logging.getLogger(__name__)
+
+
+def _to_plain(value: Any) -> Any:
+    """NumPy values inside a bit generator's state as lists, ints, floats and strings."""
+    if isinstance(value, np.ndarray):
+        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {str(k): _to_plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _from_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"ndarray", "dtype"}:
+            return np.asarray(value["ndarray"], dtype=np.dtype(value["dtype"]))
+        return {k: _from_plain(v) for k, v in value.items()}
+    return value
+
+
+def _cuda_states() -> list[torch.Tensor]:
+    # Only once CUDA is in use: querying it otherwise would start a context per device.
+    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    if not (torch.cuda.is_available() and initialized):
+        return []
+    return [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's Python, NumPy, torch CPU and CUDA (every device) generator states.
+
+    Returns:
+        A dict of tensors, lists, numbers and strings only.
+    """
+    version, internal, gauss_next = random.getstate()
+    return {
+        "python": {
+            "version": int(version),
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "numpy": _to_plain(np.random.get_state(legacy=False)),
+        "torch": torch.get_rng_state(),
+        "cuda": _cuda_states(),
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set the global generators to ``state``, as made by :func:`capture_rng`.
+
+    CUDA states are restored for the devices present, from device 0 up; where CUDA is
+    unavailable they are skipped with a log line, so a GPU checkpoint resumes on CPU.
+    """
+    py = state["python"]
+    internal = tuple(int(v) for v in py["internal"].tolist())
+    random.setstate((py["version"], internal, py["gauss_next"]))
+    np.random.set_state(_from_plain(state["numpy"]))
+    torch.set_rng_state(state["torch"].cpu())
+    cuda = state.get("cuda") or []
+    if not cuda:
+        return
+    if not torch.cuda.is_available():
+        log.info("CUDA is unavailable here: %d saved CUDA RNG state(s) not restored", len(cuda))
+        return
+    count = torch.cuda.device_count()
+    if count != len(cuda):
+        log.info(
+            "checkpoint holds CUDA RNG states for %d device(s), this process sees %d: "
+            "restoring the first %d", len(cuda), count, min(count, len(cuda)),
+        )
+    for index, device_state in enumerate(cuda[:count]):
+        torch.cuda.set_rng_state(device_state.cpu(), index)

@@ -1,0 +1,653 @@
+"""``TaskpointState``: everything a PyTorch training loop needs back after a crash.
+
+Example::
+
+    import taskpoint
+    from taskpoint_pytorch import TaskpointState
+
+    state = TaskpointState(model, optimizer, scheduler, scaler)
+    resume = state.restore_sync(checkpoint)          # None on the first attempt
+    start = resume.epoch if resume else 0
+    for epoch in range(start, epochs):
+        train_one_epoch(...)
+        state.save_sync(checkpoint, epoch=epoch + 1, step=global_step)
+
+A bundle is one ``torch.save`` file, ``state.pt``, holding plain tensors, numbers, strings
+and containers only, so restoring runs ``torch.load(..., weights_only=True)`` and never
+executes pickled code. Its ``layout`` entry names the format and its version.
+
+Under ``torch.distributed`` every rank calls ``save``/``restore``: the RNG states of all
+ranks are gathered, global rank 0 alone writes and commits, and no rank returns from
+``save`` before the commit (or its failure) is known. On restore every rank loads the same
+committed bundle and they check they agree; each rank gets its own RNG state back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast
+
+import torch
+from taskpoint import CheckpointLike
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from taskpoint_pytorch._distributed import all_gather, broadcast_from_zero, rank_and_size
+from taskpoint_pytorch._errors import StateError, StateLayoutError, StateMismatchError
+from taskpoint_pytorch._rng import capture_rng, restore_rng
+from taskpoint_pytorch._safety import check_weights_only
+
+__all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
+
+log = logging.getLogger(__name__)
+
+LAYOUT = "taskpoint-pytorch/state"
+"""The ``layout`` tag every bundle carries."""
+LAYOUT_VERSION = 1
+"""The newest bundle layout version this package writes and reads."""
+STATE_FILE = "state.pt"
+"""The bundle's file name in the store (and inside a restored directory)."""
+
+_KINDS = ("models", "optimizers", "schedulers", "scalers", "generators")
+_REQUIRED = frozenset({*_KINDS, "rng", "epoch", "step", "extra", "world_size", "save_id"})
+_LISTED = 10
+
+MapLocation = str | torch.device | None
+
+
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict(...)``: an LR scheduler,
+    ``ReduceLROnPlateau``, or your own object."""
+
+    def state_dict(self) -> Any: ...  # pragma: no cover
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a restored loop picks up: the counters and extra state last saved.
+
+    Attributes:
+        epoch: the ``epoch`` passed to the save that was restored.
+        step: the ``step`` passed to that save.
+        extra: the ``extra`` mapping passed to that save (tensors mapped to the restore
+            device); empty when none was given.
+    """
+
+    epoch: int
+    step: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+T = TypeVar("T")
+
+
+def _named(
+    arg: str, default: str, value: T | Mapping[str, T] | None, check: Callable[[str, Any], None]
+) -> dict[str, T]:
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        named: dict[str, T] = {}
+        for name, item in value.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{arg} names must be non-empty strings; got {name!r}")
+            check(f"{arg}[{name!r}]", item)
+            named[name] = item
+        return named
+    check(arg, value)
+    return {default: value}
+
+
+def _is_a(kind: type | tuple[type, ...], expected: str) -> Callable[[str, Any], None]:
+    def check(where: str, value: Any) -> None:
+        if not isinstance(value, kind):
+            raise TypeError(
+                f"{where} must be {expected} (or pass a mapping of names to them); "
+                f"got {type(value).__name__}"
+            )
+
+    return check
+
+
+def _is_stateful(where: str, value: Any) -> None:
+    if not (callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )):
+        raise TypeError(
+            f"{where} must have state_dict() and load_state_dict() (an LR scheduler, say); "
+            f"got {type(value).__name__}"
+        )
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The module whose state dict has no wrapper prefixes (DDP, DataParallel, compile)."""
+    while True:
+        inner: object = None
+        if isinstance(module, (DistributedDataParallel, DataParallel)):
+            inner = module.module
+        elif type(module).__name__ == "OptimizedModule":
+            inner = getattr(module, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def _check_counter(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int; got {value!r}")
+    return value
+
+
+def _listed(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:_LISTED])
+    more = f" and {len(keys) - _LISTED} more" if len(keys) > _LISTED else ""
+    return f"[{shown}{more}]"
+
+
+def _describe_error(exc: BaseException | None) -> str | None:
+    return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+def _raise_first_failure(local: BaseException | None, messages: list[str | None], what: str) -> None:
+    """Raise this rank's own error, else a ``StateError`` naming the first failed rank."""
+    if local is not None:
+        raise local
+    for rank, message in enumerate(messages):
+        if message is not None:
+            raise StateError(f"cannot {what}: rank {rank} failed ({message}), so every rank stops")
+
+
+@dataclass
+class _Staged:
+    rank: int
+    error: BaseException | None = None
+    folder: Path | None = None
+    path: Path | None = None
+
+    def cleanup(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class TaskpointState:
+    """The state a training loop must get back to resume exactly, saved as one bundle.
+
+    Each object argument takes one object, stored under the default name (``"model"``,
+    ``"optimizer"``, ``"scheduler"``, ``"scaler"``), or a mapping of names to objects for
+    several (a GAN's generator and discriminator, say). Restoring needs a state built with
+    the same names.
+
+    Args:
+        model: the model(s). A ``DistributedDataParallel``, ``DataParallel`` or
+            ``torch.compile`` wrapper is unwrapped, so the bundle resumes with or without it.
+        optimizer: the optimizer(s).
+        scheduler: LR scheduler(s), or anything with ``state_dict``/``load_state_dict``.
+        scaler: AMP ``torch.amp.GradScaler``(s).
+        generators: named ``torch.Generator`` objects of your own (a ``DataLoader``'s
+            ``generator=``), saved and restored beside the global ones.
+        rng: save and restore the global RNGs (Python ``random``, NumPy's legacy global
+            generator, torch CPU, every initialised CUDA device). Without them a resumed run
+            draws different shuffles, dropout masks and augmentations than an uninterrupted one.
+
+    Raises:
+        TypeError: an object of the wrong kind.
+        ValueError: an empty or non-string name in a mapping.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Mapping[str, nn.Module] | None = None,
+        optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
+        scheduler: Stateful | Mapping[str, Stateful] | None = None,
+        scaler: torch.amp.GradScaler | Mapping[str, torch.amp.GradScaler] | None = None,
+        *,
+        generators: Mapping[str, torch.Generator] | None = None,
+        rng: bool = True,
+    ) -> None:
+        self._models = _named("model", "model", model, _is_a(nn.Module, "a torch.nn.Module"))
+        self._optimizers = _named(
+            "optimizer", "optimizer", optimizer,
+            _is_a(torch.optim.Optimizer, "a torch.optim.Optimizer"),
+        )
+        self._schedulers = _named("scheduler", "scheduler", scheduler, _is_stateful)
+        self._scalers = _named(
+            "scaler", "scaler", scaler, _is_a(torch.amp.GradScaler, "a torch.amp.GradScaler")
+        )
+        if generators is not None and not isinstance(generators, Mapping):
+            raise TypeError(
+                "generators must be a mapping of names to torch.Generator objects; "
+                f"got {type(generators).__name__}"
+            )
+        self._generators: dict[str, torch.Generator] = _named(
+            "generators", "generator", generators, _is_a(torch.Generator, "a torch.Generator")
+        )
+        self._rng = bool(rng)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{kind}={sorted(names)}" for kind, names in self.layout().items())
+        return f"TaskpointState({parts}, rng={self._rng})"
+
+    def layout(self) -> dict[str, list[str]]:
+        """The component names per kind, as a bundle records them (for messages and tests)."""
+        return {kind: sorted(self._parts(kind)) for kind in _KINDS}
+
+    def _parts(self, kind: str) -> Mapping[str, Any]:
+        parts: dict[str, Mapping[str, Any]] = {
+            "models": self._models,
+            "optimizers": self._optimizers,
+            "schedulers": self._schedulers,
+            "scalers": self._scalers,
+            "generators": self._generators,
+        }
+        return parts[kind]
+
+    # -- saving -----------------------------------------------------------------------
+
+    def save_sync(
+        self,
+        checkpoint: CheckpointLike,
+        *,
+        epoch: int = 0,
+        step: int = 0,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Commit the current state to ``checkpoint``, blocking until it is durable.
+
+        Args:
+            checkpoint: a :class:`taskpoint.Checkpoint` or any ``CheckpointLike``.
+            epoch: your epoch counter; returned as is by restore. The examples store the
+                next epoch to run, so a loop resumes with ``range(resume.epoch, epochs)``.
+            step: your step counter (e.g. optimizer steps done so far).
+            extra: more state to keep: tensors, numbers, strings, bytes, None, and lists,
+                tuples and dicts of them (str keys at the top).
+
+        Under ``torch.distributed`` every rank must call this; only global rank 0 writes,
+        and every rank returns once the commit is done.
+
+        Raises:
+            TypeError: ``checkpoint`` is not checkpoint-like, or a value (in ``extra``, a
+                model's extra state, ...) would not load with ``weights_only=True``.
+            ValueError: a negative or non-int counter.
+            taskpoint.CheckpointError: the store failed (on rank 0), or
+                :class:`StateError` on the other ranks when rank 0 failed.
+        """
+        staged = self._stage(checkpoint, epoch, step, extra)
+        try:
+            if staged.path is not None:
+                try:
+                    checkpoint.save_sync(staged.path)
+                except Exception as exc:
+                    staged.error = exc
+            self._settle(staged)
+        finally:
+            staged.cleanup()
+
+    async def save(
+        self,
+        checkpoint: CheckpointLike,
+        *,
+        epoch: int = 0,
+        step: int = 0,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Async :meth:`save_sync`: serialisation runs here, the upload is awaited."""
+        staged = self._stage(checkpoint, epoch, step, extra)
+        try:
+            if staged.path is not None:
+                try:
+                    await checkpoint.save(staged.path)
+                except Exception as exc:
+                    staged.error = exc
+            self._settle(staged)
+        finally:
+            staged.cleanup()
+
+    def _stage(
+        self, checkpoint: object, epoch: int, step: int, extra: Mapping[str, Any] | None
+    ) -> _Staged:
+        """Gather every rank's RNG state; on rank 0 write the bundle to a local file."""
+        rank, world = rank_and_size()
+        local_error: Exception | None = None
+        rng_state: dict[str, Any] | None = None
+        try:
+            _check_checkpoint(checkpoint)
+            epoch = _check_counter("epoch", epoch)
+            step = _check_counter("step", step)
+            extra_state = _check_extra(extra)
+            # First, before anything could draw a random number.
+            rng_state = capture_rng() if self._rng else None
+        except Exception as exc:
+            local_error = exc
+        gathered = all_gather((rng_state, _describe_error(local_error)))
+        _raise_first_failure(local_error, [message for _, message in gathered], "save the state")
+        staged = _Staged(rank=rank)
+        if rank != 0:
+            return staged
+        try:
+            bundle = self._bundle(epoch, step, extra_state, [r for r, _ in gathered], world)
+            for key, value in bundle.items():
+                check_weights_only(value, key)
+            staged.folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
+            staged.path = staged.folder / STATE_FILE
+            torch.save(bundle, staged.path)
+            log.debug(
+                "serialised state bundle (epoch=%d, step=%d, %d bytes)",
+                epoch, step, staged.path.stat().st_size,
+            )
+        except Exception as exc:
+            staged.error = exc
+            staged.path = None
+        return staged
+
+    def _bundle(
+        self,
+        epoch: int,
+        step: int,
+        extra: dict[str, Any],
+        rng_states: list[dict[str, Any] | None],
+        world: int,
+    ) -> dict[str, Any]:
+        return {
+            "layout": LAYOUT,
+            "version": LAYOUT_VERSION,
+            "models": {n: _unwrap(m).state_dict() for n, m in self._models.items()},
+            "optimizers": {n: o.state_dict() for n, o in self._optimizers.items()},
+            "schedulers": {n: s.state_dict() for n, s in self._schedulers.items()},
+            "scalers": {n: s.state_dict() for n, s in self._scalers.items()},
+            "generators": {n: g.get_state() for n, g in self._generators.items()},
+            "rng": rng_states if self._rng else None,
+            "epoch": epoch,
+            "step": step,
+            "extra": extra,
+            "world_size": world,
+            "save_id": uuid.uuid4().hex,
+            "torch_version": str(torch.__version__),
+        }
+
+    @staticmethod
+    def _settle(staged: _Staged) -> None:
+        """Rank 0 tells every rank how the commit went; all raise if it failed."""
+        outcome = broadcast_from_zero(_describe_error(staged.error) if staged.rank == 0 else None)
+        if staged.error is not None:
+            raise staged.error
+        if outcome is not None:
+            raise StateError(
+                f"rank 0 failed to save the checkpoint ({outcome}), so rank {staged.rank} "
+                "stops too"
+            )
+
+    # -- restoring --------------------------------------------------------------------
+
+    def restore_sync(
+        self, checkpoint: CheckpointLike, *, map_location: MapLocation = None
+    ) -> ResumePoint | None:
+        """Restore the newest committed bundle into the objects; where to resume.
+
+        Args:
+            checkpoint: a :class:`taskpoint.Checkpoint` or any ``CheckpointLike``.
+            map_location: where tensors load to; by default the device of the first
+                model's first parameter (CPU without one), so a GPU checkpoint resumes on
+                CPU and the reverse. Optimizer state follows its parameters' devices.
+
+        Returns:
+            The saved counters and extra state, or ``None`` when nothing was committed yet
+            (the first attempt): then nothing is changed.
+
+        Under ``torch.distributed`` every rank must call this; all restore the same bundle,
+        each its own rank's RNG state.
+
+        Raises:
+            StateLayoutError: the checkpoint is not a bundle of this layout (a plain
+                ``torch.save`` file, a newer version, other component names).
+            StateMismatchError: a model's parameter names or shapes, or an optimizer's
+                parameter groups, differ from the checkpoint's; names the keys.
+            StateError: ranks restored different checkpoints, or another rank failed.
+            taskpoint.CheckpointError: the store failed or holds no intact checkpoint.
+        """
+        try:
+            _check_checkpoint(checkpoint)
+            bundle = self._read(checkpoint.load_sync(), map_location)
+        except Exception as exc:
+            return self._finish_restore(None, exc)
+        return self._finish_restore(bundle, None)
+
+    async def restore(
+        self, checkpoint: CheckpointLike, *, map_location: MapLocation = None
+    ) -> ResumePoint | None:
+        """Async :meth:`restore_sync`: the download is awaited."""
+        try:
+            _check_checkpoint(checkpoint)
+            bundle = self._read(await checkpoint.load(), map_location)
+        except Exception as exc:
+            return self._finish_restore(None, exc)
+        return self._finish_restore(bundle, None)
+
+    def _device(self) -> torch.device:
+        for module in self._models.values():
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                return tensor.device
+        return torch.device("cpu")
+
+    def _read(self, restored: Path | None, map_location: MapLocation) -> dict[str, Any] | None:
+        if restored is None:
+            return None
+        path = Path(restored)
+        file = path / STATE_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise StateLayoutError(
+                f"the checkpoint restored to {str(path)!r} is a directory without "
+                f"{STATE_FILE!r}: it was not saved by TaskpointState"
+            )
+        location = map_location if map_location is not None else self._device()
+        try:
+            bundle = torch.load(file, map_location=location, weights_only=True)
+        except Exception as exc:
+            raise StateLayoutError(
+                f"cannot load {str(file)!r} with torch.load(weights_only=True) "
+                f"({type(exc).__name__}, details in the chained exception): it is not a state "
+                "bundle written by TaskpointState, and restoring never unpickles other objects"
+            ) from exc
+        self._check_layout(bundle, file)
+        self._check_fit(bundle)
+        return cast(dict[str, Any], bundle)
+
+    def _check_layout(self, bundle: Any, file: Path) -> None:
+        if not isinstance(bundle, dict) or "layout" not in bundle:
+            held = (
+                f"a dict with keys {_listed(sorted(map(str, bundle)))}"
+                if isinstance(bundle, dict)
+                else f"a {type(bundle).__name__}"
+            )
+            raise StateLayoutError(
+                f"{str(file)!r} is not a TaskpointState bundle: it holds {held} and no "
+                f"'layout' entry. A file saved with plain torch.save is loaded with torch.load; "
+                f"TaskpointState restores bundles of layout {LAYOUT!r} only"
+            )
+        if bundle["layout"] != LAYOUT:
+            raise StateLayoutError(
+                f"{str(file)!r} has bundle layout {bundle['layout']!r}; this TaskpointState "
+                f"reads {LAYOUT!r}"
+            )
+        version = bundle.get("version")
+        if not isinstance(version, int) or not 1 <= version <= LAYOUT_VERSION:
+            raise StateLayoutError(
+                f"{str(file)!r} has {LAYOUT!r} version {version!r}; this taskpoint-pytorch "
+                f"reads versions 1 to {LAYOUT_VERSION}: upgrade taskpoint-pytorch to restore it"
+            )
+        missing = sorted(_REQUIRED - set(bundle))
+        if missing:
+            raise StateLayoutError(
+                f"{str(file)!r} is a damaged {LAYOUT!r} bundle: it lacks the entries {missing}"
+            )
+        differences = []
+        for kind in _KINDS:
+            saved = sorted(bundle[kind])
+            mine = sorted(self._parts(kind))
+            if saved != mine:
+                differences.append(f"{kind}: checkpoint has {saved}, this state has {mine}")
+        if differences:
+            raise StateLayoutError(
+                f"{str(file)!r} holds other components than this TaskpointState ("
+                + "; ".join(differences)
+                + "). Restore into a TaskpointState built with the same names"
+            )
+        if self._rng and bundle.get("rng") is None and rank_and_size()[0] == 0:
+            log.warning(
+                "checkpoint %s was saved without RNG states (rng=False): the resumed run "
+                "will not draw the same random numbers as an uninterrupted one", file,
+            )
+
+    def _check_fit(self, bundle: dict[str, Any]) -> None:
+        for name, module in self._models.items():
+            _check_model(f"models[{name!r}]", _unwrap(module), bundle["models"][name])
+        for name, optimizer in self._optimizers.items():
+            _check_optimizer(f"optimizers[{name!r}]", optimizer, bundle["optimizers"][name])
+        for name, scaler in self._scalers.items():
+            if scaler.is_enabled() and not bundle["scalers"][name]:
+                raise StateMismatchError(
+                    f"scalers[{name!r}] is enabled but was saved from a disabled GradScaler "
+                    "(its state is empty); enable or disable it as when it was saved",
+                    component=f"scalers[{name!r}]",
+                )
+
+    def _finish_restore(
+        self, bundle: dict[str, Any] | None, error: Exception | None
+    ) -> ResumePoint | None:
+        rank, world = rank_and_size()
+        summary = None if bundle is None else (bundle["save_id"], bundle["epoch"], bundle["step"])
+        gathered = all_gather((summary, _describe_error(error)))
+        _raise_first_failure(error, [message for _, message in gathered], "restore the state")
+        summaries = [s for s, _ in gathered]
+        if any(s != summaries[0] for s in summaries):
+            found = ", ".join(
+                f"rank {r}: " + ("nothing" if s is None else f"save {s[0]} (epoch {s[1]}, step {s[2]})")
+                for r, s in enumerate(summaries)
+            )
+            raise StateError(
+                f"ranks restored different checkpoints ({found}); every rank must read the "
+                "same store (a memory:// store is private to its process: use a shared "
+                "path or object storage)"
+            )
+        if bundle is None:
+            if rank == 0:
+                log.info("no state bundle committed yet: starting from scratch")
+            return None
+        self._apply(bundle, rank, world)
+        if rank == 0:
+            log.info(
+                "restored state bundle saved by %d rank(s): epoch=%d step=%d",
+                bundle["world_size"], bundle["epoch"], bundle["step"],
+            )
+        return ResumePoint(epoch=bundle["epoch"], step=bundle["step"], extra=dict(bundle["extra"]))
+
+    def _apply(self, bundle: dict[str, Any], rank: int, world: int) -> None:
+        for name, module in self._models.items():
+            _unwrap(module).load_state_dict(bundle["models"][name])
+        for name, optimizer in self._optimizers.items():
+            try:
+                optimizer.load_state_dict(bundle["optimizers"][name])
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise StateMismatchError(
+                    f"optimizers[{name!r}] cannot take the checkpoint's state: {exc}",
+                    component=f"optimizers[{name!r}]",
+                ) from exc
+        for kind in ("schedulers", "scalers"):
+            for name, obj in self._parts(kind).items():
+                obj.load_state_dict(bundle[kind][name])
+        for name, generator in self._generators.items():
+            generator.set_state(bundle["generators"][name].cpu())
+        states = bundle.get("rng")
+        if self._rng and states:
+            if len(states) == world:
+                mine = states[rank]
+            else:
+                mine = states[0]
+                if rank == 0:
+                    log.warning(
+                        "checkpoint was saved by %d rank(s), this job has %d: every rank "
+                        "restores rank 0's RNG state, so the run will not match an "
+                        "uninterrupted one", len(states), world,
+                    )
+            if mine is not None:
+                restore_rng(mine)
+
+
+def _check_checkpoint(checkpoint: object) -> None:
+    if not isinstance(checkpoint, CheckpointLike):
+        hint = (
+            " (taskpoint.ctx().checkpoint is None when the task's environment has "
+            "checkpoints=False, and outside a task)"
+            if checkpoint is None
+            else ""
+        )
+        raise TypeError(
+            "checkpoint must be a taskpoint.Checkpoint or another object with save, "
+            f"save_sync, load and load_sync; got {type(checkpoint).__name__}{hint}"
+        )
+
+
+def _check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a mapping of str keys to values; got {type(extra).__name__}")
+    for key in extra:
+        if not isinstance(key, str):
+            raise TypeError(f"extra keys must be strings; got {key!r}")
+    return dict(extra)
+
+
+def _check_model(component: str, module: nn.Module, saved: Mapping[str, Any]) -> None:
+    current = module.state_dict()
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for key in sorted(set(current) & set(saved)):
+        have, got = current[key], saved[key]
+        if isinstance(have, torch.Tensor) and isinstance(got, torch.Tensor) and have.shape != got.shape:
+            shapes[key] = (tuple(got.shape), tuple(have.shape))
+    if not (missing or unexpected or shapes):
+        return
+    parts = []
+    if missing:
+        parts.append(f"in the model but not the checkpoint: {_listed(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not the model: {_listed(unexpected)}")
+    if shapes:
+        listed = [f"{k!r} saved {s} vs model {c}" for k, (s, c) in list(shapes.items())[:_LISTED]]
+        more = f" and {len(shapes) - _LISTED} more" if len(shapes) > _LISTED else ""
+        parts.append("shapes differ: " + ", ".join(listed) + more)
+    raise StateMismatchError(
+        f"{component} does not match the checkpoint: " + "; ".join(parts)
+        + ". Build the model as it was when the checkpoint was saved",
+        component=component,
+        missing=missing,
+        unexpected=unexpected,
+        shapes=shapes,
+    )
+
+
+def _check_optimizer(component: str, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list):
+        raise StateMismatchError(
+            f"{component}: the checkpoint's optimizer state has no param_groups list",
+            component=component,
+        )
+    saved_sizes = [len(group.get("params", [])) for group in groups]
+    current_sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if saved_sizes != current_sizes:
+        raise StateMismatchError(
+            f"{component} has parameter groups of sizes {current_sizes}, the checkpoint's "
+            f"optimizer had {saved_sizes}; build the optimizer over the same parameters",
+            component=component,
+        )

@@ -1,0 +1,40 @@
+"""The examples run as documented, fail on purpose, and resume."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).parents[3] / "examples"
+
+
+def _run(script: str, cwd: Path, env: dict[str, str]) -> str:
+    env = {k: v for k, v in env.items() if k != "TASKPOINT_ROOT"}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script)],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_pytorch_checkpoint_example(tmp_path: Path, child_env: dict[str, str]) -> None:
+    out = _run("pytorch_checkpoint.py", tmp_path, child_env)
+    starts = re.findall(r"^attempt (\d): starting at epoch (\d+)", out, re.MULTILINE)
+    assert starts == [("0", "0"), ("1", "3"), ("2", "6"), ("3", "9")]
+    assert "identical: True" in out
+    assert (tmp_path / ".taskpoint" / "checkpoints" / "checkpoint_pytorch.train_linear").is_dir()
+
+
+@pytest.mark.slow
+def test_pytorch_ddp_example(tmp_path: Path, child_env: dict[str, str]) -> None:
+    out = _run("pytorch_ddp.py", tmp_path, child_env)
+    starts = sorted(re.findall(r"^\[rank (\d)/2, run (\d)\] starting at epoch (\d) \(step (\d+)\)", out, re.MULTILINE))
+    assert starts == [("0", "0", "0", "0"), ("0", "1", "2", "16"), ("1", "0", "0", "0"), ("1", "1", "2", "16")]
+    assert "ranks hold identical weights: True" in out
+    assert (tmp_path / ".taskpoint" / "checkpoints" / "pytorch_ddp").is_dir()
