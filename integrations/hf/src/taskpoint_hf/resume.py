@@ -1,0 +1,288 @@
+"""Restore the Trainer's newest complete ``checkpoint-N`` from a taskpoint checkpoint.
+
+Example::
+
+    import taskpoint
+    from taskpoint_hf import TaskpointTrainerCallback, restore_last_checkpoint
+
+    ckpt = taskpoint.ctx().checkpoint
+    args = TrainingArguments(output_dir="out", save_steps=50, save_total_limit=2)
+    resume = restore_last_checkpoint(ckpt, args)    # Path("out/checkpoint-N") or None
+    trainer = Trainer(..., args=args, callbacks=[TaskpointTrainerCallback(ckpt, args.output_dir)])
+    trainer.train(resume_from_checkpoint=resume)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Union
+
+from taskpoint import CheckpointError, CheckpointLike, TaskpointWarning
+
+from taskpoint_hf import _distributed
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
+
+__all__ = [
+    "INCOMPLETE_MARKER",
+    "TRAINER_STATE",
+    "checkpoint_step",
+    "last_complete_checkpoint",
+    "restore_last_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.json"
+"""The file the Trainer writes last into ``checkpoint-N``; a directory without it is partial."""
+INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
+"""The Trainer's own marker (just-in-time checkpoints) of a ``checkpoint-N`` still being written."""
+STAGING_PREFIX = ".taskpoint-restore-"
+"""Prefix of the staging folder a restore uses inside ``output_dir`` (removed afterwards)."""
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+OutputDir = Union[str, "os.PathLike[str]", "TrainingArguments"]
+"""Where the Trainer writes: its ``output_dir``, or its ``TrainingArguments``."""
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int | None:
+    """The step ``N`` of a directory named ``checkpoint-N``, or ``None`` for any other name."""
+    match = _CHECKPOINT_RE.match(Path(os.fspath(path)).name)
+    return int(match[1]) if match else None
+
+
+def _incomplete_reason(path: Path) -> str | None:
+    """Why ``path`` is not a complete Trainer checkpoint, or ``None`` when it is one."""
+    if not path.is_dir():
+        return "it is not a directory"
+    if (path / INCOMPLETE_MARKER).exists():
+        return f"it carries the Trainer's incomplete-checkpoint marker {INCOMPLETE_MARKER}"
+    state = path / TRAINER_STATE
+    if not state.is_file():
+        return f"it has no {TRAINER_STATE}, so it was not completely written"
+    try:
+        json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"its {TRAINER_STATE} cannot be read ({type(exc).__name__}: {exc})"
+    return None
+
+
+@dataclass(frozen=True)
+class _Scan:
+    complete: list[Path]  # oldest step first
+    incomplete: list[tuple[Path, str]]  # with the reason
+
+
+def _scan(folder: Path, *, itself: bool = False) -> _Scan:
+    """The ``checkpoint-N`` directories in ``folder`` (or ``folder`` itself, when ``itself``
+    and it is named like one), sorted by ``N`` and split by completeness."""
+    if itself and folder.is_dir() and checkpoint_step(folder) is not None:
+        found = [folder]
+    elif folder.is_dir():
+        found = [p for p in folder.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
+    else:
+        found = []
+    found.sort(key=_step)
+    complete: list[Path] = []
+    incomplete: list[tuple[Path, str]] = []
+    for path in found:
+        reason = _incomplete_reason(path)
+        if reason is None:
+            complete.append(path)
+        else:
+            incomplete.append((path, reason))
+    return _Scan(complete, incomplete)
+
+
+def _warn(message: str) -> None:
+    log.warning(message)
+    warnings.warn(message, TaskpointWarning, stacklevel=3)
+
+
+def last_complete_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
+    """The complete ``checkpoint-N`` under ``folder`` with the largest ``N``, or ``None``.
+
+    ``N`` is compared as a number (``checkpoint-10`` is newer than ``checkpoint-9``). A
+    directory without ``trainer_state.json``, with an unreadable one, or carrying the
+    Trainer's ``checkpoint-is-incomplete.txt`` marker is skipped with a
+    :class:`~taskpoint.TaskpointWarning` when it is newer than the one returned.
+
+    Args:
+        folder: a Trainer ``output_dir`` (or a ``checkpoint-N`` directory itself).
+    """
+    scan = _scan(Path(os.fspath(folder)), itself=True)
+    newest = scan.complete[-1] if scan.complete else None
+    floor = _step(newest) if newest is not None else -1
+    for path, reason in scan.incomplete:
+        if _step(path) > floor:
+            _warn(f"skipping {path}: {reason}")
+    return newest
+
+
+def _step(path: Path) -> int:
+    step = checkpoint_step(path)
+    assert step is not None, path
+    return step
+
+
+def _target(output_dir: OutputDir) -> tuple[Path, bool, _distributed.Ranks]:
+    """The output folder, whether each node restores its own copy, and this rank."""
+    if isinstance(output_dir, (str, os.PathLike)):
+        folder, per_node, ranks = Path(os.fspath(output_dir)), False, _distributed.current_ranks()
+    else:
+        args = output_dir
+        named = getattr(args, "output_dir", None)
+        if named is None or not hasattr(args, "process_index"):
+            raise TypeError(
+                "output_dir must be a str or os.PathLike naming the Trainer's output_dir, or "
+                f"the Trainer's TrainingArguments (with an output_dir); got {type(output_dir).__name__}"
+            )
+        folder = Path(os.fspath(named))
+        per_node = bool(getattr(args, "save_on_each_node", False))
+        ranks = _distributed.Ranks(
+            rank=int(args.process_index),
+            local_rank=int(args.local_process_index),
+            world_size=int(args.world_size),
+            grouped=_distributed.current_ranks().grouped,
+        )
+    if ranks.world_size > 1 and not ranks.grouped:
+        raise RuntimeError(
+            f"restore_last_checkpoint runs in a job of {ranks.world_size} processes but no "
+            "torch.distributed process group is up, so the ranks cannot agree on a "
+            "checkpoint: build the TrainingArguments first (that starts the process group) "
+            "and pass them instead of the output_dir"
+        )
+    return folder, per_node, ranks
+
+
+def restore_last_checkpoint(checkpoint: CheckpointLike, output_dir: OutputDir) -> Path | None:
+    """Restore the Trainer's output directory and return its newest complete checkpoint.
+
+    Loads the newest committed state from ``checkpoint`` (what
+    :class:`~taskpoint_hf.TaskpointTrainerCallback` mirrored), and makes the ``checkpoint-N``
+    directories in ``output_dir`` exactly its complete ones: incomplete directories (see
+    :func:`last_complete_checkpoint`) are skipped with a :class:`~taskpoint.TaskpointWarning`,
+    and ``checkpoint-N`` directories already in ``output_dir`` (from an earlier attempt in
+    this process, or an unrelated earlier run) are replaced. The restored directories get
+    modification times one second apart in step order, all in the past, so the Trainer's
+    ``save_total_limit`` rotation (which orders by modification time) keeps the newest.
+
+    In a distributed job one process restores (the main process of each node when
+    ``save_on_each_node`` is set, else global rank 0) while the others wait; every rank
+    gets the same checkpoint back.
+
+    Args:
+        checkpoint: where the callback saved the output directory (any
+            :class:`~taskpoint.CheckpointLike`).
+        output_dir: the Trainer's ``output_dir``, or (recommended in distributed jobs) its
+            ``TrainingArguments``.
+
+    Returns:
+        ``output_dir / "checkpoint-N"`` for the newest complete checkpoint, ready for
+        ``trainer.train(resume_from_checkpoint=...)``; ``None`` when nothing was saved yet.
+
+    Raises:
+        CheckpointError: the store holds something other than a directory, or the ranks of
+            a distributed job could not agree on a checkpoint (and the store's own errors).
+        RuntimeError: a distributed job without a process group was given a plain path.
+    """
+    if not isinstance(checkpoint, CheckpointLike):
+        raise TypeError(
+            "checkpoint must be a taskpoint.Checkpoint or another CheckpointLike (with "
+            f"save/save_sync/load/load_sync); got {type(checkpoint).__name__}"
+        )
+    folder, per_node, ranks = _target(output_dir)
+    restores = ranks.local_rank == 0 if per_node else ranks.rank == 0
+    outcome: tuple[str, int | str | None] | None = None
+    failure: BaseException | None = None
+    if restores:
+        try:
+            outcome = ("ok", _restore(checkpoint, folder))
+        except Exception as exc:
+            failure = exc
+            outcome = ("error", f"{type(exc).__name__}: {exc}")
+    outcomes = _distributed.all_gather_object(outcome)
+    if failure is not None:
+        raise failure
+    for rank, other in enumerate(outcomes):
+        if other is not None and other[0] == "error":
+            raise CheckpointError(f"rank {rank} failed to restore {folder}: {other[1]}")
+    steps = {other[1] for other in outcomes if other is not None}
+    if len(steps) != 1:
+        raise CheckpointError(
+            f"the ranks restoring {folder} found different checkpoints (steps "
+            f"{sorted(steps, key=str)}); was the store written to while they read it?"
+        )
+    step = steps.pop()
+    if step is None:
+        return None
+    assert isinstance(step, int)
+    path = folder / f"checkpoint-{step}"
+    if _incomplete_reason(path) is not None:
+        raise CheckpointError(
+            f"rank {ranks.rank} cannot see the restored {path}: its output_dir is not shared "
+            "with the rank that restored it; set save_on_each_node=True in the "
+            "TrainingArguments and pass them to restore_last_checkpoint"
+        )
+    log.info("resuming from %s", path)
+    return path
+
+
+def _restore(checkpoint: CheckpointLike, folder: Path) -> int | None:
+    """Load, vet and move the checkpoints into ``folder``; the newest step or ``None``."""
+    tree = checkpoint.load_sync()
+    if tree is not None and not tree.is_dir():
+        raise CheckpointError(
+            f"{checkpoint!r} holds the file {tree.name!r}, not a Trainer output directory; "
+            "restore_last_checkpoint expects what TaskpointTrainerCallback saves there"
+        )
+    scan = _scan(tree, itself=True) if tree is not None else _Scan([], [])
+    for path, reason in scan.incomplete:
+        _warn(f"skipping {path.name} from {checkpoint!r}: {reason}")
+    if tree is not None and not scan.complete:
+        _warn(f"{checkpoint!r} holds no complete checkpoint-N directory; starting from scratch")
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for leftover in folder.glob(f"{STAGING_PREFIX}*"):  # from a restore that was killed
+        shutil.rmtree(leftover, ignore_errors=True)
+    stale = _scan(folder)
+    names = {path.name for path in scan.complete}
+    for path in [*stale.complete, *(p for p, _ in stale.incomplete)]:
+        if path.name not in names:
+            log.warning("removing %s: it is not part of the checkpoint being restored", path)
+        shutil.rmtree(path)
+    if not scan.complete:
+        return None
+
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=folder))
+    try:
+        for path in scan.complete:
+            shutil.move(os.fspath(path), os.fspath(staging / path.name))
+        for path in scan.complete:
+            os.replace(staging / path.name, folder / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    # The Trainer's rotation deletes the oldest by mtime and keeps the newest; the archive
+    # carried the writer's mtimes (another machine's clock, maybe ahead of ours), so give
+    # the restored directories past mtimes in step order.
+    now = time.time()
+    count = len(scan.complete)
+    for index, path in enumerate(scan.complete):
+        stamp = now - (count - index)
+        os.utime(folder / path.name, (stamp, stamp))
+    log.info(
+        "restored %d checkpoint(s) into %s from %r, newest %s",
+        count, folder, checkpoint, scan.complete[-1].name,
+    )
+    return _step(scan.complete[-1])
