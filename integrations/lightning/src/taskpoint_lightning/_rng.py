@@ -1,0 +1,128 @@
+"""The global random generators, kept in a Lightning checkpoint and restored per rank.
+
+Lightning checkpoints carry no random state, so a resumed run would draw different dropout
+masks and shuffles from an uninterrupted one. The states are collected and set with
+Lightning's own helpers (``_collect_rng_states`` / ``_set_rng_states``) and stored in a form
+``torch.load(weights_only=True)`` accepts (tensors, lists, numbers and strings), since
+Lightning loads checkpoints with PyTorch's default, which is ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+
+__all__ = ["RNG_FORMAT", "capture_rng", "pick_rng", "restore_rng"]
+
+log = logging.getLogger(__name__)
+
+RNG_FORMAT = 1
+"""Version of the stored layout; a newer one is refused rather than misread."""
+
+
+def _storable(states: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's collected states with NumPy arrays and tuples turned into plain values."""
+    version, internal, gauss_next = states["python"]
+    out: dict[str, Any] = {
+        "torch": states["torch"],
+        "python": [int(version), [int(v) for v in internal], gauss_next],
+    }
+    if "numpy" in states:
+        name, keys, pos, has_gauss, cached = states["numpy"]
+        out["numpy"] = [
+            str(name),
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ]
+    if "torch.cuda" in states:
+        out["torch.cuda"] = [s.cpu() for s in states["torch.cuda"]]
+    return out
+
+
+def _native(stored: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_storable`: what ``_set_rng_states`` takes."""
+    version, internal, gauss_next = stored["python"]
+    out: dict[str, Any] = {
+        "torch": stored["torch"].cpu(),
+        "python": (version, tuple(internal), gauss_next),
+    }
+    if "numpy" in stored:
+        name, keys, pos, has_gauss, cached = stored["numpy"]
+        out["numpy"] = (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    cuda = stored.get("torch.cuda")
+    if cuda:
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if len(cuda) == available:
+            out["torch.cuda"] = cuda
+        else:
+            log.warning(
+                "not restoring CUDA random state: the checkpoint holds %d device states but "
+                "%d CUDA devices are visible; CUDA random draws will differ from the "
+                "uninterrupted run",
+                len(cuda), available,
+            )
+    return out
+
+
+def _world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def capture_rng(*, include_cuda: bool, mid_epoch: bool) -> dict[str, Any]:
+    """Every rank's random state, gathered on every rank.
+
+    In a distributed run this is a collective call: all ranks must make it together, as
+    they do when Lightning dumps a checkpoint.
+
+    Args:
+        include_cuda: also keep the CUDA generators (only when training on CUDA, so a CPU
+            run never starts a CUDA context).
+        mid_epoch: whether the state is taken inside an epoch, after its data iterator
+            was made; a resume then sets the state again once Lightning has re-made it.
+
+    Returns:
+        ``{"format", "mid_epoch", "ranks"}``, ``ranks`` indexed by global rank.
+    """
+    local = _storable(_collect_rng_states(include_cuda=include_cuda))
+    _, world_size = _world()
+    ranks: list[Any] = [local]
+    if world_size > 1:
+        ranks = [None] * world_size
+        torch.distributed.all_gather_object(ranks, local)
+    return {"format": RNG_FORMAT, "mid_epoch": bool(mid_epoch), "ranks": ranks}
+
+
+def pick_rng(stored: dict[str, Any], global_rank: int) -> dict[str, Any]:
+    """This rank's states from what :func:`capture_rng` made, ready for :func:`restore_rng`.
+
+    Raises:
+        ValueError: the stored layout is from a newer version of this adapter.
+    """
+    fmt = stored.get("format")
+    if fmt != RNG_FORMAT:
+        raise ValueError(
+            f"the checkpoint's random state has format {fmt!r}; this taskpoint-lightning "
+            f"reads format {RNG_FORMAT}: upgrade taskpoint-lightning to resume from it"
+        )
+    ranks = stored["ranks"]
+    if global_rank < len(ranks):
+        return _native(ranks[global_rank])
+    log.warning(
+        "the checkpoint holds random state for %d ranks; rank %d uses rank 0's, so its "
+        "random draws will differ from an uninterrupted run",
+        len(ranks), global_rank,
+    )
+    return _native(ranks[0])
+
+
+def restore_rng(states: dict[str, Any]) -> None:
+    """Set this process's global generators (Python, NumPy, torch, CUDA) to ``states``."""
+    _set_rng_states(states)

@@ -1,0 +1,272 @@
+"""``TaskpointModelCheckpoint``: a ``ModelCheckpoint`` that mirrors its folder to the store.
+
+Example::
+
+    import lightning as L
+    import taskpoint
+    from taskpoint_lightning import TaskpointModelCheckpoint, resume_ckpt_path
+
+    ckpt = taskpoint.ctx().checkpoint            # or taskpoint.Checkpoint("s3://b/run-1")
+    mc = TaskpointModelCheckpoint(ckpt, dirpath="ckpts", save_last=True)
+    trainer = L.Trainer(max_epochs=10, callbacks=[mc])
+    trainer.fit(model, ckpt_path=resume_ckpt_path(ckpt, dirpath="ckpts"))
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint
+from taskpoint import CheckpointLike, TaskpointWarning
+
+from taskpoint_lightning._mirror import flush_async_io, unfinished_files
+from taskpoint_lightning._rng import capture_rng, pick_rng, restore_rng
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["RNG_STATE_KEY", "TaskpointModelCheckpoint"]
+
+log = logging.getLogger(__name__)
+
+RNG_STATE_KEY = "taskpoint_rng"
+"""Where, in the callback's entry of a Lightning checkpoint, the random state is kept."""
+
+
+def _check_checkpoint(checkpoint: object, owner: str) -> CheckpointLike:
+    if not isinstance(checkpoint, CheckpointLike):
+        hint = (
+            " (taskpoint.ctx().checkpoint is None outside a task or when checkpoints are "
+            "off; pass taskpoint.Checkpoint(url) instead)"
+            if checkpoint is None
+            else ""
+        )
+        raise TypeError(
+            f"{owner} takes a checkpoint with save/save_sync/load/load_sync (a "
+            f"taskpoint.Checkpoint, taskpoint.ctx().checkpoint or another CheckpointLike) "
+            f"as its first argument; got {type(checkpoint).__name__}{hint}"
+        )
+    return checkpoint
+
+
+def _describe(checkpoint: CheckpointLike) -> str:
+    return str(getattr(checkpoint, "url", None) or type(checkpoint).__name__)
+
+
+class _TaskpointMirror:
+    """The adapter's behaviour, mixed into a Lightning ``ModelCheckpoint`` class.
+
+    Kept apart from the base class so the same code serves both ``lightning.pytorch``
+    and the standalone ``pytorch_lightning`` package.
+    """
+
+    # Set by ModelCheckpoint; declared for readers.
+    dirpath: Any
+    save_last: Any
+    _last_checkpoint_saved: str
+
+    def __init__(self, checkpoint: CheckpointLike, *args: Any, **kwargs: Any) -> None:
+        self._taskpoint = _check_checkpoint(checkpoint, type(self).__name__)
+        super().__init__(*args, **kwargs)
+        self._unmirrored = False
+        self._trainer_ref: weakref.ReferenceType[pl.Trainer] | None = None
+        self._rng_for_train_start: dict[str, Any] | None = None
+
+    @property
+    def checkpoint(self) -> CheckpointLike:
+        """The store checkpoint that ``dirpath`` is mirrored to."""
+        return self._taskpoint
+
+    # -- setup ------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # type: ignore[misc]
+        if self.dirpath is not None and not _is_local_file_protocol(self.dirpath):
+            raise ValueError(
+                f"{type(self).__name__} mirrors a local folder to the store, but "
+                f"dirpath={self.dirpath!r} is remote; give it a local dirpath (the store "
+                "holds the durable copy)"
+            )
+        self._trainer_ref = weakref.ref(trainer)
+
+    # -- saving: note each change Lightning makes to dirpath ----------------------------
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
+        self._unmirrored = True
+
+    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: Any) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)  # type: ignore[misc]
+        if self.save_last:  # covers save_last="link", which only makes a link
+            self._unmirrored = True
+
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        super()._remove_checkpoint(trainer, filepath)  # type: ignore[misc]
+        self._unmirrored = True
+
+    # -- the hooks that save: mirror once each has written and pruned --------------------
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # type: ignore[misc]
+        self._mirror(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
+        self._mirror(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)  # type: ignore[misc]
+        self._mirror(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)  # type: ignore[misc]
+        self._mirror(trainer)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        super().on_exception(trainer, pl_module, exception)  # type: ignore[misc]
+        self._mirror(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
+        if stage == "fit":
+            # Lightning has shut its checkpoint plugins down by now: every write is done.
+            self._mirror(trainer, final=True)
+
+    def _mirror(self, trainer: pl.Trainer, *, final: bool = False) -> None:
+        """Save ``dirpath`` to the store if Lightning changed it since the last mirror."""
+        if not self._unmirrored:
+            return
+        if not trainer.is_global_zero or self.dirpath is None:
+            self._unmirrored = False
+            return
+        root = Path(self.dirpath)
+        flush_async_io(trainer.strategy.checkpoint_io)
+        problems = unfinished_files(root, [self._last_checkpoint_saved])
+        if problems:
+            message = (
+                f"not mirroring {root} to {_describe(self._taskpoint)} yet: "
+                + "; ".join(problems)
+            )
+            if final:
+                message += " (training has ended: the store keeps the previous mirror)"
+                log.warning(message)
+                warnings.warn(message, TaskpointWarning, stacklevel=2)
+            else:
+                log.info("%s; trying again after the next save", message)
+            return
+        started = time.monotonic()
+        self._taskpoint.save_sync(root)
+        self._unmirrored = False
+        log.info(
+            "mirrored %s to %s at step %d in %.2fs",
+            root, _describe(self._taskpoint), trainer.global_step, time.monotonic() - started,
+        )
+
+    # -- random state ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = super().state_dict()  # type: ignore[misc]
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        if trainer is not None:
+            state[RNG_STATE_KEY] = capture_rng(
+                include_cuda=trainer.strategy.root_device.type == "cuda",
+                mid_epoch=_mid_epoch(trainer),
+            )
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        stored = state_dict.get(RNG_STATE_KEY)
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        if stored is None or trainer is None:
+            return
+        states = pick_rng(stored, trainer.global_rank)
+        # Set now, before Lightning makes the resumed epoch's data iterator (a shuffle
+        # draws from these generators), exactly where the uninterrupted run made it.
+        restore_rng(states)
+        if stored.get("mid_epoch"):
+            # Saved inside an epoch, whose iterator the uninterrupted run had already
+            # made: Lightning's re-made one drew from the generators; set them again.
+            self._rng_for_train_start = states
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
+        key: str = self.state_key  # type: ignore[attr-defined]
+        mine = checkpoint.get("callbacks", {}).get(key)
+        if trainer.is_global_zero and (not isinstance(mine, dict) or RNG_STATE_KEY not in mine):
+            message = (
+                f"the checkpoint being resumed holds no random state from {key}: it was "
+                "saved by another callback or with save_weights_only=True, so the resumed "
+                "run's random draws will differ from an uninterrupted run's"
+            )
+            log.warning(message)
+            warnings.warn(message, TaskpointWarning, stacklevel=2)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)  # type: ignore[misc]
+        if self._rng_for_train_start is not None:
+            restore_rng(self._rng_for_train_start)
+            self._rng_for_train_start = None
+
+
+def _mid_epoch(trainer: pl.Trainer) -> bool:
+    """Whether training is inside an epoch whose batches are not all done."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    if progress.is_last_batch:
+        return False
+    total = trainer.num_training_batches
+    return not (total != float("inf") and progress.current.ready >= total)
+
+
+class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
+    """A Lightning ``ModelCheckpoint`` that mirrors its ``dirpath`` to a taskpoint store.
+
+    Each time Lightning has finished a save (the file written, ``save_last`` written or
+    linked, top-k pruning done), global rank zero saves the whole ``dirpath`` to the store
+    as one checkpoint, so the store never holds a deleted or partially written file.
+    Saves from ``every_n_train_steps`` (mid-epoch), ``every_n_epochs``,
+    ``train_time_interval``, validation and ``save_on_exception`` are all mirrored. Writes
+    queued by Lightning's ``AsyncCheckpointIO`` are waited for first.
+
+    The callback also keeps the global random state (Python, NumPy, torch, and CUDA when
+    training on it; every rank's) in the checkpoint and restores it when Lightning loads
+    the checkpoint, so a resumed run draws the same dropout masks and shuffles as an
+    uninterrupted one. Mid-epoch resumes are exact when the dataloader is resumable
+    (implements ``state_dict``/``load_state_dict``, as torchdata's
+    ``StatefulDataLoader`` does).
+
+    Resume with :func:`taskpoint_lightning.resume_ckpt_path`.
+
+    Args:
+        checkpoint: where to mirror: a :class:`taskpoint.Checkpoint`,
+            ``taskpoint.ctx().checkpoint`` or any :class:`taskpoint.CheckpointLike`.
+        *args: ``ModelCheckpoint``'s positional arguments (``dirpath``, ``filename``, ...).
+        **kwargs: ``ModelCheckpoint``'s keyword arguments: ``dirpath``, ``filename``,
+            ``monitor``, ``save_last`` (``True`` or ``"link"``), ``save_top_k``,
+            ``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval``, ...
+
+    Raises:
+        TypeError: ``checkpoint`` is not checkpoint-like (``None`` included).
+        ValueError: at setup, ``dirpath`` is not a local folder.
+
+    Example::
+
+        ckpt = taskpoint.ctx().checkpoint
+        mc = TaskpointModelCheckpoint(ckpt, dirpath="ckpts", save_last=True,
+                                      every_n_train_steps=100)
+        trainer = L.Trainer(max_steps=10_000, callbacks=[mc])
+        trainer.fit(model, ckpt_path=resume_ckpt_path(ckpt, dirpath="ckpts"))
+    """

@@ -1,0 +1,246 @@
+"""Shared pieces of the Lightning adapter's tests and their child-process scripts.
+
+Loaded by path (``conftest.py`` registers it as ``taskpoint_lightning_testlib``), so test
+files and scripts share one definition of the model, the data and the helpers.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from taskpoint import Checkpoint, CheckpointLike
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+SAMPLES = 20
+BATCH = 4  # five batches per epoch
+FEATURES = 8
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(SAMPLES, FEATURES, generator=g)
+    y = x[:, :2].sum(dim=1, keepdim=True) + 0.1 * torch.randn(SAMPLES, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+class Planned(Exception):
+    """The failure a test plans."""
+
+
+class TinyModule(L.LightningModule):
+    """Dropout plus input noise: every step draws from the global torch generator.
+
+    ``fail_at`` holds global steps at which ``training_step`` raises once each (the set
+    is shared across attempts, so a retry passes the same step); ``kill_at`` makes the
+    process die there with ``os._exit(137)``.
+    """
+
+    def __init__(self, fail_at: set[int] | None = None, kill_at: int | None = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(FEATURES, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1)
+        )
+        self.fail_at = fail_at if fail_at is not None else set()
+        self.kill_at = kill_at
+        self.started_at: tuple[int, int] | None = None
+
+    def on_train_start(self) -> None:
+        self.started_at = (self.current_epoch, self.global_step)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.kill_at is not None and self.global_step == self.kill_at:
+            os._exit(137)
+        if self.global_step in self.fail_at:
+            self.fail_at.discard(self.global_step)
+            raise Planned(f"planned failure at step {self.global_step}")
+        x, y = batch
+        x = x + 0.01 * torch.randn_like(x)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+class ResumableSampler(Sampler[int]):
+    """A random permutation per epoch from the global generator, resumable mid-epoch."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._perm: list[int] = []
+        self._pos = 0
+        self._resume: tuple[list[int], int] | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        if self._resume is not None:
+            (self._perm, self._pos), self._resume = self._resume, None
+        else:
+            self._perm, self._pos = torch.randperm(self.n).tolist(), 0
+        while self._pos < len(self._perm):
+            index = self._perm[self._pos]
+            self._pos += 1
+            yield index
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"perm": list(self._perm), "pos": self._pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        perm, pos = list(state["perm"]), int(state["pos"])
+        self._resume = (perm, pos) if pos < len(perm) else None
+
+
+class ResumableLoader(DataLoader):  # type: ignore[type-arg]
+    """A DataLoader Lightning can resume mid-epoch (it has ``state_dict``)."""
+
+    def __init__(self, ds: TensorDataset) -> None:
+        super().__init__(ds, batch_size=BATCH, sampler=ResumableSampler(len(ds)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()  # type: ignore[attr-defined,no-any-return]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+def loader(kind: str) -> DataLoader:  # type: ignore[type-arg]
+    """``"shuffle"``: a plain shuffling loader; ``"resumable"``: :class:`ResumableLoader`."""
+    if kind == "resumable":
+        return ResumableLoader(dataset())
+    return DataLoader(dataset(), batch_size=BATCH, shuffle=True)
+
+
+def trainer(callbacks: list[Any], max_epochs: int = 5, **kwargs: Any) -> L.Trainer:
+    options: dict[str, Any] = {
+        "max_epochs": max_epochs,
+        "accelerator": "cpu",
+        "devices": 1,
+        "deterministic": True,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "callbacks": callbacks,
+    }
+    options.update(kwargs)
+    return L.Trainer(**options)
+
+
+def weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    assert all(bool(torch.isfinite(t).all()) for t in b.values()), "reference diverged"
+    unequal = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not unequal, f"tensors differ bitwise: {unequal}"
+
+
+class RecordingCheckpoint:
+    """A CheckpointLike that delegates to a real Checkpoint and logs who saved."""
+
+    def __init__(self, inner: Checkpoint, log_file: str | os.PathLike[str] | None = None) -> None:
+        self.inner = inner
+        self.log_file = Path(log_file) if log_file is not None else None
+        self.saves: list[Any] = []
+
+    def _record(self, data: Any) -> None:
+        self.saves.append(data)
+        if self.log_file is not None:
+            rank = (
+                torch.distributed.get_rank() if torch.distributed.is_initialized() else -1
+            )
+            with self.log_file.open("a") as fh:
+                fh.write(f"{os.getpid()} {rank}\n")
+
+    def save_sync(self, data: Any, /) -> None:
+        self._record(data)
+        self.inner.save_sync(data)
+
+    async def save(self, data: Any, /) -> None:
+        self._record(data)
+        await self.inner.save(data)
+
+    def load_sync(self) -> Path | None:
+        return self.inner.load_sync()
+
+    async def load(self) -> Path | None:
+        return await self.inner.load()
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every entry under ``root``: ``"file"``, or ``"link->target"`` for a symbolic link."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        out[rel] = f"link->{os.readlink(p)}" if p.is_symlink() else "file"
+    return out
+
+
+def unreadable_ckpts(root: Path) -> list[str]:
+    """The ``.ckpt`` entries under ``root`` that ``torch.load`` cannot read in full."""
+    bad = []
+    for p in sorted(root.rglob("*.ckpt")):
+        try:
+            torch.load(p, map_location="cpu", weights_only=False)
+        except Exception as exc:
+            bad.append(f"{p.name}: {type(exc).__name__}")
+    return bad
+
+
+class VerifyingCheckpoint(RecordingCheckpoint):
+    """After each save, reads the store back: which entries it holds, which are unreadable.
+
+    ``mirrors`` gets one ``(local entries, stored entries, unreadable stored .ckpt,
+    Lightning-reported files missing from the store)`` per save.
+    """
+
+    def __init__(self, inner: Checkpoint) -> None:
+        super().__init__(inner)
+        self.mirrors: list[tuple[dict[str, str], dict[str, str], list[str]]] = []
+
+    def save_sync(self, data: Any, /) -> None:
+        local = tree(Path(data))
+        super().save_sync(data)
+        restored = self.inner.load_sync()
+        assert restored is not None
+        self.mirrors.append((local, tree(restored), unreadable_ckpts(restored)))
+
+
+class SlowCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint in two halves with a pause between: a half-written file
+    sits on disk for ``pause`` seconds."""
+
+    def __init__(self, pause: float = 0.3) -> None:
+        super().__init__()
+        self.pause = pause
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        data = buffer.getvalue()
+        os.makedirs(os.path.dirname(os.fspath(path)), exist_ok=True)
+        with open(path, "wb") as fh:
+            fh.write(data[: len(data) // 2])
+            fh.flush()
+            time.sleep(self.pause)
+            fh.write(data[len(data) // 2 :])
+
+
+def checkpoint_like(obj: object) -> CheckpointLike:
+    assert isinstance(obj, CheckpointLike)
+    return obj
