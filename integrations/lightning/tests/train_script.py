@@ -13,11 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import lightning as L  # noqa: E402
-import testlib as lib  # noqa: E402
-import torch  # noqa: E402
-from taskpoint import Checkpoint  # noqa: E402
-from taskpoint_lightning import TaskpointModelCheckpoint, resume_ckpt_path  # noqa: E402
+import lightning as L
+import testlib as lib
+import torch
+from taskpoint import Checkpoint
+from taskpoint_lightning import TaskpointModelCheckpoint, resume_ckpt_path
 
 
 def main() -> None:
