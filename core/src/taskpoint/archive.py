@@ -155,6 +155,8 @@ def pack_directory(root: Path, out: BinaryIO, codec: Codec = "gzip") -> None:
     with _compressing(out, codec) as stream, tarfile.open(
         fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT, bufsize=_BLOCK
     ) as tar:
+        # The 16 KiB default copy size makes tar's stream buffering quadratic.
+        tar.copybufsize = _BLOCK  # type: ignore[attr-defined]
         for path in _entries(root):
             info = tar.gettarinfo(str(path), arcname=path.relative_to(root).as_posix())
             info.uid = info.gid = 0
@@ -197,4 +199,5 @@ def unpack_directory(src: BinaryIO, dest: Path, codec: Codec = "gzip") -> None:
     with _decompressing(src, codec) as stream, tarfile.open(
         fileobj=stream, mode="r|", bufsize=_BLOCK
     ) as tar:
+        tar.copybufsize = _BLOCK  # type: ignore[attr-defined]
         tar.extractall(dest, filter=_member_filter)

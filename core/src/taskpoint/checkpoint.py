@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Union
 
 from taskpoint import archive
-from taskpoint._digest import HashingReader, HashingWriter, Progress, copy_stream
+from taskpoint._digest import Digest, HashingReader, HashingWriter, Progress, digest_file
 from taskpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -276,8 +276,18 @@ class Checkpoint:
             )
             self._prune()
 
-    def _write_payload(self, source: _Source, payload: str) -> tuple[Any, str | None, Codec]:
+    def _write_payload(self, source: _Source, payload: str) -> tuple[Digest, str | None, Codec]:
         target = f"{CHECKPOINTS}/{payload}"
+        name = source.path.name if source.path is not None else None
+        if source.kind == "file":
+            # The backend's own upload: a kernel copy on local disks, parallel multipart on
+            # object stores. A file changed while it uploads fails verification at load.
+            assert source.path is not None
+            digest = digest_file(str(source.path))
+            self._store.put_file(str(source.path), target)
+            if self._progress is not None:
+                self._progress(digest.size)
+            return digest, name, "none"
         box: dict[str, HashingWriter] = {}
 
         def produce(raw: BinaryIO) -> None:
@@ -285,16 +295,11 @@ class Checkpoint:
             if source.kind == "bytes":
                 assert source.data is not None
                 writer.write(source.data)
-            elif source.kind == "file":
-                assert source.path is not None
-                with source.path.open("rb") as fh:
-                    copy_stream(fh, writer)  # type: ignore[arg-type]
             else:
                 assert source.path is not None
                 archive.pack_directory(source.path, writer, self._codec)  # type: ignore[arg-type]
 
         self._store.write_stream(target, produce)
-        name = source.path.name if source.path is not None else None
         codec: Codec = self._codec if source.kind == "directory" else "none"
         return box["w"].digest, name, codec
 
@@ -370,7 +375,7 @@ class Checkpoint:
         """
         try:
             with self._store.open_read(f"{CHECKPOINTS}/{manifest.payload}") as raw:
-                reader = HashingReader(raw, self._progress)
+                reader = HashingReader(raw, self._progress, Digest.matching(manifest.checksum))
                 reader.drain()
         except FileNotFoundError:
             return False
@@ -510,30 +515,36 @@ class Checkpoint:
         target.mkdir(parents=True, exist_ok=False)
         return target
 
+    def _unpack(self, key: str, url: str, manifest: Manifest, path: Path) -> Digest:
+        """Stream the archive at ``key`` into ``path``; the digest of what was read."""
+        with self._store.open_read(key) as raw:
+            reader = HashingReader(raw, self._progress, Digest.matching(manifest.checksum))
+            try:
+                archive.unpack_directory(reader, path, manifest.codec)  # type: ignore[arg-type]
+                reader.drain()
+            except (CheckpointStoreError, CheckpointUnsafeError):
+                raise
+            except Exception as exc:
+                raise CheckpointCorruptError(
+                    f"payload {url} cannot be decoded as a directory archive "
+                    f"({type(exc).__name__}: {exc})",
+                    url=url,
+                ) from exc
+        return reader.digest
+
     def _restore(self, manifest: Manifest) -> Path:
         key = f"{CHECKPOINTS}/{manifest.payload}"
         url = self._store.url_of(key)
         staging = self._restore_dir(manifest)
         path = staging / (manifest.name or BYTES_NAME)
         try:
-            with self._store.open_read(key) as raw:
-                reader = HashingReader(raw, self._progress)
-                try:
-                    if manifest.kind == "directory":
-                        archive.unpack_directory(reader, path, manifest.codec)  # type: ignore[arg-type]
-                    else:
-                        with path.open("wb") as out:
-                            copy_stream(reader, out)  # type: ignore[arg-type]
-                    reader.drain()
-                except (CheckpointStoreError, CheckpointUnsafeError):
-                    raise
-                except Exception as exc:
-                    raise CheckpointCorruptError(
-                        f"payload {url} cannot be decoded as a {manifest.kind} "
-                        f"({type(exc).__name__}: {exc})",
-                        url=url,
-                    ) from exc
-            digest = reader.digest
+            if manifest.kind == "directory":
+                digest = self._unpack(key, url, manifest, path)
+            else:
+                self._store.get_file(key, str(path))
+                digest = digest_file(str(path), Digest.matching(manifest.checksum).algorithm)
+                if self._progress is not None:
+                    self._progress(digest.size)
             if digest.size != manifest.size or digest.checksum != manifest.checksum:
                 raise CheckpointCorruptError(
                     f"payload {url} does not match its manifest: {digest.size} bytes with "

@@ -12,7 +12,8 @@ Format 1 (``"format": 1``)::
       "codec": "gzip" | "zstd" | "none",  # how the payload is encoded (directories only
                                       # use a compressed tar; bytes and files are "none")
       "size": 1234,                   # stored payload size, in bytes
-      "checksum": "sha256:<hex>",     # over the stored payload bytes
+      "checksum": "xxh3-128:<hex>",   # over the stored payload bytes ("sha256:<hex>"
+                                      # is read too)
       "payload": "000001-000000004-3f2a9c1d.payload",  # key relative to checkpoints/
       "attempt": 1, "seq": 4,         # which attempt committed it, and its save number
       "created": 1764412345.123       # Unix time in seconds, from the writer's clock
@@ -50,6 +51,7 @@ KINDS: tuple[Kind, ...] = ("bytes", "file", "directory")
 CODECS: tuple[Codec, ...] = ("gzip", "zstd", "none")
 
 _SUFFIX = ".manifest.json"
+_CHECKSUM_RE = re.compile(r"xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64}")
 _NAME_RE = re.compile(r"^(\d{6,})-(\d{9,})\.manifest\.json$")
 
 
@@ -145,7 +147,7 @@ class Manifest:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(field)
         checksum = raw.get("checksum")
-        if not isinstance(checksum, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", checksum):
+        if not isinstance(checksum, str) or not _CHECKSUM_RE.fullmatch(checksum):
             raise bad("checksum")
         payload = raw.get("payload")
         if not isinstance(payload, str) or "/" in payload or not payload.endswith(".payload"):

@@ -244,6 +244,10 @@ class Store:
 
         self._call("upload to", name, run)
 
+    def get_file(self, name: str, local: str) -> None:
+        """Download ``name`` to the local path ``local``. Raises FileNotFoundError if missing."""
+        self._call("download", name, lambda: self.fs.get_file(self._path(name), local))
+
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[BinaryIO]:
         """A binary stream over ``name``. Raises FileNotFoundError when it is missing.
