@@ -1,0 +1,306 @@
+"""Checkpoint save/restore benchmark: taskpoint against raw transfers and the reference.
+
+Run: uv run python bench/bench_checkpoint.py [--sizes 10,200,1000] [--stores file,s3]
+                                            [--out bench/results.json]
+
+For each store, size (MB of fp32 weights) and shape (one file, or a directory of 8 shards)
+it times, in one process and on the same bytes:
+
+- raw: ``fs.put`` / ``fs.get`` of the file or tree;
+- reference: the spec's approach, stdlib ``tarfile`` "w:gz" to a temp file + ``put_file``
+  (get + extract to restore); files are uploaded as-is;
+- taskpoint blocking save and load;
+- taskpoint background save: the part that blocks the caller;
+- a synthetic training loop (a NumPy matmul per step) saving every few steps in the
+  background, against the same loop without saves;
+- peak extra RSS (MB above the baseline) during taskpoint's save and restore.
+
+It prints a table of ratios and writes every timing as JSON. Timings are medians of
+``--repeat`` runs (the reference, being slow, runs once). Nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+
+import taskpoint
+
+SHARDS = 8
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@contextlib.contextmanager
+def _peak_rss() -> Iterator[dict[str, float]]:
+    """Sample RSS every 5 ms; yields a dict whose 'extra_mb' is set on exit."""
+    result = {"extra_mb": 0.0}
+    base = _rss_mb()
+    peak = base
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, _rss_mb())
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        result["extra_mb"] = max(0.0, peak - base)
+
+
+def _timed(fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None) -> float:
+    times = []
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _make_data(root: Path, size_mb: int, shape: str) -> Path:
+    rng = np.random.default_rng(0)
+    total = size_mb * 1024 * 1024
+    if shape == "file":
+        path = root / "weights.bin"
+        with path.open("wb") as fh:
+            left = total
+            while left:
+                n = min(left, 64 * 1024 * 1024)
+                fh.write(rng.standard_normal(n // 4, dtype=np.float32).tobytes())
+                left -= n
+        return path
+    tree = root / "weights"
+    tree.mkdir()
+    for i in range(SHARDS):
+        with (tree / f"shard-{i:02d}.bin").open("wb") as fh:
+            left = total // SHARDS
+            while left:
+                n = min(left, 64 * 1024 * 1024)
+                fh.write(rng.standard_normal(n // 4, dtype=np.float32).tobytes())
+                left -= n
+    (tree / "meta.json").write_text(json.dumps({"step": 100}))
+    return tree
+
+
+class _Moto:
+    """A moto S3 server on a free loopback port."""
+
+    def __init__(self) -> None:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        self.options = {
+            "key": "bench", "secret": "bench",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{self.port}",
+                              "region_name": "us-east-1"},
+        }
+        import boto3
+
+        boto3.client(
+            "s3", endpoint_url=f"http://127.0.0.1:{self.port}", region_name="us-east-1",
+            aws_access_key_id="bench", aws_secret_access_key="bench",
+        ).create_bucket(Bucket="bench")
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def _store(kind: str, tmp: Path, moto: _Moto | None) -> tuple[str, dict[str, Any]]:
+    if kind == "file":
+        return f"file://{tmp / 'store'}", {}
+    assert moto is not None
+    return f"s3://bench/{tmp.name}", moto.options
+
+
+def _loop_step_time(ckpt: taskpoint.Checkpoint | None, data: Path, steps: int) -> float:
+    """Median step time of a matmul loop; saves ``data`` in the background every 5 steps."""
+    a = np.random.default_rng(1).standard_normal((384, 384), dtype=np.float32)
+    times = []
+    for step in range(steps):
+        started = time.perf_counter()
+        for _ in range(8):
+            a = np.tanh(a @ a * 1e-3)
+        times.append(time.perf_counter() - started)
+        if ckpt is not None and step % 5 == 0:
+            ckpt.save_sync(data, background=True)
+    if ckpt is not None:
+        ckpt.wait()
+    return statistics.median(times)
+
+
+def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, moto: _Moto | None) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="tp-bench-"))
+    try:
+        data = _make_data(tmp, size_mb, shape)
+        url, options = _store(store_kind, tmp, moto)
+        fs, base = fsspec.core.url_to_fs(url, **options)
+        if store_kind == "file":
+            fs.makedirs(base, exist_ok=True)
+        row: dict[str, Any] = {"store": store_kind, "size_mb": size_mb, "shape": shape}
+
+        raw_dst = f"{base}/raw"
+
+        def raw_clean() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(raw_dst, recursive=True)
+
+        if shape == "file":
+            row["raw_save"] = _timed(lambda: fs.put_file(str(data), raw_dst), repeat, raw_clean)
+        else:
+            row["raw_save"] = _timed(lambda: fs.put(str(data), raw_dst, recursive=True), repeat, raw_clean)
+        got = tmp / "raw-got"
+        row["raw_load"] = _timed(
+            lambda: fs.get(raw_dst, str(got), recursive=shape != "file"), repeat,
+            lambda: shutil.rmtree(got, ignore_errors=True) if got.is_dir() else got.unlink(missing_ok=True),
+        )
+
+        ref_obj = f"{base}/reference.{'bin' if shape == 'file' else 'tar.gz'}"
+
+        def ref_save() -> None:
+            if shape == "file":
+                fs.put_file(str(data), ref_obj)
+                return
+            archive = tmp / "reference.tar.gz"
+            with tarfile.open(archive, "w:gz") as tar:
+                tar.add(data, arcname=".")
+            fs.put_file(str(archive), ref_obj)
+            archive.unlink()
+
+        def ref_load() -> None:
+            local = tmp / "ref-download"
+            fs.get_file(ref_obj, str(local))
+            if shape != "file":
+                with tarfile.open(local, "r:gz") as tar:
+                    tar.extractall(tmp / "ref-out", filter="data")
+                shutil.rmtree(tmp / "ref-out")
+            local.unlink()
+
+        row["ref_save"] = _timed(ref_save, 1)
+        row["ref_load"] = _timed(ref_load, 1)
+
+        ckpt = taskpoint.Checkpoint(f"{url}/tp", storage_options=options, workdir=tmp / "restores")
+        with _peak_rss() as save_rss:
+            row["tp_save"] = _timed(lambda: ckpt.save_sync(data), repeat)
+        row["tp_save_rss_mb"] = save_rss["extra_mb"]
+
+        def tp_load() -> None:
+            restored = ckpt.load_sync()
+            assert restored is not None
+            shutil.rmtree(restored.parent)
+
+        with _peak_rss() as load_rss:
+            row["tp_load"] = _timed(tp_load, repeat)
+        row["tp_load_rss_mb"] = load_rss["extra_mb"]
+
+        def background() -> None:
+            ckpt.save_sync(data, background=True)
+
+        row["tp_background_blocked"] = _timed(background, repeat, ckpt.wait)
+        ckpt.wait()
+        if size_mb <= 200:
+            row["loop_step"] = _loop_step_time(None, data, 40)
+            row["loop_step_saving"] = _loop_step_time(ckpt, data, 40)
+        return row
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ratios(row: dict[str, Any]) -> dict[str, float]:
+    r = {
+        "save_vs_reference": row["ref_save"] / row["tp_save"],
+        "save_vs_raw": row["tp_save"] / row["raw_save"],
+        "load_vs_reference": row["ref_load"] / row["tp_load"],
+        "load_vs_raw": row["tp_load"] / row["raw_load"],
+        "raw_throughput_save": row["raw_save"] / row["tp_save"],
+        "raw_throughput_load": row["raw_load"] / row["tp_load"],
+        "background_blocked": row["tp_background_blocked"] / row["tp_save"],
+    }
+    if "loop_step" in row:
+        r["loop_step_slowdown"] = row["loop_step_saving"] / row["loop_step"]
+    return r
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10,200,1000", help="MB per case, comma-separated")
+    parser.add_argument("--shapes", default="file,dir")
+    parser.add_argument("--stores", default="file,s3")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", default="bench/results.json")
+    args = parser.parse_args()
+    stores = args.stores.split(",")
+    moto = _Moto() if "s3" in stores else None
+    rows = []
+    header = (
+        f"{'store':<5} {'MB':>5} {'shape':<5} | {'save/ref':>8} {'save:raw':>8} | "
+        f"{'load/ref':>8} {'load:raw':>8} | {'bg block':>8} {'loop':>6} | {'rss save':>8} {'rss load':>8}"
+    )
+    print("ratios: X/ref = reference time / taskpoint time (higher is better); "
+          "X:raw = taskpoint time / raw time (lower is better); bg block = blocked / "
+          "blocking save; loop = step time while uploading / without; rss in MB")
+    print(header)
+    print("-" * len(header))
+    try:
+        for store in stores:
+            for size in (int(s) for s in args.sizes.split(",")):
+                for shape in args.shapes.split(","):
+                    row = bench_case(store, size, shape, args.repeat, moto)
+                    row["ratios"] = _ratios(row)
+                    rows.append(row)
+                    r = row["ratios"]
+                    loop = f"{r['loop_step_slowdown']:.2f}" if "loop_step_slowdown" in r else "-"
+                    print(
+                        f"{store:<5} {size:>5} {shape:<5} | {r['save_vs_reference']:>8.1f} "
+                        f"{r['save_vs_raw']:>8.2f} | {r['load_vs_reference']:>8.1f} "
+                        f"{r['load_vs_raw']:>8.2f} | {r['background_blocked']:>8.2f} {loop:>6} | "
+                        f"{row['tp_save_rss_mb']:>8.0f} {row['tp_load_rss_mb']:>8.0f}",
+                        flush=True,
+                    )
+    finally:
+        if moto is not None:
+            moto.stop()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"cpus": os.cpu_count(), "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
