@@ -38,7 +38,6 @@ from typing import Any
 
 import fsspec
 import numpy as np
-
 import taskpoint
 
 SHARDS = 8
