@@ -11,7 +11,12 @@ from typing import Any
 import pytest
 import taskpoint_hf_testkit as kit
 from taskpoint import Checkpoint
-from taskpoint_hf import TRAINER_STATE, TaskpointTrainerCallback, last_complete_checkpoint
+from taskpoint_hf import (
+    TRAINER_STATE,
+    TaskpointTrainerCallback,
+    checkpoint_step,
+    last_complete_checkpoint,
+)
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 FULL_MODEL_FILES = {TRAINER_STATE, "model.safetensors", "optimizer.pt", "rng_state.pth"}
@@ -91,12 +96,15 @@ def test_just_in_time_checkpoint_is_uploaded_at_train_end(tmp_path: Path) -> Non
         pytest.skip("this transformers has no just-in-time checkpoints")
     log = tmp_path / "saves.jsonl"
     checkpoint = kit.RecordingCheckpoint(Checkpoint(f"file://{tmp_path / 'store'}"), log)
-    result = kit.run_classifier(
-        checkpoint, tmp_path / "out", callbacks=[_Sigterm(4)], max_steps=40, save_steps=6,
+    kit.run_classifier(  # no regular save within the 40 steps: only the JIT checkpoint
+        checkpoint, tmp_path / "out", callbacks=[_Sigterm(7)], max_steps=40, save_steps=100,
         enable_jit_checkpoint=True,
     )
-    assert 6 < result.global_step < 40  # stopped early by the JIT checkpoint
-    assert [entry["newest"] for entry in kit.read_saves(log)] == [6, result.global_step]
+    written = last_complete_checkpoint(tmp_path / "out")
+    assert written is not None
+    step = checkpoint_step(written)
+    assert step is not None and 7 <= step < 40  # the Trainer stopped early after writing it
+    assert [entry["newest"] for entry in kit.read_saves(log)] == [step]
     restored = Checkpoint(f"file://{tmp_path / 'store'}").load_sync()
     assert restored is not None
-    assert last_complete_checkpoint(restored) == restored / f"checkpoint-{result.global_step}"
+    assert last_complete_checkpoint(restored) == restored / f"checkpoint-{step}"
