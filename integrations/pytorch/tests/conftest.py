@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def child_env() -> dict[str, str]:
     """Environment for child Python processes: one thread, tests folder importable.
 
@@ -48,8 +49,6 @@ def child_env() -> dict[str, str]:
     PYTHONDONTWRITEBYTECODE: each child would otherwise recompile torch's Python sources
     (torch._dynamo alone, imported by every optimizer, takes over 15 s on 2 slow cores).
     """
-    import os
-
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -1,19 +1,17 @@
 """A DDP worker for the torchrun tests (gloo, CPU).
 
-Usage: torchrun --nproc_per_node=2 [--max-restarts=N] tp_torch_ddp_worker.py train URL OUT
+Usage: torchrun --nproc_per_node=2 [--max-restarts=N] tp_torch_ddp_worker.py URL OUT
        [--kill-rank R --kill-step S]
-       torchrun --nproc_per_node=2 tp_torch_ddp_worker.py errors URL OUT
 
-``train`` trains a small DDP model with a shuffling ``DistributedSampler``, dropout drawn
+It trains a small DDP model with a shuffling ``DistributedSampler``, dropout drawn
 from per-rank seeds, Adam and StepLR, saving a ``TaskpointState`` each epoch. In the first
 incarnation of the group (TORCHELASTIC_RESTART_COUNT 0), rank R SIGKILLs itself before
 global step S. Each rank appends JSON events (start, resume, save calls) to
 ``OUT/events-rank<R>.jsonl`` and, when done, writes its final state to
 ``OUT/final-rank<R>.pt``. Then the same processes train again from scratch, without
 checkpoints or failures, and write that uninterrupted reference to
-``OUT/reference-rank<R>.pt``.
-
-``errors`` runs failure scenarios and writes each rank's outcomes to
+``OUT/reference-rank<R>.pt``. Last, the processes run failure scenarios (against a
+store under ``OUT/errors-store``) and write each rank's outcomes to
 ``OUT/errors-rank<R>.json``.
 """
 
@@ -123,7 +121,7 @@ class FailingCheckpoint(RecordingCheckpoint):
         raise RuntimeError("download failed (simulated)")
 
 
-def errors(args: argparse.Namespace, rank: int, out: Path) -> None:
+def errors(rank: int, out: Path) -> None:
     outcomes: dict[str, str] = {}
 
     def attempt(name: str, fn: Any) -> None:
@@ -135,12 +133,12 @@ def errors(args: argparse.Namespace, rank: int, out: Path) -> None:
 
     model = nn.Linear(3, 1)
     state = TaskpointState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    events = out / f"events-rank{rank}.jsonl"
+    events = out / f"errors-events-rank{rank}.jsonl"
     # memory:// is private to each process: only rank 0 sees what rank 0 committed.
-    private = taskpoint.Checkpoint(f"memory://taskpoint-ddp-errors/{args.url.rsplit('/', 1)[-1]}")
+    private = taskpoint.Checkpoint(f"memory://taskpoint-ddp-errors/{out.name}")
     attempt("private-save", lambda: state.save_sync(private, epoch=1))
     attempt("private-restore", lambda: state.restore_sync(private))
-    shared = RecordingCheckpoint(taskpoint.Checkpoint(args.url), events)
+    shared = RecordingCheckpoint(taskpoint.Checkpoint(f"file://{out / 'errors-store'}"), events)
     failing = FailingCheckpoint(shared.inner, events) if rank == 0 else shared
     attempt("rank0-store-fails", lambda: state.save_sync(failing, epoch=1))
     bad_extra = {"loss": np.float64(0.5)} if rank == 0 else {"loss": 0.5}
@@ -154,7 +152,6 @@ def errors(args: argparse.Namespace, rank: int, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "errors"])
     parser.add_argument("url")
     parser.add_argument("out")
     parser.add_argument("--kill-rank", type=int, default=-1)
@@ -166,11 +163,9 @@ def main() -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = Path(args.out)
     try:
-        if args.mode == "train":
-            train(args, rank, restart, out, reference=False)
-            train(args, rank, restart, out, reference=True)
-        else:
-            errors(args, rank, out)
+        train(args, rank, restart, out, reference=False)
+        train(args, rank, restart, out, reference=True)
+        errors(rank, out)
     finally:
         dist.destroy_process_group()
     sys.exit(0)

@@ -299,7 +299,8 @@ class TaskpointState:
         step: int = 0,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
-        """Async :meth:`save_sync`: serialisation runs here, the upload is awaited."""
+        """Async :meth:`save_sync`: the upload is awaited; serialisation, and under
+        ``torch.distributed`` the collectives, run on the calling thread."""
         staged = self._stage(checkpoint, epoch, step, extra)
         try:
             if staged.path is not None:
