@@ -107,11 +107,21 @@ def test_save_last_link_is_stored_as_a_link(tmp_path: Path) -> None:
     assert torch.load(resumed, weights_only=False)["global_step"] == 9
 
 
-def test_mirrors_only_when_lightning_saved(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("options", "mirrors"),
+    [
+        ({"every_n_epochs": 2}, 2),  # after epochs 1 and 3 of 5
+        # steps 3, 6, 9, 12 and 15; Lightning re-links last.ckpt, unchanged, at epoch ends
+        ({"every_n_train_steps": 3, "save_last": "link"}, 5),
+    ],
+)
+def test_mirrors_only_when_lightning_changed_the_folder(
+    tmp_path: Path, options: dict[str, Any], mirrors: int
+) -> None:
     ckpt = lib.RecordingCheckpoint(taskpoint.Checkpoint(f"file://{tmp_path / 'store'}"))
-    mc = TaskpointModelCheckpoint(ckpt, dirpath=tmp_path / "ckpts", every_n_epochs=2)
-    fit(mc, tmp_path, max_epochs=5)
-    assert len(ckpt.saves) == 2  # after epochs 1 and 3
+    mc = TaskpointModelCheckpoint(ckpt, dirpath=tmp_path / "ckpts", **options)
+    fit(mc, tmp_path, max_epochs=3 if "every_n_train_steps" in options else 5)
+    assert len(ckpt.saves) == mirrors
 
 
 @pytest.mark.skipif(
@@ -170,3 +180,26 @@ def test_remote_dirpath_is_refused(tmp_path: Path) -> None:
 def test_checkpoint_argument_is_checked(bad: object) -> None:
     with pytest.raises(TypeError, match="CheckpointLike"):
         TaskpointModelCheckpoint(bad)  # type: ignore[arg-type]
+
+
+class BrokenStore(lib.RecordingCheckpoint):
+    def save_sync(self, data: Any, /) -> None:
+        super()._record(data)
+        raise taskpoint.CheckpointStoreError("store is down", url="test://down")
+
+
+@pytest.mark.skipif(
+    "save_on_exception" not in inspect.signature(ModelCheckpoint).parameters,
+    reason="this Lightning has no ModelCheckpoint(save_on_exception=...)",
+)
+def test_a_failed_mirror_on_exception_keeps_the_training_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = BrokenStore(taskpoint.Checkpoint(f"file://{tmp_path / 'store'}"))
+    mc = TaskpointModelCheckpoint(
+        ckpt, dirpath=tmp_path / "ckpts", every_n_epochs=1, save_on_exception=True
+    )
+    with pytest.raises(lib.Planned):
+        fit(mc, tmp_path, fail_at={2})
+    assert len(ckpt.saves) == 1
+    assert "could not mirror" in caplog.text and "store is down" in caplog.text

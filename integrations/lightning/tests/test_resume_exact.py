@@ -31,7 +31,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, t
 
 
 def run_with_retries(
-    tmp_path: Path, root: str, kind: str, fail_at: set[int], **mc_kwargs: Any
+    tmp_path: Path, root: str, kind: str, fail_at: set[int],
+    trainer_kwargs: dict[str, Any] | None = None, **mc_kwargs: Any,
 ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int] | None]]:
     env = taskpoint.TaskEnvironment(name="lightning-tests", root=root)
     dirpath = tmp_path / "ckpts"
@@ -46,12 +47,12 @@ def run_with_retries(
         L.seed_everything(0)
         model = lib.TinyModule(fail_at=fail)
         mc = TaskpointModelCheckpoint(ckpt, dirpath=dirpath, **mc_kwargs)
-        trainer = lib.trainer([mc], default_root_dir=tmp_path)
+        trainer = lib.trainer([mc], default_root_dir=tmp_path, **(trainer_kwargs or {}))
         try:
             trainer.fit(model, lib.loader(kind), ckpt_path=resume_ckpt_path(ckpt, dirpath=dirpath))
         finally:
             starts.append(model.started_at)
-        return lib.weights(model)
+        return {k: v.cpu() for k, v in lib.weights(model).items()}
 
     return train(), starts
 
@@ -80,3 +81,25 @@ def test_mid_epoch_saves_resume_exactly(
     )
     assert [s[1] for s in starts if s] == [0, 6, 12, 15]
     lib.assert_bitwise_equal(final, reference["resumable"])
+
+
+@pytest.mark.gpu
+def test_cuda_random_state_resumes_exactly(tmp_path: Path) -> None:
+    """On CUDA the input noise and dropout draw from the CUDA generator: it is kept too."""
+    on_cuda = {"accelerator": "cuda"}
+    L.seed_everything(0)
+    model = lib.TinyModule()
+    lib.trainer([], enable_checkpointing=False, default_root_dir=tmp_path, **on_cuda).fit(
+        model, lib.loader("resumable")
+    )
+    reference = {k: v.cpu() for k, v in lib.weights(model).items()}
+
+    final, starts = run_with_retries(
+        tmp_path, f"file://{tmp_path / 'store'}", "resumable", {8, 13},
+        trainer_kwargs=on_cuda, every_n_train_steps=3, save_last=True,
+    )
+    assert [s[1] for s in starts if s] == [0, 6, 12]
+    lib.assert_bitwise_equal(final, reference)
+    saved = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)
+    (state,) = [v for k, v in saved["callbacks"].items() if "Taskpoint" in k]
+    assert len(state["taskpoint_rng"]["ranks"][0]["torch.cuda"]) == torch.cuda.device_count()

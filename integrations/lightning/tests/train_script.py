@@ -31,7 +31,6 @@ def main() -> None:
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
     ckpt = lib.RecordingCheckpoint(Checkpoint(args.store), args.log)
     dirpath = args.workdir / "ckpts"
     L.seed_everything(0)
@@ -45,7 +44,7 @@ def main() -> None:
     if trainer.is_global_zero:
         assert model.started_at is not None
         torch.save(lib.weights(model), args.out)
-        print("STARTED", *model.started_at, flush=True)
+        print("STARTED", *model.started_at, "RESUMED", trainer.ckpt_path, flush=True)
 
 
 if __name__ == "__main__":

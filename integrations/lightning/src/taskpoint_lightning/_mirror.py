@@ -55,7 +55,7 @@ def flush_async_io(checkpoint_io: Any) -> int:
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if async_types and isinstance(current, async_types):
-            current.teardown()
+            current.teardown()  # type: ignore[attr-defined]
             flushed += 1
         current = getattr(current, "checkpoint_io", None)
     return flushed

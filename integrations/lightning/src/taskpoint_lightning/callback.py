@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 import weakref
@@ -27,6 +28,7 @@ from taskpoint import CheckpointLike, TaskpointWarning
 
 from taskpoint_lightning._mirror import flush_async_io, unfinished_files
 from taskpoint_lightning._rng import capture_rng, pick_rng, restore_rng
+from taskpoint_lightning.resume import filled_by_resume
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -68,7 +70,7 @@ class _TaskpointMirror:
 
     # Set by ModelCheckpoint; declared for readers.
     dirpath: Any
-    save_last: Any
+    last_model_path: str
     _last_checkpoint_saved: str
 
     def __init__(self, checkpoint: CheckpointLike, *args: Any, **kwargs: Any) -> None:
@@ -86,7 +88,11 @@ class _TaskpointMirror:
     # -- setup ------------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)  # type: ignore[misc]
+        with warnings.catch_warnings():
+            if self.dirpath is not None and filled_by_resume(self.dirpath):
+                # resume_ckpt_path(..., dirpath=...) filled the folder on purpose.
+                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* not empty")
+            super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         if self.dirpath is not None and not _is_local_file_protocol(self.dirpath):
             raise ValueError(
                 f"{type(self).__name__} mirrors a local folder to the store, but "
@@ -102,8 +108,10 @@ class _TaskpointMirror:
         self._unmirrored = True
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: Any) -> None:
+        # save_last="link" only (re)makes a link, often to the file it already names.
+        before = _last_state(self.last_model_path)
         super()._save_last_checkpoint(trainer, monitor_candidates)  # type: ignore[misc]
-        if self.save_last:  # covers save_last="link", which only makes a link
+        if _last_state(self.last_model_path) != before:
             self._unmirrored = True
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
@@ -135,7 +143,13 @@ class _TaskpointMirror:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         super().on_exception(trainer, pl_module, exception)  # type: ignore[misc]
-        self._mirror(trainer)
+        try:
+            self._mirror(trainer)
+        except Exception as exc:  # never hide the exception that stopped training
+            log.warning(
+                "could not mirror %s to %s while handling %s: %s: %s", self.dirpath,
+                _describe(self._taskpoint), type(exception).__name__, type(exc).__name__, exc,
+            )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
@@ -222,6 +236,14 @@ class _TaskpointMirror:
             self._rng_for_train_start = None
 
 
+def _last_state(path: str) -> tuple[str, str | None]:
+    """``save_last``'s file, and where it links to if it is a link."""
+    try:
+        return path, os.readlink(path) if path and os.path.islink(path) else None
+    except OSError:
+        return path, None
+
+
 def _mid_epoch(trainer: pl.Trainer) -> bool:
     """Whether training is inside an epoch whose batches are not all done."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
@@ -261,6 +283,10 @@ class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
     Raises:
         TypeError: ``checkpoint`` is not checkpoint-like (``None`` included).
         ValueError: at setup, ``dirpath`` is not a local folder.
+        taskpoint.CheckpointError: a mirror failed (after the store's own retries); the
+            training stops and a retry resumes from the previous mirror. A mirror failing
+            while Lightning handles another exception is logged instead, so that
+            exception is the one raised.
 
     Example::
 

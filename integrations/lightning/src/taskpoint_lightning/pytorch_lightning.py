@@ -24,7 +24,7 @@ from taskpoint_lightning.callback import _TaskpointMirror  # noqa: E402
 __all__ = ["TaskpointModelCheckpoint"]
 
 
-class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
+class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):  # type: ignore[misc]  # (its Trainer class differs)
     """:class:`taskpoint_lightning.TaskpointModelCheckpoint` for ``pytorch_lightning``.
 
     Same arguments and behaviour; see that class.

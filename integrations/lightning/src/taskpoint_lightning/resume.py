@@ -21,6 +21,12 @@ __all__ = ["resume_ckpt_path"]
 log = logging.getLogger(__name__)
 
 _RANK_VARIABLES = ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+_filled: set[str] = set()
+
+
+def filled_by_resume(dirpath: str | os.PathLike[str]) -> bool:
+    """Whether :func:`resume_ckpt_path` restored a tree into ``dirpath`` in this process."""
+    return os.path.realpath(dirpath) in _filled
 
 
 def _is_global_zero() -> bool:
@@ -75,6 +81,7 @@ def resume_ckpt_path(
     root = restored
     if dirpath is not None and restored.is_dir() and _is_global_zero():
         root = _replace_tree(restored, Path(dirpath))
+        _filled.add(os.path.realpath(root))
     found = latest_checkpoint(root, "**/last*.ckpt") or latest_checkpoint(root, "**/*.ckpt")
     if found is None:
         log.warning("the restored checkpoint %s holds no .ckpt file; starting afresh", root)
