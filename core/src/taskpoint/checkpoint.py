@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import json
 import logging
@@ -71,6 +72,8 @@ ATTEMPTS = "attempts"
 STATUS = "status.json"
 """The object, under a checkpoint's URL, that records how the action finished."""
 BYTES_NAME = "checkpoint.bin"
+BACKGROUND_NICE = 10
+"""The nice value background uploads run at, below the training loop's threads."""
 """The file name a restored bytes payload gets."""
 
 
@@ -608,6 +611,7 @@ class _Background:
             self._queued = None
 
     def _run(self) -> None:
+        _lower_priority()
         while True:
             with self._cond:
                 if self._queued is None:
@@ -638,6 +642,15 @@ class _Background:
         with self._cond:
             error, self._error = self._error, None
             return error
+
+
+def _lower_priority() -> None:
+    """Make the calling thread (and the threads it starts) yield the CPU to training.
+
+    Linux schedules threads individually, so this lowers the upload's priority only.
+    """
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
 def _discard(source: _Source) -> None:
