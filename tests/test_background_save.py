@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -52,7 +52,12 @@ def test_background_save_returns_before_the_upload(slow_url: str) -> None:
     assert Checkpoint(slow_url).load_sync().read_bytes() == b"state"  # type: ignore[union-attr]
 
 
-def test_snapshot_is_taken_before_returning(slow_url: str, tmp_path: Path) -> None:
+def test_snapshot_is_taken_before_returning(
+    slow_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
     SlowMemoryFileSystem.delay = 0.3
     tree = tmp_path / "tree"
     tree.mkdir()
@@ -71,8 +76,7 @@ def test_snapshot_is_taken_before_returning(slow_url: str, tmp_path: Path) -> No
     single.write_bytes(b"file-v2")
     ckpt.wait()
     assert Checkpoint(slow_url).load_sync().read_bytes() == b"file-v1"  # type: ignore[union-attr]
-    leftovers = list(Path(os.environ.get("TMPDIR", "/tmp")).glob("taskpoint-snapshot-*"))
-    assert not [p for p in leftovers if p.exists() and any(p.iterdir())]
+    assert not list(private_tmp.glob("taskpoint-snapshot-*")), "snapshots are removed"
 
 
 def test_newer_save_supersedes_a_queued_one(slow_url: str) -> None:

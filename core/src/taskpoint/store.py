@@ -7,17 +7,33 @@ the URL. ``FileNotFoundError`` passes through unchanged: callers decide what "mi
 
 Writes of small objects (:meth:`Store.write_atomic`) are all-or-nothing: on a local disk
 through a temporary file and ``os.replace``, on object stores through a single PUT.
+
+On object stores (S3, GCS, Azure Blob) a payload is first spooled to a local temporary
+file, then uploaded with the backend's multipart (S3), resumable (GCS) or block (Azure)
+upload, parts in parallel where the backend can (see :class:`Transfer`). A transient failure
+repeats the upload from the spool, not the producer. After a successful upload,
+multipart uploads left behind under the same folder by interrupted saves (S3 in-progress
+uploads, Azure uncommitted blocks) are aborted, so they are neither billed nor visible.
+A bucket or container that does not exist is reported as such, never created, and never
+taken for "no checkpoint yet".
 """
 
 from __future__ import annotations
 
+import asyncio
+import builtins
 import contextlib
 import errno
+import io
 import logging
 import os
+import re
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
 import fsspec
@@ -25,7 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from taskpoint.errors import CheckpointError, CheckpointStoreError
 
-__all__ = ["RetryPolicy", "Store"]
+__all__ = ["RetryPolicy", "Store", "Transfer", "is_transient"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +55,38 @@ _PERMANENT_OS_ERRORS = (
     FileExistsError,
 )
 _PERMANENT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EINVAL}
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+# Exception classes of the object-store clients (matched by name along the MRO, so that
+# none of those libraries has to be importable) that mean "the network or the service
+# hiccuped": botocore, aiohttp, azure-core, requests, fsspec.
+_TRANSIENT_NAMES = {
+    "HTTPClientError",
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "ResponseStreamingError",
+    "IncompleteReadError",
+    "ClientOSError",
+    "ClientConnectionError",
+    "ServerDisconnectedError",
+    "ClientPayloadError",
+    "ServerTimeoutError",
+    "ServiceRequestError",
+    "ServiceResponseError",
+    "ChunkedEncodingError",
+    "FSTimeoutError",
+}
+# Words in an error's text that mean the store refused who we are: never retried.
+_DENIED = re.compile(
+    r"\b(Forbidden|Unauthori[sz]ed|AccessDenied|Access Denied|InvalidAccessKeyId|"
+    r"SignatureDoesNotMatch|AuthenticationFailed|AuthorizationFailure|InvalidClientTokenId|"
+    r"Invalid Credentials)\b",
+    re.IGNORECASE,
+)
+_MIN_S3_PART = 5 * 2**20
+_GCS_CHUNK = 256 * 2**10
+_BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 
 
 class RetryPolicy:
@@ -62,20 +110,107 @@ class RetryPolicy:
         return float(min(self.maximum, self.initial * (2**retry)))
 
 
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status a client exception carries, when it carries one."""
+    for attr in ("status_code", "status", "code"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int) and 100 <= value < 600:
+            return value
+        if isinstance(value, str) and value.isdigit() and 100 <= int(value) < 600:
+            return int(value)
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError
+        value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _is_denied(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store refused the credentials or the permission."""
+    if isinstance(exc, PermissionError):
+        return True
+    status = _status(exc)
+    if status in (401, 403):
+        return True
+    name = type(exc).__name__
+    return "Authentication" in name or (
+        isinstance(exc, OSError) and exc.errno is None and bool(_DENIED.search(str(exc)))
+    )
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether a failed store call is worth repeating.
 
-    Connection resets, timeouts and generic I/O errors (what fsspec backends raise for
-    HTTP 5xx and throttling) are transient; missing objects, refused permissions, full or
-    read-only disks and every non-``OSError`` exception are not.
+    Transient: connection resets and refusals, timeouts, HTTP 408, 429 and 5xx
+    (throttling and server errors) however the client library reports them, and generic
+    I/O errors. Permanent: missing objects, refused credentials or permissions, full or
+    read-only disks, other HTTP 4xx, and every other exception.
     """
-    if isinstance(exc, (ConnectionError, TimeoutError)):
+    if _is_denied(exc):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
         return True
     if isinstance(exc, _PERMANENT_OS_ERRORS):
         return False
+    status = _status(exc)
+    if status is not None:
+        return status in _TRANSIENT_STATUS
+    if any(cls.__name__ in _TRANSIENT_NAMES for cls in type(exc).__mro__):
+        return True
     if isinstance(exc, OSError):
         return exc.errno not in _PERMANENT_ERRNOS
-    return type(exc).__name__ in {"ClientOSError", "ServerDisconnectedError", "ClientPayloadError"}
+    return False
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number; got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1; got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """How payloads move to and from object stores.
+
+    Args:
+        part_size: bytes per multipart part (S3: at least 5 MiB; GCS: rounded to 256 KiB;
+            Azure: block size and the largest single PUT). Objects of two parts or more
+            upload in parts.
+        concurrency: parts moved at once (S3 and Azure; GCS uploads sequentially).
+
+    The defaults come from ``TASKPOINT_PART_SIZE`` and ``TASKPOINT_TRANSFER_CONCURRENCY``
+    when set (see :meth:`from_env`), else 32 MiB and 8.
+    """
+
+    part_size: int = 32 * 2**20
+    concurrency: int = 8
+
+    def __post_init__(self) -> None:
+        if self.part_size < 1:
+            raise ValueError(f"part_size must be at least 1 byte; got {self.part_size!r}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1; got {self.concurrency!r}")
+
+    @classmethod
+    def from_env(cls) -> Transfer:
+        """The settings from ``TASKPOINT_PART_SIZE`` / ``TASKPOINT_TRANSFER_CONCURRENCY``.
+
+        Raises:
+            ValueError: a variable is set to something other than a positive integer.
+        """
+        default = cls()
+        return cls(
+            part_size=_env_int("TASKPOINT_PART_SIZE", default.part_size),
+            concurrency=_env_int("TASKPOINT_TRANSFER_CONCURRENCY", default.concurrency),
+        )
 
 
 class Store:
@@ -86,7 +221,10 @@ class Store:
     Args:
         url: any fsspec URL or a local path.
         storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
-        retry: the policy for transient failures.
+        retry: the policy for transient failures. On Azure it also paces the SDK's own
+            per-request retries (whose default first wait is 15 s).
+        transfer: part size and parallelism of object-store transfers; by default
+            :meth:`Transfer.from_env`.
     """
 
     def __init__(
@@ -94,12 +232,15 @@ class Store:
         url: str,
         storage_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        transfer: Transfer | None = None,
     ) -> None:
         self._url = url.rstrip("/") or url
         self._options = dict(storage_options or {})
         self._retry = retry or RetryPolicy()
+        self._transfer = transfer or Transfer.from_env()
         self._fs: fsspec.AbstractFileSystem | None = None
         self._base = ""
+        self._bucket_ok = False
 
     @property
     def url(self) -> str:
@@ -132,6 +273,7 @@ class Store:
                     url=self._url,
                 ) from exc
             self._fs, self._base = fs, base.rstrip("/")
+            self._tune(fs)
         return self._fs
 
     @property
@@ -139,17 +281,32 @@ class Store:
         """Whether the store is the local filesystem."""
         return isinstance(self.fs, LocalFileSystem)
 
+    @property
+    def _protocols(self) -> set[str]:
+        protocol = self.fs.protocol
+        return {protocol} if isinstance(protocol, str) else set(protocol)
+
+    @property
+    def is_object_store(self) -> bool:
+        """Whether the store is a bucket (or container) of S3, GCS or Azure Blob."""
+        return bool(self._protocols & _BUCKET_PROTOCOLS)
+
     def _path(self, name: str) -> str:
         fs = self.fs
         return f"{self._base}/{name}" if name else self._base or fs.root_marker
 
     def _call(self, what: str, name: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``, retrying transient failures; translate all but FileNotFoundError."""
+        """Run ``fn``, retrying transient failures; translate all but FileNotFoundError.
+
+        A FileNotFoundError from an object store whose bucket is missing becomes a
+        CheckpointStoreError saying so.
+        """
         url = self.url_of(name)
         for retry in range(self._retry.attempts):
             try:
                 return fn()
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                self._check_bucket(exc)
                 raise
             except CheckpointError:
                 raise
@@ -157,9 +314,15 @@ class Store:
                 last = retry == self._retry.attempts - 1
                 if not is_transient(exc) or last:
                     tries = f" after {retry + 1} tries" if retry else ""
+                    hint = (
+                        " (the store refused the credentials or the permission: check "
+                        "storage_options or the credentials in the environment)"
+                        if _is_denied(exc)
+                        else ""
+                    )
                     raise CheckpointStoreError(
                         f"checkpoint store failed to {what} {url}{tries}: "
-                        f"{type(exc).__name__}: {exc}",
+                        f"{type(exc).__name__}: {exc}{hint}",
                         url=url,
                     ) from exc
                 delay = self._retry.delay(retry)
@@ -169,6 +332,29 @@ class Store:
                 )
                 time.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _check_bucket(self, cause: BaseException) -> None:
+        """Raise CheckpointStoreError if this object store's bucket does not exist."""
+        if self._bucket_ok or not self.is_object_store:
+            return
+        bucket = self._base.split("/", 1)[0]
+        if not bucket:
+            return
+        try:
+            with contextlib.suppress(Exception):
+                self.fs.invalidate_cache(bucket)
+            exists = bool(self.fs.exists(bucket))
+        except Exception:  # cannot tell: let the original error speak
+            return
+        if exists:
+            self._bucket_ok = True
+            return
+        raise CheckpointStoreError(
+            f"checkpoint store {self._url} is unusable: bucket {bucket!r} does not exist "
+            "(taskpoint never creates buckets or containers: create it, or fix the URL "
+            "or the endpoint)",
+            url=self._url,
+        ) from cause
 
     def _invalidate(self, name: str) -> None:
         with contextlib.suppress(Exception):
@@ -180,7 +366,11 @@ class Store:
             self.fs.makedirs(parent, exist_ok=True)
 
     def list(self, prefix: str) -> list[str]:
-        """Names of the objects directly under ``prefix``; ``[]`` when it does not exist."""
+        """Names of the objects directly under ``prefix``; ``[]`` when it does not exist.
+
+        Raises:
+            CheckpointStoreError: the store failed, or its bucket does not exist.
+        """
 
         def run() -> list[str]:
             self._invalidate(prefix)
@@ -188,7 +378,8 @@ class Store:
                 # detail=False: no per-entry stat, so an entry vanishing mid-listing (a
                 # concurrent prune) cannot make the whole prefix look missing.
                 entries = self.fs.ls(self._path(prefix), detail=False)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                self._check_bucket(exc)
                 return []
             return sorted(os.path.basename(str(e).rstrip("/")) for e in entries)
 
@@ -223,38 +414,216 @@ class Store:
     def write_stream(self, name: str, produce: Callable[[BinaryIO], None]) -> None:
         """Create ``name`` from what ``produce`` writes to the stream it is handed.
 
-        On a transient failure the whole object is produced again, so ``produce`` must be
-        repeatable. A failed write may leave a partial object behind; callers write
-        payloads under fresh names and commit them separately.
+        On an object store, ``produce`` runs once into a local spool, which is then
+        uploaded (in parallel parts when large); a transient failure uploads the spool
+        again. Elsewhere ``produce`` writes straight to the store and runs again on a
+        transient failure, so it must be repeatable. A failed write may leave a partial
+        object behind; callers write payloads under fresh names and commit them separately.
+        After a successful upload to an object store, interrupted multipart uploads in the
+        same folder whose names sort at or before ``name`` are aborted.
+        """
+        if not self.is_object_store:
+
+            def run() -> None:
+                self._makedirs(name)
+                with self.fs.open(self._path(name), "wb") as fh:
+                    produce(fh)
+
+            self._call("write", name, run)
+            return
+        spool = _Spool(self._transfer.part_size)
+        try:
+            produce(spool)  # type: ignore[arg-type]
+            spool.finish()
+            self._call("write", name, lambda: self._upload(spool, name))
+        finally:
+            spool.discard()
+        self._abort_interrupted_uploads(name)
+
+    def _upload(self, spool: _Spool, name: str) -> None:
+        if spool.path is None:
+            self._lost_upload_is_transient(lambda: self.fs.pipe_file(self._path(name), spool.data))
+        else:
+            self._put(spool.path, name)
+
+    def _put(self, local: str, name: str) -> None:
+        path = self._path(name)
+        self._lost_upload_is_transient(
+            lambda: self.fs.put_file(local, path, **self._part_options()), local
+        )
+        self._invalidate(name)
+
+    def _lost_upload_is_transient(self, upload: Callable[[], Any], local: str | None = None) -> None:
+        """Run ``upload``; a "not found" from an object store becomes a transient error.
+
+        Uploading creates the object, so "not found" means a missing bucket (raised as
+        such) or a multipart upload the store lost (a restart; an abort by a clean-up),
+        which uploading again from the start mends.
+        """
+        try:
+            upload()
+        except FileNotFoundError as exc:
+            if not self.is_object_store or (local is not None and not os.path.exists(local)):
+                raise
+            self._check_bucket(exc)
+            raise _LostUpload(f"the store lost the upload in progress: {exc}") from exc
+
+    def _part_options(self) -> dict[str, Any]:
+        protocols = self._protocols
+        part, concurrency = self._transfer.part_size, self._transfer.concurrency
+        if protocols & {"s3", "s3a"}:
+            return {"chunksize": max(part, _MIN_S3_PART), "max_concurrency": concurrency}
+        if protocols & {"gs", "gcs"}:
+            return {"chunksize": max(_GCS_CHUNK, part - part % _GCS_CHUNK)}
+        if protocols & {"az", "abfs", "abfss"}:
+            return {"max_concurrency": concurrency}
+        return {}
+
+    def _tune(self, fs: fsspec.AbstractFileSystem) -> None:
+        """Fit the backend to this store's transfer and retry settings where it allows.
+
+        Azure's SDK takes its block size and retry policy only when its client is built,
+        which adlfs does without passing them on: they are set on the built client.
+        """
+        if type(fs).__name__ != "AzureBlobFileSystem":
+            return
+        clients = getattr(fs, "service_client", None)
+        for client in clients if isinstance(clients, list) else [clients]:
+            config = getattr(client, "_config", None)
+            if config is None:
+                continue
+            part = self._transfer.part_size
+            for attr in ("max_single_put_size", "max_block_size"):
+                if hasattr(config, attr):
+                    setattr(config, attr, part)
+            policy = getattr(config, "retry_policy", None)
+            if policy is None or not hasattr(policy, "get_backoff_time"):
+                continue
+            retries = self._retry.attempts - 1
+            for attr in ("total_retries", "connect_retries", "read_retries", "status_retries"):
+                if hasattr(policy, attr):
+                    setattr(policy, attr, retries)
+            policy.get_backoff_time = _backoff(self._retry)
+
+    def _abort_interrupted_uploads(self, name: str, *, everything: bool = False) -> None:
+        """Abort unfinished multipart uploads next to ``name`` that sort at or before it.
+
+        Names in a folder are ordered oldest first, so those uploads belong to saves that
+        were interrupted or superseded; later names may be another writer's, in flight.
+        With ``everything``, every unfinished upload under ``name`` (a prefix) goes.
+        Best effort: a failure is logged, never raised.
+        """
+        if everything:
+            folder, last = name, None
+        else:
+            folder, _, last = name.rpartition("/")
+        prefix = self._path(folder).rstrip("/") + "/"
+        try:
+            protocols = self._protocols
+            if protocols & {"s3", "s3a"}:
+                aborted = self._abort_s3_uploads(prefix, last)
+            elif protocols & {"az", "abfs", "abfss"}:
+                aborted = self._abort_azure_blocks(prefix, last)
+            else:
+                return  # GCS: resumable sessions cannot be listed; they expire in a week
+        except Exception as exc:
+            log.warning(
+                "could not clean up interrupted uploads under %s: %s: %s",
+                self.url_of(folder), type(exc).__name__, exc,
+            )
+            return
+        for key in aborted:
+            log.info("aborted interrupted upload %s", key)
+
+    @staticmethod
+    def _stale(rest: str, last: str | None) -> bool:
+        return last is None or ("/" not in rest and rest <= last)
+
+    def _abort_s3_uploads(self, prefix: str, last: str | None) -> builtins.list[str]:
+        fs: Any = self.fs
+        bucket, _, key_prefix = prefix.partition("/")
+        listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key_prefix)
+        aborted = []
+        for upload in listing.get("Uploads", []):
+            key = upload["Key"]
+            if self._stale(key[len(key_prefix):], last):
+                fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"]
+                )
+                aborted.append(f"{bucket}/{key}")
+        return aborted
+
+    def _abort_azure_blocks(self, prefix: str, last: str | None) -> builtins.list[str]:
+        from fsspec.asyn import sync
+
+        fs: Any = self.fs
+        container, _, blob_prefix = prefix.partition("/")
+
+        async def run() -> builtins.list[str]:
+            client = fs.service_client.get_container_client(container)
+            every = {
+                blob.name
+                async for blob in client.list_blobs(
+                    name_starts_with=blob_prefix, include=["uncommittedblobs"]
+                )
+            }
+            committed = {
+                blob.name async for blob in client.list_blobs(name_starts_with=blob_prefix)
+            }
+            aborted = []
+            for blob in sorted(every - committed):
+                if self._stale(blob[len(blob_prefix):], last):
+                    # Uncommitted blocks go when a block list is committed; then delete.
+                    blob_client = client.get_blob_client(blob)
+                    await blob_client.commit_block_list([])
+                    await blob_client.delete_blob()
+                    aborted.append(f"{container}/{blob}")
+            return aborted
+
+        return builtins.list(sync(fs.loop, run))
+
+    def put_file(self, local: str, name: str) -> None:
+        """Upload the local file ``local`` to ``name``.
+
+        On object stores: in parallel parts when large, then interrupted uploads are
+        cleaned up as by :meth:`write_stream`.
         """
 
         def run() -> None:
             self._makedirs(name)
-            with self.fs.open(self._path(name), "wb") as fh:
-                produce(fh)
-
-        self._call("write", name, run)
-
-    def put_file(self, local: str, name: str) -> None:
-        """Upload the local file ``local`` to ``name``."""
-
-        def run() -> None:
-            self._makedirs(name)
-            self.fs.put_file(local, self._path(name))
+            self._put(local, name)
 
         self._call("upload to", name, run)
+        if self.is_object_store:
+            self._abort_interrupted_uploads(name)
 
     def get_file(self, name: str, local: str) -> None:
-        """Download ``name`` to the local path ``local``. Raises FileNotFoundError if missing."""
-        self._call("download", name, lambda: self.fs.get_file(self._path(name), local))
+        """Download ``name`` to the local path ``local``. Raises FileNotFoundError if missing.
+
+        On object stores in parallel ranged parts where the backend can; a failed
+        download is retried whole.
+        """
+        self._call("download", name, lambda: self._download(name, local))
 
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[BinaryIO]:
         """A binary stream over ``name``. Raises FileNotFoundError when it is missing.
 
-        Opening is retried. A failure while reading raises CheckpointStoreError from the
-        stream's ``read``, so a caller can tell a store fault from bad content.
+        Opening is retried; on an object store the whole object is downloaded first (in
+        parallel parts where the backend can), and a failed download is retried. A failure
+        while reading raises CheckpointStoreError from the stream's ``read``, so a caller
+        can tell a store fault from bad content.
         """
+        if self.is_object_store:
+            folder = tempfile.mkdtemp(prefix="taskpoint-download-")
+            local = os.path.join(folder, "payload")
+            try:
+                self._call("download", name, lambda: self._download(name, local))
+                with open(local, "rb") as fh:
+                    yield _GuardedReader(fh, self.url_of(name))  # type: ignore[misc]
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            return
         fh = self._call("open", name, lambda: self.fs.open(self._path(name), "rb"))
         try:
             yield _GuardedReader(fh, self.url_of(name))  # type: ignore[misc]
@@ -262,12 +631,21 @@ class Store:
             with contextlib.suppress(Exception):
                 fh.close()
 
+    def _download(self, name: str, local: str) -> None:
+        options = self._part_options()
+        if self._protocols & {"gs", "gcs"}:
+            options = {}
+        self.fs.get_file(self._path(name), local, **options)
+
     def size(self, name: str) -> int:
         """The size of ``name`` in bytes. Raises FileNotFoundError when it is missing."""
         return self._call("stat", name, lambda: int(self.fs.size(self._path(name))))
 
     def remove_tree(self, name: str = "") -> None:
-        """Delete ``name`` and everything under it; a missing prefix is not an error."""
+        """Delete ``name`` and everything under it; a missing prefix is not an error.
+
+        On object stores, unfinished multipart uploads under it are aborted as well.
+        """
 
         def run() -> None:
             path = self._path(name)
@@ -277,6 +655,8 @@ class Store:
             self._invalidate(name)
 
         self._call("delete", name, run)
+        if self.is_object_store:
+            self._abort_interrupted_uploads(name, everything=True)
 
     def remove(self, name: str) -> None:
         """Delete ``name``; a name that is already gone is not an error."""
@@ -286,6 +666,78 @@ class Store:
                 self.fs.rm_file(self._path(name))
 
         self._call("delete", name, run)
+
+
+class _LostUpload(ConnectionError):
+    """An object store no longer knows an upload it had begun: worth starting over."""
+
+
+def _backoff(retry: RetryPolicy) -> Callable[[dict[str, Any]], float]:
+    """Azure's ``get_backoff_time`` following ``retry`` (its count starts at 1)."""
+
+    def backoff(settings: dict[str, Any]) -> float:
+        return retry.delay(max(0, int(settings.get("count", 1)) - 1))
+
+    return backoff
+
+
+class _Spool:
+    """A write-only stream kept in memory up to ``limit`` bytes, then in a temporary file."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._memory: io.BytesIO | None = io.BytesIO()
+        self._file: BinaryIO | None = None
+        self.path: str | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._memory is not None:
+            if self._memory.tell() + len(data) <= self._limit:
+                return self._memory.write(data)
+            fd, self.path = tempfile.mkstemp(prefix="taskpoint-upload-")
+            self._file = os.fdopen(fd, "wb")
+            self._file.write(self._memory.getbuffer())
+            self._memory = None
+        assert self._file is not None
+        return self._file.write(data)
+
+    @property
+    def data(self) -> bytes:
+        """The spooled bytes, while they are in memory."""
+        assert self._memory is not None
+        return self._memory.getvalue()
+
+    def finish(self) -> None:
+        """Flush what was written to the file, if any."""
+        if self._file is not None:
+            self._file.close()
+
+    def discard(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        """Does nothing: :meth:`Store.write_stream` finishes the spool."""
 
 
 class _GuardedReader:

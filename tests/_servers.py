@@ -1,0 +1,818 @@
+"""Object-store servers on loopback for the test suite, and a proxy that injects faults.
+
+Three real servers speak the real protocols, each started on a free loopback port and
+stopped afterwards:
+
+- S3: moto's server (``python -m moto.server``), with IAM authentication switched on so
+  that wrong credentials are refused.
+- Azure Blob: Azurite (the npm package; ``.ci/run`` installs it into ``.ci/node``; set
+  ``TASKPOINT_AZURITE`` to another ``azurite-blob`` executable).
+- GCS: ``gcp-storage-emulator``.
+
+:class:`FaultProxy` sits between a client and one of them. It forwards HTTP/1.1 requests
+one by one and, when told to, answers one with an error status (500, 503, throttling),
+resets the connection (before or part-way through a request body), hangs until the
+client times out, or holds a request until the test releases it (to kill the server while
+an upload is in flight). Every fault is real network behaviour seen by the real client
+library; nothing in the client is patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+REPO = Path(__file__).resolve().parent.parent
+
+__all__ = [
+    "SERVERS",
+    "Azurite",
+    "FaultProxy",
+    "GcsEmulator",
+    "MotoS3",
+    "ObjectServer",
+    "ServerUnavailable",
+    "free_port",
+]
+
+
+class ServerUnavailable(RuntimeError):
+    """A server could not be started here (a missing executable, or it did not answer)."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback address that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerUnavailable(
+                f"exited with status {proc.returncode} before listening on port {port}: "
+                f"{_tail(log)}"
+            )
+        try:
+            socket.create_connection((LOOPBACK, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise ServerUnavailable(f"did not listen on port {port} within {timeout:.0f}s: {_tail(log)}")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the test process dies (Linux only), so
+    that a killed or timed-out pytest leaves no server behind."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _tail(log: Path, size: int = 1500) -> str:
+    try:
+        return log.read_text(errors="replace")[-size:].strip() or "(no output)"
+    except OSError:
+        return "(no output)"
+
+
+# -- servers ------------------------------------------------------------------------------
+
+
+class ObjectServer:
+    """One object-store server process on a loopback port.
+
+    Subclasses say how to start it (:meth:`command`), how clients reach it
+    (:meth:`storage_options`, :meth:`environment`) and what its error responses look like
+    (:meth:`error_response`).
+    """
+
+    name = "object store"
+    scheme = ""
+    startup_timeout = 90.0
+
+    def __init__(self, workdir: Path, *, persistent: bool = False) -> None:
+        self.workdir = workdir
+        self.persistent = persistent
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log = workdir / f"{self.scheme}-server.log"
+
+    # what subclasses provide
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def extra_env(self) -> dict[str, str]:
+        return {}
+
+    def storage_options(self, endpoint: str | None = None, **overrides: Any) -> dict[str, Any]:
+        """fsspec options reaching the server at ``endpoint`` (the server by default)."""
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str]:
+        """Environment variables that make the backend reach the server without options."""
+        raise NotImplementedError
+
+    def error_response(self, kind: str) -> tuple[int, str, dict[str, str], bytes]:
+        """``(status, reason, headers, body)`` of the server's own answer for ``kind``."""
+        raise NotImplementedError
+
+    def after_start(self) -> None:
+        """Runs once the port answers (create users, replay state, ...)."""
+
+    # lifecycle
+    @property
+    def endpoint(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self) -> None:
+        """Start the process and wait until it listens.
+
+        Raises:
+            ServerUnavailable: the executable is missing, or the server did not come up.
+        """
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cmd = self.command()
+        env = {**os.environ, **self.extra_env()}
+        with self._log.open("ab") as log:
+            try:
+                self.process = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=self.workdir,
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                )
+            except OSError as exc:
+                raise ServerUnavailable(f"cannot run {cmd[0]}: {exc}") from exc
+        try:
+            _wait_for_port(self.port, self.process, self.startup_timeout, self._log)
+            self.after_start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop the process (SIGTERM, then SIGKILL) and wait for it."""
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        """SIGKILL the process, as a crash would, and wait until it is gone."""
+        proc, self.process = self.process, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        """Start again on the same port (after :meth:`kill` or :meth:`stop`)."""
+        self.stop()
+        self.start()
+
+    def url(self, bucket: str, prefix: str = "") -> str:
+        return f"{self.scheme}://{bucket}/{prefix}".rstrip("/")
+
+    def filesystem(self, **overrides: Any) -> Any:
+        import fsspec
+
+        options = self.storage_options(**overrides)
+        return fsspec.filesystem(self.scheme, skip_instance_cache=True, **options)
+
+    def create_bucket(self, bucket: str) -> None:
+        self.filesystem().mkdir(bucket)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.endpoint})"
+
+
+class MotoS3(ObjectServer):
+    """moto's S3 server. ``auth=True`` checks signatures against an IAM user it creates.
+
+    moto keeps its state in memory only. A ``persistent`` server records every request
+    (moto's recorder) and replays the record into the restarted process, standing in for
+    S3's durable storage when a test kills the server.
+    """
+
+    name = "moto S3 server"
+    scheme = "s3"
+    region = "us-east-1"
+
+    def __init__(self, workdir: Path, *, persistent: bool = False, auth: bool = True) -> None:
+        super().__init__(workdir, persistent=persistent)
+        self.auth = auth and not persistent
+        self.key = "testing"
+        self.secret = "testing"
+        self._record = workdir / "moto-recording.jsonl"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(self.port)]
+
+    def extra_env(self) -> dict[str, str]:
+        env = {"MOTO_CALL_RESET_API": "false", "AWS_EC2_METADATA_DISABLED": "true"}
+        if self.auth:
+            # The first three actions (the IAM setup below) run unauthenticated.
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
+        if self.persistent:
+            env["MOTO_ENABLE_RECORDING"] = "true"
+            env["MOTO_RECORDER_FILEPATH"] = str(self._record)
+        return env
+
+    def after_start(self) -> None:
+        if self.persistent and self._record.exists() and self._record.stat().st_size:
+            self._api("POST", "/moto-api/recorder/replay-recording")
+            return
+        if self.auth:
+            self._create_iam_user()
+
+    def _api(self, method: str, path: str) -> bytes:
+        request = urllib.request.Request(self.endpoint + path, method=method, data=b"")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return bytes(response.read())
+
+    def _create_iam_user(self) -> None:
+        import boto3
+
+        iam = boto3.client(
+            "iam",
+            endpoint_url=self.endpoint,
+            region_name=self.region,
+            aws_access_key_id="setup",
+            aws_secret_access_key="setup",
+        )
+        iam.create_user(UserName="taskpoint")
+        key = iam.create_access_key(UserName="taskpoint")["AccessKey"]
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
+        }
+        iam.put_user_policy(
+            UserName="taskpoint", PolicyName="all", PolicyDocument=json.dumps(policy)
+        )
+        self.key, self.secret = key["AccessKeyId"], key["SecretAccessKey"]
+
+    def storage_options(self, endpoint: str | None = None, **overrides: Any) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "key": self.key,
+            "secret": self.secret,
+            "client_kwargs": {"endpoint_url": endpoint or self.endpoint, "region_name": self.region},
+        }
+        options.update(overrides)
+        return options
+
+    def environment(self) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": self.key,
+            "AWS_SECRET_ACCESS_KEY": self.secret,
+            "AWS_ENDPOINT_URL_S3": self.endpoint,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def create_bucket(self, bucket: str) -> None:
+        # No region in the options: us-east-1 takes no LocationConstraint.
+        options = self.storage_options()
+        options["client_kwargs"] = {"endpoint_url": self.endpoint}
+        import fsspec
+
+        fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(bucket)
+
+    def multipart_uploads(self, bucket: str, prefix: str = "") -> list[str]:
+        """Keys of the multipart uploads begun and neither completed nor aborted."""
+        import boto3
+
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=self.region,
+            aws_access_key_id=self.key,
+            aws_secret_access_key=self.secret,
+        )
+        listing = s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+        return [upload["Key"] for upload in listing.get("Uploads", [])]
+
+    def error_response(self, kind: str) -> tuple[int, str, dict[str, str], bytes]:
+        status, reason, code, message = {
+            "500": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
+            "503": (503, "Service Unavailable", "ServiceUnavailable", "Service is unable to handle request."),
+            "throttle": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+        }[kind]
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n'
+            f"<Error><Code>{code}</Code><Message>{message}</Message>"
+            f"<RequestId>{uuid.uuid4().hex}</RequestId></Error>"
+        ).encode()
+        return status, reason, {"Content-Type": "application/xml"}, body
+
+
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+
+
+def azurite_executable() -> str | None:
+    """The ``azurite-blob`` to run: ``$TASKPOINT_AZURITE``, ``.ci/node``'s, or on PATH."""
+    configured = os.environ.get("TASKPOINT_AZURITE")
+    if configured:
+        return configured
+    local = REPO / ".ci" / "node" / "node_modules" / ".bin" / "azurite-blob"
+    if local.exists():
+        return str(local)
+    return shutil.which("azurite-blob")
+
+
+class Azurite(ObjectServer):
+    """Azurite's Blob service, checking shared-key signatures of the well-known account."""
+
+    name = "Azurite"
+    scheme = "az"
+    startup_timeout = 120.0
+
+    def command(self) -> list[str]:
+        exe = azurite_executable()
+        if exe is None:
+            raise ServerUnavailable(
+                "azurite-blob not found: run `npm install --prefix .ci/node azurite` "
+                "(what .ci/run does) or set TASKPOINT_AZURITE"
+            )
+        cmd = [
+            exe, "--blobHost", LOOPBACK, "--blobPort", str(self.port), "--silent",
+            "--skipApiVersionCheck", "--loose", "--disableTelemetry",
+        ]
+        if self.persistent:
+            cmd += ["--location", str(self.workdir / "azurite")]
+        else:
+            cmd.append("--inMemoryPersistence")
+        return cmd
+
+    def connection_string(self, endpoint: str | None = None, key: str = AZURITE_KEY) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={key};"
+            f"BlobEndpoint={endpoint or self.endpoint}/{AZURITE_ACCOUNT};"
+        )
+
+    def storage_options(self, endpoint: str | None = None, **overrides: Any) -> dict[str, Any]:
+        return {"connection_string": self.connection_string(endpoint), **overrides}
+
+    def environment(self) -> dict[str, str]:
+        return {"AZURE_STORAGE_CONNECTION_STRING": self.connection_string()}
+
+    def wait_persisted(self, needle: str, timeout: float = 15.0) -> None:
+        """Wait until Azurite's on-disk metadata mentions ``needle`` (it saves every 5 s)."""
+        deadline = time.monotonic() + timeout
+        folder = self.workdir / "azurite"
+        while time.monotonic() < deadline:
+            for db in folder.glob("__azurite_db_blob__*.json"):
+                with contextlib.suppress(OSError):
+                    if needle in db.read_text(errors="replace"):
+                        return
+            time.sleep(0.2)
+        raise AssertionError(f"Azurite did not persist {needle!r} within {timeout}s")
+
+    def uncommitted_blobs(self, container: str, prefix: str = "") -> list[str]:
+        """Names under ``prefix`` that hold uncommitted blocks but no committed blob."""
+        from azure.storage.blob import ContainerClient
+
+        client = ContainerClient.from_connection_string(self.connection_string(), container)
+        with client:
+            everything = {
+                b.name for b in client.list_blobs(name_starts_with=prefix, include=["uncommittedblobs"])
+            }
+            committed = {b.name for b in client.list_blobs(name_starts_with=prefix)}
+        return sorted(everything - committed)
+
+    def error_response(self, kind: str) -> tuple[int, str, dict[str, str], bytes]:
+        status, reason, code, message = {
+            "500": (500, "Internal Server Error", "InternalError", "The server encountered an internal error. Please retry the request."),
+            "503": (503, "Service Unavailable", "ServerBusy", "The server is currently unable to receive requests. Please retry your request."),
+            "throttle": (503, "Egress is over the account limit.", "ServerBusy", "Egress is over the account limit."),
+        }[kind]
+        body = (
+            '<?xml version="1.0" encoding="utf-8"?>'
+            f"<Error><Code>{code}</Code><Message>{message}\nRequestId:{uuid.uuid4()}</Message></Error>"
+        ).encode()
+        headers = {"Content-Type": "application/xml", "x-ms-error-code": code}
+        return status, reason, headers, body
+
+
+class GcsEmulator(ObjectServer):
+    """``gcp-storage-emulator``: the JSON API, including resumable uploads."""
+
+    name = "GCS emulator"
+    scheme = "gs"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "gcp_storage_emulator", "start",
+            "--host", LOOPBACK, "--port", str(self.port), "--quiet",
+        ]
+        if not self.persistent:
+            cmd.append("--in-memory")
+        return cmd
+
+    def extra_env(self) -> dict[str, str]:
+        return {"STORAGE_BASE": str(self.workdir / "gcs")}
+
+    def storage_options(self, endpoint: str | None = None, **overrides: Any) -> dict[str, Any]:
+        options = {"endpoint_url": endpoint or self.endpoint, "token": "anon", "project": "taskpoint"}
+        options.update(overrides)
+        return options
+
+    def environment(self) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": self.endpoint}
+
+    def error_response(self, kind: str) -> tuple[int, str, dict[str, str], bytes]:
+        status, reason, code = {
+            "500": (500, "Internal Server Error", "backendError"),
+            "503": (503, "Service Unavailable", "backendError"),
+            "throttle": (429, "Too Many Requests", "rateLimitExceeded"),
+        }[kind]
+        message = f"{reason} (injected)"
+        body = json.dumps(
+            {"error": {"code": status, "message": message, "errors": [{"reason": code, "message": message}]}}
+        ).encode()
+        return status, reason, {"Content-Type": "application/json; charset=UTF-8"}, body
+
+
+SERVERS: dict[str, type[ObjectServer]] = {"s3": MotoS3, "azure": Azurite, "gcs": GcsEmulator}
+"""The store kinds the suite runs against, by ``store_url`` parameter name."""
+
+
+# -- fault proxy --------------------------------------------------------------------------
+
+
+@dataclass
+class Fault:
+    """What the proxy does to the next ``times`` requests that match.
+
+    kind: ``"500"``, ``"503"``, ``"throttle"`` (answer with the server's own error),
+    ``"reset"`` (RST as soon as the request head arrives), ``"reset-body"`` (RST after
+    ``after`` bytes of the request body), ``"timeout"`` (read the request, never answer),
+    ``"hold"`` (forward the head and ``after`` body bytes, then wait for :meth:`release`).
+    The first ``skip`` matching requests go through untouched.
+    """
+
+    kind: str
+    times: int = 1
+    skip: int = 0
+    method: str | None = None
+    path: str | None = None
+    min_body: int = 0
+    after: int = 0
+    hit: threading.Event = field(default_factory=threading.Event)
+
+    def matches(self, method: str, target: str, body_size: int) -> bool:
+        return (
+            (self.method is None or method == self.method)
+            and (self.path is None or self.path in target)
+            and body_size >= self.min_body
+        )
+
+
+class _Closed(Exception):
+    pass
+
+
+class _Conn:
+    """A socket with a read buffer."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+
+    def fill(self) -> None:
+        data = self.sock.recv(1 << 16)
+        if not data:
+            raise _Closed
+        self.buf += data
+
+    def read_head(self) -> bytes:
+        while b"\r\n\r\n" not in self.buf:
+            if len(self.buf) > 1 << 20:
+                raise _Closed
+            self.fill()
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        return head + b"\r\n\r\n"
+
+    def read_line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            self.fill()
+        line, self.buf = self.buf.split(b"\r\n", 1)
+        return line + b"\r\n"
+
+    def read_exact(self, size: int) -> Iterator[bytes]:
+        while size > 0:
+            if not self.buf:
+                self.fill()
+            chunk, self.buf = self.buf[:size], self.buf[size:]
+            size -= len(chunk)
+            yield chunk
+
+    def read_to_close(self) -> Iterator[bytes]:
+        if self.buf:
+            chunk, self.buf = self.buf, b""
+            yield chunk
+        while True:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                return
+            yield data
+
+
+def _parse_head(head: bytes) -> tuple[str, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if ":" in line:
+            name, value = line.split(":", 1)
+            headers[name.strip().lower()] = value.strip()
+    return lines[0], headers
+
+
+def _body(conn: _Conn, headers: dict[str, str]) -> Iterator[bytes]:
+    """The raw bytes of a message body framed by Content-Length or chunked encoding."""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        while True:
+            line = conn.read_line()
+            yield line
+            size = int(line.split(b";", 1)[0].strip() or b"0", 16)
+            if size == 0:
+                while True:
+                    trailer = conn.read_line()
+                    yield trailer
+                    if trailer == b"\r\n":
+                        return
+            yield from conn.read_exact(size + 2)
+    else:
+        yield from conn.read_exact(int(headers.get("content-length", "0") or 0))
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a TCP RST instead of a FIN."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+class FaultProxy:
+    """An HTTP/1.1 forwarding proxy on a free loopback port, for one upstream server.
+
+    Args:
+        server: the server to forward to (its port is read per connection, so a restart
+            on the same port is picked up).
+        hang: how long a ``"timeout"`` fault waits for the client to give up.
+    """
+
+    def __init__(self, server: ObjectServer, *, hang: float = 30.0) -> None:
+        self.server = server
+        self.hang = hang
+        self.faults: list[Fault] = []
+        self.requests: list[tuple[str, str]] = []
+        self.injected: list[tuple[str, str, str]] = []
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+        self._down = threading.Event()
+        self._held: set[socket.socket] = set()
+        self._stopped = threading.Event()
+        self._sockets: set[socket.socket] = set()
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((LOOPBACK, 0))
+        self._listener.listen(64)
+        self.port = int(self._listener.getsockname()[1])
+        self._thread = threading.Thread(target=self._accept, name="fault-proxy", daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def storage_options(self, **overrides: Any) -> dict[str, Any]:
+        """The server's storage options, pointed at this proxy."""
+        return self.server.storage_options(self.endpoint, **overrides)
+
+    def inject(self, kind: str, **match: Any) -> Fault:
+        """Queue a fault (see :class:`Fault`); returns it (its ``hit`` event fires when used)."""
+        fault = Fault(kind, **match)
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def clear(self) -> None:
+        with self._lock:
+            self.faults.clear()
+
+    def down(self) -> None:
+        """Behave like a dead server: reset every open connection and each new one."""
+        self._down.set()
+        with self._lock:
+            sockets = list(self._sockets)
+            held = set(self._held)
+        for sock in sockets:
+            if sock not in held:
+                _reset(sock)
+
+    def up(self) -> None:
+        """Forward again after :meth:`down`."""
+        self._down.clear()
+
+    def release(self) -> None:
+        """Let held requests go on (their upstream connection may be dead by now)."""
+        self._released.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._released.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            sockets = list(self._sockets)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> FaultProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # internals
+    def _accept(self) -> None:
+        self._listener.settimeout(0.1)
+        while not self._stopped.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            sock.settimeout(None)
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _track(self, sock: socket.socket) -> socket.socket:
+        with self._lock:
+            self._sockets.add(sock)
+        return sock
+
+    def _take(self, method: str, target: str, body_size: int) -> Fault | None:
+        with self._lock:
+            self.requests.append((method, target))
+            for fault in self.faults:
+                if fault.times > 0 and fault.matches(method, target, body_size):
+                    if fault.skip > 0:
+                        fault.skip -= 1
+                        return None
+                    fault.times -= 1
+                    self.injected.append((fault.kind, method, target))
+                    if fault.times == 0:
+                        self.faults.remove(fault)
+                    return fault
+        return None
+
+    def _serve(self, client_sock: socket.socket) -> None:
+        client = _Conn(self._track(client_sock))
+        upstream: _Conn | None = None
+        try:
+            while not self._stopped.is_set():
+                if self._down.is_set():
+                    return
+                head = client.read_head()
+                request_line, headers = _parse_head(head)
+                method, target = request_line.split(" ")[:2]
+                size = int(headers.get("content-length", "0") or 0)
+                if headers.get("expect", "").lower() == "100-continue":
+                    client.sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    head = b"".join(
+                        line + b"\r\n"
+                        for line in head[:-4].split(b"\r\n")
+                        if not line.lower().startswith(b"expect:")
+                    ) + b"\r\n"
+                fault = self._take(method, target, size)
+                if fault is not None and fault.kind == "reset":
+                    fault.hit.set()
+                    _reset(client.sock)
+                    return
+                if fault is not None and fault.kind == "reset-body":
+                    for _ in client.read_exact(min(fault.after, size)):
+                        pass
+                    fault.hit.set()
+                    _reset(client.sock)
+                    return
+                if fault is not None and fault.kind in ("500", "503", "throttle", "timeout"):
+                    for _ in _body(client, headers):
+                        pass
+                    fault.hit.set()
+                    if fault.kind == "timeout":
+                        # Answer nothing until the client gives up (closes) or time runs out.
+                        select.select([client.sock], [], [], self.hang)
+                        return
+                    self._answer(client.sock, method, *self.server.error_response(fault.kind))
+                    continue
+                if upstream is None:
+                    upstream = _Conn(self._track(socket.create_connection((LOOPBACK, self.server.port), timeout=120)))
+                upstream.sock.sendall(head)
+                sent = 0
+                for chunk in _body(client, headers):
+                    upstream.sock.sendall(chunk)
+                    sent += len(chunk)
+                    if fault is not None and fault.kind == "hold" and sent >= fault.after:
+                        self._hold(fault, client, upstream)
+                        fault = None  # the rest goes on; a dead server means a reset
+                if fault is not None and fault.kind == "hold":
+                    self._hold(fault, client, upstream)
+                if not self._relay_response(upstream, client, method):
+                    return
+        except (_Closed, OSError, ValueError):
+            pass
+        finally:
+            _reset(client.sock)
+            if upstream is not None:
+                with contextlib.suppress(OSError):
+                    upstream.sock.close()
+
+    def _hold(self, fault: Fault, client: _Conn, upstream: _Conn) -> None:
+        with self._lock:
+            self._held.update({client.sock, upstream.sock})
+        fault.hit.set()
+        self._released.wait(120)
+
+    def _relay_response(self, upstream: _Conn, client: _Conn, method: str) -> bool:
+        """Forward one response; whether the connection stays open."""
+        while True:
+            head = upstream.read_head()
+            status_line, headers = _parse_head(head)
+            status = int(status_line.split(" ")[1])
+            if status != 100:
+                break
+        client.sock.sendall(head)
+        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+            pass
+        elif "chunked" in headers.get("transfer-encoding", "").lower() or "content-length" in headers:
+            for chunk in _body(upstream, headers):
+                client.sock.sendall(chunk)
+        else:
+            for chunk in upstream.read_to_close():
+                client.sock.sendall(chunk)
+            return False
+        return headers.get("connection", "").lower() != "close"
+
+    @staticmethod
+    def _answer(sock: socket.socket, method: str, status: int, reason: str, headers: dict[str, str], body: bytes) -> None:
+        lines = [f"HTTP/1.1 {status} {reason}"]
+        lines += [f"{name}: {value}" for name, value in headers.items()]
+        lines.append(f"Content-Length: {len(body)}")
+        lines.append(f"Date: {time.strftime('%a, %d %b %Y %H:%M:%S GMT', time.gmtime())}")
+        payload = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        sock.sendall(payload if method == "HEAD" else payload + body)
+
+
+def start_server(kind: str, workdir: Path, **options: Any) -> ObjectServer:
+    """Start the server for store kind ``kind`` (``"s3"``, ``"azure"``, ``"gcs"``)."""
+    server = SERVERS[kind](workdir, **options)
+    server.start()
+    return server
+
+
+def unavailable(kind: str, reason: str) -> Callable[[], None]:
+    """What a fixture does when ``kind``'s server cannot start: fail in CI, else skip."""
+    import pytest
+
+    message = f"{SERVERS[kind].name} for {kind} tests is unavailable: {reason}"
+
+    def act() -> None:
+        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+            pytest.fail(message + " (CI=true: every store must run)", pytrace=False)
+        pytest.skip(message)
+
+    return act

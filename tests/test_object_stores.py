@@ -1,0 +1,405 @@
+"""Checkpoints on real object-store servers (S3, Azure Blob, GCS) under real network faults.
+
+The servers run on loopback (see ``tests/_servers.py``); faults are injected by a proxy
+between the client libraries and the server, or by killing the server process. The
+behaviour tests shared with file:// and memory:// live in ``test_checkpoint.py`` and the
+others, through the ``store_url`` fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import _servers
+import pytest
+from taskpoint import Checkpoint, CheckpointStoreError, RetryPolicy
+
+BUCKET = "taskpoint-tests"
+MiB = 2**20
+FAST = RetryPolicy(attempts=4, initial=0.05, maximum=0.2)
+TIMEOUT = 2  # seconds a client waits for a response in these tests
+
+SERVER_KINDS = [k for k in ("s3", "azure", "gcs") if k in os.environ.get("TASKPOINT_TEST_STORES", "s3,azure,gcs")]
+
+
+def fast_client(kind: str, timeout: float = TIMEOUT) -> dict[str, Any]:
+    """Client options that leave retrying to taskpoint and give up on silence quickly."""
+    if kind == "s3":
+        return {
+            "config_kwargs": {
+                "retries": {"max_attempts": 1, "mode": "standard"},
+                "connect_timeout": 5,
+                "read_timeout": timeout,
+            }
+        }
+    if kind == "azure":
+        return {"read_timeout": timeout, "connection_timeout": 5}
+    return {"requests_timeout": timeout}
+
+
+@pytest.fixture(params=SERVER_KINDS)
+def server(request: pytest.FixtureRequest) -> _servers.ObjectServer:
+    """The session's server of each object-store kind."""
+    return request.getfixturevalue(f"{request.param}_server")  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def kind(server: _servers.ObjectServer) -> str:
+    return {"s3": "s3", "az": "azure", "gs": "gcs"}[server.scheme]
+
+
+@pytest.fixture
+def proxy(server: _servers.ObjectServer) -> Iterator[_servers.FaultProxy]:
+    with _servers.FaultProxy(server, hang=15) as p:
+        yield p
+
+
+@pytest.fixture
+def url(server: _servers.ObjectServer) -> str:
+    return server.url(BUCKET, uuid.uuid4().hex)
+
+
+def through(proxy: _servers.FaultProxy, kind: str, url: str, **options: Any) -> Checkpoint:
+    options.setdefault("retry", FAST)
+    return Checkpoint(url, storage_options=proxy.storage_options(**fast_client(kind)), **options)
+
+
+def direct(server: _servers.ObjectServer, url: str) -> Checkpoint:
+    return Checkpoint(url, storage_options=server.storage_options(), retry=FAST)
+
+
+def uploads(kind: str) -> dict[str, Any]:
+    """A proxy match for payload uploads (GCS names small objects in the body, not the URL)."""
+    if kind == "gcs":
+        return {"path": "/upload/storage/"}
+    return {"path": ".payload", "method": "PUT"}
+
+
+def downloads(kind: str) -> dict[str, Any]:
+    return {"path": ".payload", "method": "GET"}
+
+
+def read(path: Path | None) -> bytes:
+    assert path is not None, "expected a checkpoint, got None"
+    return path.read_bytes()
+
+
+# -- transient faults ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["500", "503", "throttle", "reset", "timeout"])
+def test_transient_faults_on_upload_and_download_are_retried(
+    proxy: _servers.FaultProxy, kind: str, url: str, fault: str
+) -> None:
+    # Two faults in a row where a retry costs little; gcsfs waits 1-2 s before each retry.
+    times = 1 if fault == "timeout" or kind == "gcs" else 2
+    ckpt = through(proxy, kind, url)
+    ckpt.save_sync(b"before")
+    proxy.inject(fault, times=times, **uploads(kind))
+    ckpt.save_sync(b"survives the fault")
+    assert [k for k, _, _ in proxy.injected] == [fault] * times
+
+    proxy.inject(fault, times=times, **downloads(kind))
+    assert read(through(proxy, kind, url).load_sync()) == b"survives the fault"
+    assert [k for k, _, _ in proxy.injected] == [fault] * times * 2
+
+
+def test_connection_reset_mid_part_upload_is_retried(
+    proxy: _servers.FaultProxy, kind: str, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection dies part-way through a part's body, three times in a row."""
+    monkeypatch.setenv("TASKPOINT_PART_SIZE", str(5 * MiB))
+    data = os.urandom(11 * MiB)
+    ckpt = through(proxy, kind, url, retry=RetryPolicy(attempts=6, initial=0.05, maximum=0.2))
+    times = 1 if kind == "gcs" else 3  # gcsfs waits 1-2 s before retrying a reset itself
+    proxy.inject("reset-body", times=times, min_body=MiB, after=512 * 1024, **uploads(kind))
+    ckpt.save_sync(data)
+    assert len(proxy.injected) == times
+    assert read(direct(proxy.server, url).load_sync()) == data
+
+
+# -- persistent faults --------------------------------------------------------------------
+
+# gcsfs retries 5xx on its own for about 30 s before giving up, so GCS shows a persistent
+# fault with a server that never answers (gcsfs leaves timeouts to its caller).
+PERSISTENT = {"s3": "503", "azure": "503", "gcs": "timeout"}
+CAUSE = {"503": r"503|ServiceUnavailable|ServerBusy|unable to", "timeout": r"[Tt]ime"}
+
+
+def test_persistent_fault_raises_store_error_naming_url_and_cause(
+    proxy: _servers.FaultProxy, kind: str, url: str
+) -> None:
+    fault = PERSISTENT[kind]
+    ckpt = through(proxy, kind, url, retry=RetryPolicy(attempts=2, initial=0.05))
+    ckpt.save_sync(b"committed")
+
+    proxy.inject(fault, times=10_000, **uploads(kind))
+    with pytest.raises(CheckpointStoreError, match=CAUSE[fault]) as saving:
+        ckpt.save_sync(b"never committed")
+    assert url in str(saving.value) and saving.value.url.startswith(url)
+
+    proxy.clear()
+    proxy.inject(fault, times=10_000, **downloads(kind))
+    with pytest.raises(CheckpointStoreError, match=CAUSE[fault]) as loading:
+        through(proxy, kind, url, retry=RetryPolicy(attempts=2, initial=0.05)).load_sync()
+    assert url in str(loading.value)
+
+    proxy.clear()
+    assert read(through(proxy, kind, url).load_sync()) == b"committed"
+
+
+def test_an_unreachable_store_is_an_error_not_no_checkpoint(
+    server: _servers.ObjectServer, kind: str, url: str
+) -> None:
+    if kind == "gcs":
+        pytest.skip(
+            "gcsfs retries a refused connection for ~30 s on its own; GCS shows a "
+            "persistent fault with test_persistent_fault_raises_store_error_naming_url_and_cause"
+        )
+    dead = f"http://127.0.0.1:{_servers.free_port()}"
+    options = server.storage_options(dead, **fast_client(kind))
+    ckpt = Checkpoint(url, storage_options=options, retry=RetryPolicy(attempts=2, initial=0.01))
+    with pytest.raises(CheckpointStoreError, match=url):
+        ckpt.load_sync()
+
+
+# -- configuration errors -----------------------------------------------------------------
+
+
+def test_missing_bucket_is_one_clear_error_and_is_not_created(
+    server: _servers.ObjectServer, kind: str
+) -> None:
+    missing = f"absent-{uuid.uuid4().hex[:12]}"
+    url = server.url(missing, "job")
+    with pytest.raises(CheckpointStoreError, match=f"bucket '{missing}' does not exist"):
+        Checkpoint(url, storage_options=server.storage_options(), retry=FAST).load_sync()
+    with pytest.raises(CheckpointStoreError, match=f"bucket '{missing}' does not exist"):
+        Checkpoint(url, storage_options=server.storage_options(), retry=FAST).save_sync(b"x")
+    assert not server.filesystem().exists(missing)
+
+
+def wrong_credentials(server: _servers.ObjectServer, tmp_path: Path) -> dict[str, Any]:
+    if server.scheme == "s3":
+        return server.storage_options(key="AKIAWRONGWRONGWRONG0", secret="not-the-secret")
+    if server.scheme == "az":
+        other_key = "V3JvbmdLZXlXcm9uZ0tleVdyb25nS2V5V3JvbmdLZXlXcm9uZ0tleVdyb25nS2V5V3Jvbmc="
+        return {"connection_string": _servers.Azurite.connection_string(server, key=other_key)}  # type: ignore[arg-type]
+    # The emulator checks no credentials: a credentials file that is not there.
+    return server.storage_options(token=str(tmp_path / "missing-service-account.json"))
+
+
+def test_wrong_credentials_are_one_clear_error(
+    server: _servers.ObjectServer, url: str, tmp_path: Path
+) -> None:
+    options = wrong_credentials(server, tmp_path)
+    ckpt = Checkpoint(url, storage_options=options, retry=FAST)  # constructing does no I/O
+    with pytest.raises(CheckpointStoreError, match=url) as loading:
+        ckpt.load_sync()
+    with pytest.raises(CheckpointStoreError, match=url):
+        Checkpoint(url, storage_options=options, retry=FAST).save_sync(b"x")
+    if server.scheme != "gs":
+        assert "credentials" in str(loading.value)
+
+
+# -- multipart uploads --------------------------------------------------------------------
+
+
+def part_requests(kind: str, proxy: _servers.FaultProxy) -> list[str]:
+    marker = {"s3": "partNumber=", "azure": "comp=block&", "gcs": "upload_id="}[kind]
+    return [target for method, target in proxy.requests if method in ("PUT", "POST") and marker in target]
+
+
+def test_large_objects_upload_in_parts_and_round_trip(
+    proxy: _servers.FaultProxy, kind: str, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TASKPOINT_PART_SIZE", str(5 * MiB))
+    big = tmp_path / "weights.bin"
+    big.write_bytes(os.urandom(16 * MiB))
+    tree = tmp_path / "run"
+    (tree / "shards").mkdir(parents=True)
+    (tree / "shards" / "a.bin").write_bytes(os.urandom(12 * MiB))
+    ckpt = through(proxy, kind, url, keep=2)
+
+    ckpt.save_sync(big)
+    assert len(part_requests(kind, proxy)) >= 3, proxy.requests
+    assert read(direct(proxy.server, url).load_sync()) == big.read_bytes()
+
+    proxy.requests.clear()
+    ckpt.save_sync(tree)
+    assert len(part_requests(kind, proxy)) >= 2, proxy.requests
+    restored = direct(proxy.server, url).load_sync()
+    assert restored is not None
+    assert (restored / "shards" / "a.bin").read_bytes() == (tree / "shards" / "a.bin").read_bytes()
+
+
+def orphans(server: _servers.ObjectServer, url: str) -> list[str]:
+    prefix = url.split("/", 3)[3] + "/"
+    if isinstance(server, _servers.MotoS3):
+        return server.multipart_uploads(BUCKET, prefix)
+    if isinstance(server, _servers.Azurite):
+        return server.uncommitted_blobs(BUCKET, prefix)
+    return []  # GCS resumable sessions cannot be listed; they expire after a week
+
+
+def test_interrupted_upload_leaves_no_checkpoint_and_no_orphan_after_next_save(
+    proxy: _servers.FaultProxy, kind: str, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TASKPOINT_PART_SIZE", str(5 * MiB))
+    ckpt = through(proxy, kind, url, retry=RetryPolicy(attempts=2, initial=0.05))
+    ckpt.save_sync(b"small and committed")
+
+    # After the first part, part uploads die part-way (GCS: go unanswered, as gcsfs would
+    # retry resets for half a minute), and so does every clean-up call the client makes.
+    fault = "timeout" if kind == "gcs" else "reset-body"
+    proxy.inject(fault, times=10_000, skip=1, min_body=MiB, after=256 * 1024, **uploads(kind))
+    if kind != "gcs":  # (GCS sessions cannot be listed; gcsfs retries resets for 30 s)
+        proxy.inject("reset", times=10_000, method="DELETE")
+    with pytest.raises(CheckpointStoreError):
+        ckpt.save_sync(os.urandom(12 * MiB))
+    proxy.clear()
+
+    reader = direct(proxy.server, url)
+    assert [m.size for m in reader.committed()] == [len(b"small and committed")]
+    assert read(reader.load_sync()) == b"small and committed"
+    if kind != "gcs":
+        assert orphans(proxy.server, url), "the interrupted upload should have left parts behind"
+
+    data = os.urandom(11 * MiB)
+    ckpt.save_sync(data)
+    assert read(direct(proxy.server, url).load_sync()) == data
+    assert orphans(proxy.server, url) == []
+
+
+# -- zombies ------------------------------------------------------------------------------
+
+
+def test_held_zombie_upload_never_overwrites_the_newer_attempt(
+    proxy: _servers.FaultProxy, kind: str, url: str
+) -> None:
+    """Attempt 0 loses the network mid-save; attempt 1 starts and commits; then 0 returns."""
+    zombie = Checkpoint(url, storage_options=proxy.storage_options(), retry=FAST)
+    zombie.save_sync(b"zombie-0")
+    hold = proxy.inject("hold", after=0, **uploads(kind))
+    errors: list[BaseException] = []
+
+    def late_save() -> None:
+        try:
+            zombie.save_sync(b"zombie-1")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=late_save)
+    thread.start()
+    assert hold.hit.wait(30), "the zombie's upload never reached the proxy"
+
+    newer = direct(proxy.server, url)
+    assert read(newer.load_sync()) == b"zombie-0"
+    newer.save_sync(b"newer-0")
+    assert newer.attempt == 1 and zombie.attempt == 0
+
+    proxy.release()
+    thread.join(60)
+    assert not errors, errors
+    assert read(direct(proxy.server, url).load_sync()) == b"newer-0"
+    newer.save_sync(b"newer-1")
+    zombie.save_sync(b"zombie-2")
+    assert read(direct(proxy.server, url).load_sync()) == b"newer-1"
+    assert direct(proxy.server, url).committed()[0].attempt == 1
+
+
+# -- the server killed mid-upload ---------------------------------------------------------
+
+
+@pytest.fixture
+def own_server(kind: str, tmp_path: Path) -> Iterator[_servers.ObjectServer]:
+    """A server of this test's own, keeping its data on disk so that it survives a kill."""
+    try:
+        server = _servers.start_server(kind, tmp_path / "server", persistent=True)
+    except _servers.ServerUnavailable as exc:
+        _servers.unavailable(kind, str(exc))()
+        raise
+    try:
+        server.create_bucket(BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_server_killed_mid_upload_then_restarted(
+    own_server: _servers.ObjectServer, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TASKPOINT_PART_SIZE", str(5 * MiB))
+    url = own_server.url(BUCKET, "job")
+    data = os.urandom(12 * MiB)
+    with _servers.FaultProxy(own_server) as proxy:
+        ckpt = Checkpoint(
+            url,
+            storage_options=proxy.storage_options(**fast_client(kind, timeout=20)),
+            retry=RetryPolicy(attempts=15, initial=0.2, maximum=1.0),
+        )
+        ckpt.save_sync(b"previous")
+        if isinstance(own_server, _servers.Azurite):
+            own_server.wait_persisted("000000-000000000.manifest.json")
+        hold = proxy.inject("hold", min_body=MiB, after=MiB, **uploads(kind))
+        errors: list[BaseException] = []
+
+        def save() -> None:
+            try:
+                ckpt.save_sync(data)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=save)
+        thread.start()
+        assert hold.hit.wait(60), "the upload never reached the proxy"
+        proxy.down()  # until the server is back, the client finds nothing there
+        own_server.kill()
+        own_server.restart()
+
+        # Before the upload is retried: the previous checkpoint is intact and loadable.
+        reader = direct(own_server, url)
+        assert [m.size for m in reader.committed()] == [len(b"previous")]
+        assert read(reader.load_sync()) == b"previous"
+
+        proxy.up()
+        proxy.release()
+        thread.join(120)
+        assert not thread.is_alive() and not errors, errors
+
+    assert read(direct(own_server, url).load_sync()) == data
+    assert orphans(own_server, url.rsplit("/", 1)[0] + "/job") == []
+
+
+def test_zombie_saving_concurrently_never_overwrites_the_newer_attempt(store_url: str) -> None:
+    """Both attempts save at once, over and over; the newer one's state always wins."""
+    zombie = Checkpoint(store_url, retry=FAST)
+    zombie.save_sync(b"zombie-start")
+    newer = Checkpoint(store_url, retry=FAST)
+    newer.save_sync(b"newer-0")
+    assert (zombie.attempt, newer.attempt) == (0, 1)
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def run(ckpt: Checkpoint, name: str) -> None:
+        try:
+            barrier.wait(10)
+            for i in range(1, 6):
+                ckpt.save_sync(f"{name}-{i}".encode())
+                newest = Checkpoint(store_url).load_sync()
+                assert newest is not None and newest.read_bytes().startswith(b"newer-"), newest
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(c, n)) for c, n in ((zombie, "zombie"), (newer, "newer"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    assert read(Checkpoint(store_url).load_sync()) == b"newer-5"
+    assert [m.attempt for m in Checkpoint(store_url).committed()] == [1]
