@@ -112,34 +112,44 @@ def _make_data(root: Path, size_mb: int, shape: str) -> Path:
 
 
 class _Moto:
-    """A moto S3 server on a free loopback port."""
+    """A moto S3 server in its own process (so its memory is not counted as ours)."""
 
     def __init__(self) -> None:
-        import logging
-
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        import subprocess
+        import sys
+        import urllib.request
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
+        endpoint = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError("moto server did not start") from None
+                time.sleep(0.2)
         self.options = {
             "key": "bench", "secret": "bench",
-            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{self.port}",
-                              "region_name": "us-east-1"},
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
         }
         import boto3
 
         boto3.client(
-            "s3", endpoint_url=f"http://127.0.0.1:{self.port}", region_name="us-east-1",
+            "s3", endpoint_url=endpoint, region_name="us-east-1",
             aws_access_key_id="bench", aws_secret_access_key="bench",
         ).create_bucket(Bucket="bench")
 
     def stop(self) -> None:
-        self.server.stop()
+        self.process.terminate()
+        self.process.wait()
 
 
 def _store(kind: str, tmp: Path, moto: _Moto | None) -> tuple[str, dict[str, Any]]:
