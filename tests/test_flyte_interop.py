@@ -382,3 +382,21 @@ def test_flyte_init_makes_obstore_the_fsspec_s3_handler() -> None:
         "obstore.fsspec",
         "fsspec.implementations.local",
     ]
+
+
+def test_taskpoint_keeps_its_own_backends_after_flyte_init() -> None:
+    """taskpoint resolves bucket protocols to s3fs / gcsfs / adlfs itself, so its
+    ``storage_options`` keep their meaning inside a Flyte task."""
+    probe = (
+        "import flyte\n"
+        "flyte.init()\n"
+        "from taskpoint.store import Store\n"
+        "s3 = Store('s3://bucket/p', {'key': 'k', 'secret': 's',\n"
+        "           'client_kwargs': {'endpoint_url': 'http://127.0.0.1:9'}}).fs\n"
+        "gs = Store('gs://bucket/p', {'token': 'anon'}).fs\n"
+        "print(type(s3).__module__, type(gs).__module__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.split() == ["s3fs.core", "gcsfs.core"]

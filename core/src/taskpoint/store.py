@@ -24,6 +24,7 @@ import asyncio
 import builtins
 import contextlib
 import errno
+import importlib
 import io
 import logging
 import os
@@ -38,6 +39,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.registry import known_implementations
 
 from taskpoint.errors import CheckpointError, CheckpointStoreError
 
@@ -87,6 +89,32 @@ _DENIED = re.compile(
 _MIN_S3_PART = 5 * 2**20
 _GCS_CHUNK = 256 * 2**10
 _BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
+
+
+_PINNED_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+"""Protocols resolved to fsspec's own backend even when another library re-registered them."""
+
+
+def _url_to_fs(url: str, options: Mapping[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Open ``url``'s filesystem, with s3fs / gcsfs / adlfs for their protocols.
+
+    Libraries can replace fsspec's handler for a protocol process-wide (``flyte.init()``
+    registers obstore for ``s3``, ``gs`` and ``abfs``), which would change what
+    ``storage_options`` mean under taskpoint's feet; bucket protocols therefore go to the
+    backend fsspec documents for them.
+    """
+    protocol = fsspec.core.split_protocol(url)[0]
+    known = known_implementations.get(protocol or "")
+    if protocol not in _PINNED_PROTOCOLS or known is None:
+        return fsspec.core.url_to_fs(url, **options)  # type: ignore[no-any-return]
+    module_name, _, class_name = known["class"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except ImportError as exc:
+        hint = known.get("err") or f"install {module_name.split('.')[0]}"
+        raise ImportError(f"{protocol}:// needs {module_name}: {hint}") from exc
+    kwargs = {**cls._get_kwargs_from_urls(url), **options}
+    return cls(**kwargs), cls._strip_protocol(url)
 
 
 class RetryPolicy:
@@ -261,7 +289,7 @@ class Store:
         """
         if self._fs is None:
             try:
-                fs, base = fsspec.core.url_to_fs(self._url, **self._options)
+                fs, base = _url_to_fs(self._url, self._options)
             except ImportError as exc:
                 raise CheckpointStoreError(
                     f"cannot open checkpoint store {self._url}: {exc}", url=self._url
