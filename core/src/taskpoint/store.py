@@ -39,6 +39,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import known_implementations
 
 from taskpoint.errors import CheckpointError, CheckpointStoreError
@@ -647,12 +648,16 @@ class Store:
             local = os.path.join(folder, "payload")
             try:
                 self._call("download", name, lambda: self._download(name, local))
-                with open(local, "rb") as fh:
-                    yield _GuardedReader(fh, self.url_of(name))  # type: ignore[misc]
+                with open(local, "rb") as downloaded:
+                    yield _GuardedReader(downloaded, self.url_of(name))  # type: ignore[misc]
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
             return
-        fh = self._call("open", name, lambda: self.fs.open(self._path(name), "rb"))
+        fh: Any
+        if self._is_memory:
+            fh = self._call("open", name, lambda: io.BytesIO(self._read_memory(name)))
+        else:
+            fh = self._call("open", name, lambda: self.fs.open(self._path(name), "rb"))
         try:
             yield _GuardedReader(fh, self.url_of(name))  # type: ignore[misc]
         finally:
@@ -660,10 +665,23 @@ class Store:
                 fh.close()
 
     def _download(self, name: str, local: str) -> None:
+        if self._is_memory:
+            with open(local, "wb") as fh:
+                fh.write(self._read_memory(name))
+            return
         options = self._part_options()
         if self._protocols & {"gs", "gcs"}:
             options = {}
         self.fs.get_file(self._path(name), local, **options)
+
+    @property
+    def _is_memory(self) -> bool:
+        return isinstance(self.fs, MemoryFileSystem)
+
+    def _read_memory(self, name: str) -> bytes:
+        # fsspec's memory filesystem hands every reader the same file object (and its
+        # position); concurrent readers would interleave, so copy the bytes out instead.
+        return bytes(self.fs.cat_file(self._path(name)))
 
     def size(self, name: str) -> int:
         """The size of ``name`` in bytes. Raises FileNotFoundError when it is missing."""
