@@ -93,6 +93,18 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.fixture(autouse=True)
+def _fsspec_registry_restored() -> Iterator[None]:
+    """Undo protocol re-registrations a test makes (``flyte.init()`` makes obstore fsspec's
+    ``s3``/``gs``/``abfs``/``abfss`` handler for the whole process)."""
+    from fsspec.registry import _registry
+
+    saved = dict(_registry)
+    yield
+    _registry.clear()
+    _registry.update(saved)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip ``@pytest.mark.gpu`` tests, with the reason, where CUDA is missing."""
     if any("gpu" in item.keywords for item in items) and not _cuda_available():

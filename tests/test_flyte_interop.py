@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,6 @@ import flyte
 import fsspec
 import pytest
 import taskpoint
-from fsspec.registry import _registry as fsspec_registry
 from taskpoint import TaskpointWarning
 
 # flyte.io's pydantic models use class-based config (Flyte's warning, not ours).
@@ -35,14 +34,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Support for class-based:Deprecat
 NO_WAIT = flyte.Backoff(base=datetime.timedelta(0))
 
 
-@pytest.fixture(autouse=True)
-def _fsspec_registry_restored() -> Iterator[None]:
-    """``flyte.init()`` makes obstore fsspec's ``s3``/``gs``/``abfs``/``abfss`` handler for the
-    whole process (replacing s3fs, gcsfs, adlfs): put the registry back for later tests."""
-    saved = dict(fsspec_registry)
-    yield
-    fsspec_registry.clear()
-    fsspec_registry.update(saved)
 
 
 def _retries(count: int) -> flyte.RetryStrategy:

@@ -5,7 +5,7 @@ real local Flyte run with retries resumes the Trainer from the previous attempt'
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,6 @@ import flyte
 import pytest
 import taskpoint
 import taskpoint_hf_testkit as kit
-from fsspec.registry import _registry as fsspec_registry
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 # flyte.io's pydantic models use class-based config (Flyte's warning, not ours).
@@ -23,14 +22,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Support for class-based:Deprecat
 NO_WAIT = flyte.Backoff(base=datetime.timedelta(0))
 
 
-@pytest.fixture(autouse=True)
-def _fsspec_registry_restored() -> Iterator[None]:
-    """``flyte.init()`` makes obstore fsspec's ``s3``/``gs``/``abfs``/``abfss`` handler for the
-    whole process (replacing s3fs, gcsfs, adlfs): put the registry back for later tests."""
-    saved = dict(fsspec_registry)
-    yield
-    fsspec_registry.clear()
-    fsspec_registry.update(saved)
 
 
 def test_flyte_retries_resume_trainer(

@@ -5,7 +5,6 @@ bit for bit where an uninterrupted run does."""
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
 from pathlib import Path
 
 import flyte
@@ -14,7 +13,6 @@ import pytest
 import taskpoint
 import taskpoint_lightning_testlib as lib
 import torch
-from fsspec.registry import _registry as fsspec_registry
 from taskpoint_lightning import TaskpointModelCheckpoint, resume_ckpt_path
 
 pytestmark = [
@@ -27,14 +25,6 @@ pytestmark = [
 NO_WAIT = flyte.Backoff(base=datetime.timedelta(0))
 
 
-@pytest.fixture(autouse=True)
-def _fsspec_registry_restored() -> Iterator[None]:
-    """``flyte.init()`` makes obstore fsspec's ``s3``/``gs``/``abfs``/``abfss`` handler for the
-    whole process (replacing s3fs, gcsfs, adlfs): put the registry back for later tests."""
-    saved = dict(fsspec_registry)
-    yield
-    fsspec_registry.clear()
-    fsspec_registry.update(saved)
 
 
 def test_flyte_retries_resume_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

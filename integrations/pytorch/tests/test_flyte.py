@@ -4,7 +4,7 @@ from the previous attempt and ends bit for bit where an uninterrupted run does."
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -12,7 +12,6 @@ from typing import Any
 import flyte
 import pytest
 import taskpoint
-from fsspec.registry import _registry as fsspec_registry
 from taskpoint_pytorch import ResumePoint
 
 # flyte.io's pydantic models use class-based config (Flyte's warning, not ours).
@@ -22,14 +21,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Support for class-based:Deprecat
 NO_WAIT = datetime.timedelta(0)
 
 
-@pytest.fixture(autouse=True)
-def _fsspec_registry_restored() -> Iterator[None]:
-    """``flyte.init()`` makes obstore fsspec's ``s3``/``gs``/``abfs``/``abfss`` handler for the
-    whole process (replacing s3fs, gcsfs, adlfs): put the registry back for later tests."""
-    saved = dict(fsspec_registry)
-    yield
-    fsspec_registry.clear()
-    fsspec_registry.update(saved)
 
 
 def _retries(count: int) -> flyte.RetryStrategy:

@@ -5,7 +5,6 @@ bitwise where an uninterrupted run does (sync and async tasks)."""
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -13,7 +12,6 @@ import flyte
 import numpy as np
 import pytest
 import taskpoint
-from fsspec.registry import _registry as fsspec_registry
 from taskpoint_sklearn import PartialFitBundle, TaskpointSklearnCheckpoint
 
 # flyte.io's pydantic models use class-based config (Flyte's warning, not ours).
@@ -23,14 +21,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Support for class-based:Deprecat
 NO_WAIT = flyte.Backoff(base=datetime.timedelta(0))
 
 
-@pytest.fixture(autouse=True)
-def _fsspec_registry_restored() -> Iterator[None]:
-    """``flyte.init()`` makes obstore fsspec's ``s3``/``gs``/``abfs``/``abfss`` handler for the
-    whole process (replacing s3fs, gcsfs, adlfs): put the registry back for later tests."""
-    saved = dict(fsspec_registry)
-    yield
-    fsspec_registry.clear()
-    fsspec_registry.update(saved)
 
 
 FAIL_AT = (2, 4)
