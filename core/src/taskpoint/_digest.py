@@ -133,12 +133,6 @@ class HashingReader:
         """Does nothing: the owner of ``raw`` closes it."""
 
 
-def copy_stream(src: BinaryIO, dst: BinaryIO) -> None:
-    """Copy ``src`` to ``dst`` in :data:`CHUNK`-sized pieces until ``src`` is exhausted."""
-    while chunk := src.read(CHUNK):
-        dst.write(chunk)
-
-
 def digest_file(path: str, algorithm: str = ALGORITHM, progress: Progress | None = None) -> Digest:
     """The digest of the local file at ``path``, read in :data:`CHUNK`-sized pieces."""
     digest = Digest(algorithm)
