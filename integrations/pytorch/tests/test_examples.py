@@ -34,14 +34,14 @@ def test_pytorch_checkpoint_example(tmp_path: Path, child_env: dict[str, str]) -
 @pytest.mark.slow
 def test_pytorch_ddp_example(tmp_path: Path, child_env: dict[str, str]) -> None:
     pattern = r"^\[rank (\d)/2, run (\d)\] starting at epoch (\d) \(step (\d+)\)"
-    for tries in range(2):
+    for tries in range(3):
         # Under load a worker can miss the first rendezvous (gloo connect timeout) and
-        # torchrun restarts the group before rank 1 ever starts: run the example afresh.
+        # torchrun restarts the group before that rank reports: run the example afresh.
         work = tmp_path / f"try-{tries}"
         work.mkdir()
         out = _run("pytorch_ddp.py", work, child_env)
         starts = re.findall(pattern, out, re.MULTILINE)
-        if ("1", "0", "0", "0") in starts:
+        if {("0", "0", "0", "0"), ("1", "0", "0", "0")} <= set(starts):
             break
     runs = {run for _, run, _, _ in starts}
     last = max(runs)
