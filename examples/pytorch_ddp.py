@@ -40,6 +40,13 @@ EPOCHS = 4
 CRASH_EPOCH = 2
 
 
+def report(line: str) -> None:
+    """Print one line in a single write, so the ranks' lines never interleave, even under
+    ``PYTHONUNBUFFERED=1`` (where ``print`` writes the text and its newline separately)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def checkpoint_url() -> str:
     root = os.environ.get("TASKPOINT_ROOT") or str(Path(".taskpoint/checkpoints").absolute())
     # torchrun keeps TORCHELASTIC_RUN_ID across restarts of the group.
@@ -71,7 +78,7 @@ def main() -> None:
     state = TaskpointState(ddp, optimizer, scheduler)
     resume = state.restore_sync(checkpoint)
     start, step = (resume.epoch, resume.step) if resume else (0, 0)
-    print(f"[rank {rank}/{world}, run {restart}] starting at epoch {start} (step {step})", flush=True)
+    report(f"[rank {rank}/{world}, run {restart}] starting at epoch {start} (step {step})")
 
     for epoch in range(start, EPOCHS):
         sampler.set_epoch(epoch)  # the shuffle order is a function of the epoch
@@ -83,20 +90,20 @@ def main() -> None:
             loss.backward()
             optimizer.step()
         if restart == 0 and rank == 1 and epoch == CRASH_EPOCH:
-            print(f"[rank {rank}] simulated crash in epoch {epoch}", flush=True)
+            report(f"[rank {rank}] simulated crash in epoch {epoch}")
             os._exit(1)
         scheduler.step()
         # Every rank calls save; rank 0 writes and commits, the others wait for it.
         state.save_sync(checkpoint, epoch=epoch + 1, step=step, extra={"loss": loss.item()})
         if rank == 0:
-            print(f"[rank 0] epoch {epoch} done, loss {loss.item():.4f}, checkpoint committed", flush=True)
+            report(f"[rank 0] epoch {epoch} done, loss {loss.item():.4f}, checkpoint committed")
 
     # Every rank ends with the same weights.
     digest = torch.cat([p.detach().flatten() for p in model.parameters()]).sum().item()
     digests: list[float] = [0.0] * world
     dist.all_gather_object(digests, digest)
     if rank == 0:
-        print(f"done after {step} steps; ranks hold identical weights: {len(set(digests)) == 1}", flush=True)
+        report(f"done after {step} steps; ranks hold identical weights: {len(set(digests)) == 1}")
     dist.destroy_process_group()
 
 
