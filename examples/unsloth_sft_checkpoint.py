@@ -2,7 +2,7 @@
 
 Run it (Unsloth has its own environment, see integrations/unsloth/README.md)::
 
-    uv run --project integrations/unsloth python examples/unsloth_sft_checkpoint.py
+    UV_PROJECT_ENVIRONMENT=.venv-unsloth uv run --only-group unsloth python examples/unsloth_sft_checkpoint.py
 
 The spec's flow: the task loads the base model with ``FastLanguageModel.from_pretrained``,
 adds LoRA adapters with ``get_peft_model`` and trains with ``SFTTrainer``, which saves
@@ -34,7 +34,7 @@ try:
 except ImportError as exc:
     sys.exit(
         f"this example needs Unsloth ({exc}); run it in Unsloth's environment:\n"
-        "    uv run --project integrations/unsloth python examples/unsloth_sft_checkpoint.py"
+        "    UV_PROJECT_ENVIRONMENT=.venv-unsloth uv run --only-group unsloth python examples/unsloth_sft_checkpoint.py"
     )
 
 import datasets

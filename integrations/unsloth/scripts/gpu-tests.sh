@@ -26,8 +26,9 @@ if ! command -v uv >/dev/null 2>&1; then
 fi
 
 cd "$repo"
+export UV_PROJECT_ENVIRONMENT=.venv-unsloth  # the lock's `unsloth` fork, beside .venv
 start=$(date +%s)
-uv sync --project "$project" --locked
+uv sync --locked --only-group unsloth
 echo "gpu-tests.sh: environment ready in $(( $(date +%s) - start ))s"
 
 marker=(-m gpu)
@@ -36,5 +37,5 @@ if [[ "${1:-}" == "--all" ]]; then
 fi
 export TASKPOINT_REQUIRE_GPU=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"  # deterministic cuBLAS
-timeout 540 uv run --project "$project" --locked \
+timeout 540 uv run --locked --only-group unsloth \
     pytest "$project/tests" "${marker[@]}" -v -ra --durations=10

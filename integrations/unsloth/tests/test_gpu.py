@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 pytest.importorskip("unsloth", reason="Unsloth is not installed: run these tests with "
-                    "`uv run --project integrations/unsloth pytest integrations/unsloth/tests`")
+                    "`UV_PROJECT_ENVIRONMENT=.venv-unsloth uv run --only-group unsloth "
+                    "pytest integrations/unsloth/tests`")
 
 import taskpoint
 import torch

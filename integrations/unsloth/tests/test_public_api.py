@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("unsloth", reason="Unsloth is not installed: run these tests with "
-                    "`uv run --project integrations/unsloth pytest integrations/unsloth/tests`")
+                    "`UV_PROJECT_ENVIRONMENT=.venv-unsloth uv run --only-group unsloth "
+                    "pytest integrations/unsloth/tests`")
 
 import taskpoint_unsloth
 from taskpoint_unsloth import _compat, callback, lora, resume
@@ -42,3 +43,14 @@ def test_mismatch_error_is_a_taskpoint_error() -> None:
 
     assert issubclass(taskpoint_unsloth.LoraConfigMismatchError, taskpoint.CheckpointError)
     assert issubclass(taskpoint_unsloth.LoraConfigMismatchError, ValueError)
+
+
+def test_taskpoint_unsloth_extra_pulls_this_adapter() -> None:
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    extras = [Requirement(r) for r in requires("taskpoint") or []]
+    unsloth = [r for r in extras if r.marker is not None and r.marker.evaluate({"extra": "unsloth"})
+               and not r.marker.evaluate({"extra": ""})]
+    assert [r.name for r in unsloth] == ["taskpoint-unsloth"]
