@@ -51,8 +51,10 @@ from taskpoint.errors import (
     TaskpointWarning,
 )
 from taskpoint.manifest import (
+    FORMAT_VERSION,
     Codec,
     Manifest,
+    check_format,
     parse_manifest_name,
     payload_name,
 )
@@ -309,13 +311,24 @@ class Checkpoint:
     def _claim_attempt(self) -> int:
         if self._attempt is None:
             taken = [int(n) for n in self._store.list(ATTEMPTS) if n.isdigit()]
+            if taken:
+                self._check_marker(max(taken))
             self._attempt = max(taken, default=-1) + 1
             self._mark_attempt(self._attempt)
         return self._attempt
 
     def _mark_attempt(self, attempt: int) -> None:
-        marker = json.dumps({"started": time.time(), "pid": os.getpid()}).encode()
-        self._store.write_atomic(f"{ATTEMPTS}/{attempt:06d}", marker)
+        record = {"format": FORMAT_VERSION, "started": time.time(), "pid": os.getpid()}
+        self._store.write_atomic(f"{ATTEMPTS}/{attempt:06d}", json.dumps(record).encode())
+
+    def _check_marker(self, attempt: int) -> None:
+        """Refuse to add an attempt to an action a newer taskpoint has written to."""
+        key = f"{ATTEMPTS}/{attempt:06d}"
+        try:
+            record = json.loads(self._store.read_bytes(key))
+        except (FileNotFoundError, ValueError):
+            return  # a marker is a name first; its content is informational
+        check_format(record, url=self._store.url_of(key))
 
     def _next_seq(self, attempt: int, ticket: int) -> int:
         if self._seq_base is None:
@@ -390,7 +403,9 @@ class Checkpoint:
         Best effort: a store failure is logged, not raised, so it never hides the task's
         own outcome. ``taskpoint gc``/``rm`` treat actions without this record as unfinished.
         """
-        record = {"state": state, "attempts": attempts, "finished": time.time()}
+        record = {
+            "format": FORMAT_VERSION, "state": state, "attempts": attempts, "finished": time.time()
+        }
         try:
             self._store.write_atomic(STATUS, json.dumps(record).encode())
         except CheckpointError as exc:
@@ -401,13 +416,13 @@ class Checkpoint:
 
         Raises:
             CheckpointStoreError: the store failed.
+            CheckpointFormatError: a newer taskpoint wrote the record.
         """
         try:
             raw = json.loads(self._store.read_bytes(STATUS))
-        except FileNotFoundError:
+        except (FileNotFoundError, ValueError):
             return None
-        except ValueError:
-            return None
+        check_format(raw, url=self._store.url_of(STATUS))
         return raw if isinstance(raw, dict) else None
 
     # -- loading ----------------------------------------------------------------------

@@ -21,6 +21,10 @@ Format 1 (``"format": 1``)::
 
 Manifests are named ``<attempt:06d>-<seq:09d>.manifest.json`` so that sorting names sorts
 checkpoints from oldest to newest: by attempt, then by save order within the attempt.
+
+The same format number versions the rest of an action's layout: attempt markers and the
+status record carry ``"format"`` too (a record without one is format 1), and
+:func:`check_format` refuses anything newer than :data:`FORMAT_VERSION`.
 """
 
 from __future__ import annotations
@@ -37,13 +41,15 @@ __all__ = [
     "FORMAT_VERSION",
     "KINDS",
     "Manifest",
+    "check_format",
     "manifest_name",
     "parse_manifest_name",
     "payload_name",
 ]
 
 FORMAT_VERSION = 1
-"""The manifest format this version writes, and the newest it reads."""
+"""The store format (manifests, attempt markers, status record) this version writes, and the
+newest it reads."""
 
 Kind = Literal["bytes", "file", "directory"]
 Codec = Literal["gzip", "zstd", "none"]
@@ -53,6 +59,23 @@ CODECS: tuple[Codec, ...] = ("gzip", "zstd", "none")
 _SUFFIX = ".manifest.json"
 _CHECKSUM_RE = re.compile(r"xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64}")
 _NAME_RE = re.compile(r"^(\d{6,})-(\d{9,})\.manifest\.json$")
+
+
+def check_format(record: object, *, url: str) -> None:
+    """Refuse a JSON record (manifest, attempt marker, status) written in a newer format.
+
+    A record without an integer ``"format"`` passes: the layout before the field was format 1,
+    and malformed records are for the caller to judge.
+
+    Raises:
+        CheckpointFormatError: ``record["format"]`` is newer than :data:`FORMAT_VERSION`.
+    """
+    fmt = record.get("format") if isinstance(record, dict) else None
+    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > FORMAT_VERSION:
+        raise CheckpointFormatError(
+            f"{url} was written in taskpoint store format {fmt}, but this taskpoint reads "
+            f"formats up to {FORMAT_VERSION}: upgrade taskpoint to use it"
+        )
 
 
 def manifest_name(attempt: int, seq: int) -> str:
@@ -116,12 +139,7 @@ class Manifest:
             raise CheckpointCorruptError(f"manifest {url} is not valid JSON: {exc}", url=url) from exc
         if not isinstance(raw, dict):
             raise CheckpointCorruptError(f"manifest {url} is not a JSON object", url=url)
-        fmt = raw.get("format")
-        if isinstance(fmt, int) and fmt > FORMAT_VERSION:
-            raise CheckpointFormatError(
-                f"checkpoint {url} was written in manifest format {fmt}, but this taskpoint "
-                f"reads formats up to {FORMAT_VERSION}: upgrade taskpoint to load it"
-            )
+        check_format(raw, url=url)
         return cls._validated(raw, url)
 
     @classmethod
