@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 import xxhash
@@ -133,14 +133,23 @@ class HashingReader:
         """Does nothing: the owner of ``raw`` closes it."""
 
 
-def digest_file(path: str, algorithm: str = ALGORITHM, progress: Progress | None = None) -> Digest:
-    """The digest of the local file at ``path``, read in :data:`CHUNK`-sized pieces."""
-    digest = Digest(algorithm)
+def file_chunks(path: str) -> Iterator[memoryview]:
+    """The local file at ``path`` in :data:`CHUNK`-sized views of one reused buffer.
+
+    Each view is valid only until the next one is taken.
+    """
     with open(path, "rb", buffering=0) as fh:
         buffer = bytearray(CHUNK)
         view = memoryview(buffer)
         while n := fh.readinto(buffer):
-            digest.update(view[:n])
-            if progress is not None:
-                progress(n)
+            yield view[:n]
+
+
+def digest_file(path: str, algorithm: str = ALGORITHM, progress: Progress | None = None) -> Digest:
+    """The digest of the local file at ``path``, read in :data:`CHUNK`-sized pieces."""
+    digest = Digest(algorithm)
+    for chunk in file_chunks(path):
+        digest.update(chunk)
+        if progress is not None:
+            progress(len(chunk))
     return digest

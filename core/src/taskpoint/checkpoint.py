@@ -41,7 +41,14 @@ from pathlib import Path
 from typing import Any, BinaryIO, Union
 
 from taskpoint import archive
-from taskpoint._digest import Digest, HashingReader, HashingWriter, Progress, digest_file
+from taskpoint._digest import (
+    Digest,
+    HashingReader,
+    HashingWriter,
+    Progress,
+    digest_file,
+    file_chunks,
+)
 from taskpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -284,9 +291,9 @@ class Checkpoint:
     def _write_payload(self, source: _Source, payload: str) -> tuple[Digest, str | None, Codec]:
         target = f"{CHECKPOINTS}/{payload}"
         name = source.path.name if source.path is not None else None
-        if source.kind == "file":
-            # The backend's own upload: a kernel copy on local disks, parallel multipart on
-            # object stores. A file changed while it uploads fails verification at load.
+        if source.kind == "file" and self._store.is_object_store:
+            # The backend's own parallel multipart upload, after hashing the file. A file
+            # changed while it uploads fails verification at load.
             assert source.path is not None
             digest = digest_file(str(source.path))
             self._store.put_file(str(source.path), target)
@@ -300,6 +307,12 @@ class Checkpoint:
             if source.kind == "bytes":
                 assert source.data is not None
                 writer.write(source.data)
+            elif source.kind == "file":
+                # One pass that hashes as it copies: as fast as a kernel copy on local disks,
+                # where reading the file a second time to hash it would cost a third more.
+                assert source.path is not None
+                for chunk in file_chunks(str(source.path)):
+                    writer.write(chunk)
             else:
                 assert source.path is not None
                 archive.pack_directory(source.path, writer, self._codec)  # type: ignore[arg-type]
