@@ -21,6 +21,7 @@ and again when unpacking, and nothing is written outside the restore directory.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import stat
 import struct
@@ -253,6 +254,45 @@ def _member_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
     )
 
 
+class _ForwardReader:
+    """A stream that ``tarfile``'s random-access reader can use: it seeks forward only.
+
+    tarfile's stream mode (``r|``) joins and slices every read in its own buffer, three
+    copies of each byte; its random-access mode (``r:``) reads member data straight from
+    the file object, but needs ``tell`` and ``seek``. Reading a tar front to back only ever
+    seeks forward, which this serves by reading and dropping bytes.
+    """
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self._pos = 0
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_CUR:
+            pos += self._pos
+        elif whence != os.SEEK_SET or pos < self._pos:
+            raise io.UnsupportedOperation("a streamed archive can only be read front to back")
+        while self._pos < pos and self.read(min(pos - self._pos, _BLOCK)):
+            pass
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        """Up to ``size`` bytes (all that is left when negative); fewer only at the end."""
+        data = self._raw.read(size)
+        if 0 < len(data) < size:
+            parts = [data]
+            got = len(data)
+            while got < size and (more := self._raw.read(size - got)):
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
+        self._pos += len(data)
+        return data
+
+
 def unpack_directory(src: BinaryIO, dest: Path, codec: Codec = "gzip") -> None:
     """Extract a tar archive encoded with ``codec`` from ``src`` into ``dest``.
 
@@ -266,7 +306,7 @@ def unpack_directory(src: BinaryIO, dest: Path, codec: Codec = "gzip") -> None:
     """
     dest.mkdir(parents=True, exist_ok=True)
     with _decompressing(src, codec) as stream, tarfile.open(
-        fileobj=stream, mode="r|", bufsize=_BLOCK
+        fileobj=cast(BinaryIO, _ForwardReader(stream)), mode="r:"
     ) as tar:
         tar.copybufsize = _BLOCK  # type: ignore[attr-defined]
         tar.extractall(dest, filter=_member_filter)
