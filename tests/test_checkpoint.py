@@ -107,7 +107,7 @@ def test_str_path_is_accepted(store_url: str, tmp_path: Path) -> None:
     assert restored is not None and restored.read_bytes() == b"x" * 10
 
 
-@pytest.mark.parametrize("codec", ["gzip", "none"])
+@pytest.mark.parametrize("codec", ["gzip", "zstd", "none"])
 def test_directory_round_trip_is_the_same_tree(store_url: str, tmp_path: Path, codec: str) -> None:
     tree = _make_tree(tmp_path / "ckpts")
     ckpt = Checkpoint(store_url, codec=codec)
