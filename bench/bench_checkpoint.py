@@ -76,10 +76,17 @@ def _peak_rss() -> Iterator[dict[str, float]]:
 
 
 def _timed(fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None) -> float:
+    """Median wall time of ``fn`` over ``repeat`` runs, each after ``before`` and a sync.
+
+    ``os.sync`` first, so that no run pays for the write-back of what an earlier one (or
+    making the data) left dirty in the page cache: on a VM disk that alone can make a 60 ms
+    copy take 500 ms, depending only on what ran before.
+    """
     times = []
     for _ in range(repeat):
         if before is not None:
             before()
+        os.sync()
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
