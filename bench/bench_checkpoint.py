@@ -75,21 +75,26 @@ def _peak_rss() -> Iterator[dict[str, float]]:
         result["extra_mb"] = max(0.0, peak - base)
 
 
-def _timed(fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None) -> float:
-    """Median wall time of ``fn`` over ``repeat`` runs, each after ``before`` and a sync.
+def _timed(
+    fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None, warmup: int = 1
+) -> float:
+    """Median wall time of ``fn`` over ``repeat`` runs, after ``warmup`` untimed ones.
 
-    ``os.sync`` first, so that no run pays for the write-back of what an earlier one (or
-    making the data) left dirty in the page cache: on a VM disk that alone can make a 60 ms
-    copy take 500 ms, depending only on what ran before.
+    Each run follows ``before`` and an ``os.sync``, so that no run pays for the write-back
+    of what an earlier one (or making the data) left dirty in the page cache. The warm-up
+    puts every contender in its steady state: on this VM, the first writes into page-cache
+    memory the guest has not touched yet run several times slower (a 60 ms copy measured
+    500 ms), and which contender met them first depended only on the order of the cases.
     """
     times = []
-    for _ in range(repeat):
+    for i in range(warmup + repeat):
         if before is not None:
             before()
         os.sync()
         started = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - started)
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
@@ -229,8 +234,8 @@ def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, moto: _Mo
                 shutil.rmtree(tmp / "ref-out")
             local.unlink()
 
-        row["ref_save"] = _timed(ref_save, 1)
-        row["ref_load"] = _timed(ref_load, 1)
+        row["ref_save"] = _timed(ref_save, 1, warmup=0)  # slow: once
+        row["ref_load"] = _timed(ref_load, 1, warmup=0)
 
         ckpt = taskpoint.Checkpoint(f"{url}/tp", storage_options=options, workdir=tmp / "restores")
         with _peak_rss() as save_rss:

@@ -110,11 +110,21 @@ def test_s3fs_translated_errors_are_classified() -> None:
 
 
 def test_transfer_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TASKPOINT_PART_SIZE", str(8 * 2**20))
+    monkeypatch.setenv("TASKPOINT_PART_SIZE", str(16 * 2**20))
     monkeypatch.setenv("TASKPOINT_TRANSFER_CONCURRENCY", "3")
-    assert Transfer.from_env() == Transfer(part_size=8 * 2**20, concurrency=3)
+    assert Transfer.from_env() == Transfer(part_size=16 * 2**20, concurrency=3)
     monkeypatch.setenv("TASKPOINT_PART_SIZE", "lots")
     with pytest.raises(ValueError, match="TASKPOINT_PART_SIZE must be a whole number; got 'lots'"):
         Transfer.from_env()
     with pytest.raises(ValueError, match="concurrency must be at least 1"):
         Transfer(concurrency=0)
+
+
+def test_s3_parts_grow_to_fit_any_object_in_ten_thousand_parts() -> None:
+    transfer = Transfer()
+    assert transfer.s3_part_size() == transfer.s3_part_size(2**30) == 8 * 2**20
+    assert Transfer(part_size=2**20).s3_part_size() == 5 * 2**20  # S3's minimum
+    for size in (8 * 2**20 * 10_000 + 1, 500 * 2**30, 5 * 2**40):  # past 10,000 x 8 MiB
+        part = transfer.s3_part_size(size)
+        assert part > 8 * 2**20
+        assert -(-size // part) <= 10_000 < -(-size // (part - 1))

@@ -88,6 +88,7 @@ _DENIED = re.compile(
     re.IGNORECASE,
 )
 _MIN_S3_PART = 5 * 2**20
+_S3_MAX_PARTS = 10_000
 _GCS_CHUNK = 256 * 2**10
 _BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 
@@ -210,16 +211,18 @@ class Transfer:
     """How payloads move to and from object stores.
 
     Args:
-        part_size: bytes per multipart part (S3: at least 5 MiB; GCS: rounded to 256 KiB;
-            Azure: block size and the largest single PUT). Objects of two parts or more
-            upload in parts.
+        part_size: bytes per multipart part (S3: at least 5 MiB, and larger where an object
+            would need more than S3's 10,000 parts; GCS: rounded to 256 KiB; Azure: block
+            size and the largest single PUT). Objects of two parts or more upload in parts.
         concurrency: parts moved at once (S3 and Azure; GCS uploads sequentially).
 
-    The defaults come from ``TASKPOINT_PART_SIZE`` and ``TASKPOINT_TRANSFER_CONCURRENCY``
-    when set (see :meth:`from_env`), else 32 MiB and 8.
+    A transfer holds about ``part_size * concurrency`` bytes in memory, twice that while
+    the backend copies or signs them. The defaults come from ``TASKPOINT_PART_SIZE`` and
+    ``TASKPOINT_TRANSFER_CONCURRENCY`` when set (see :meth:`from_env`), else 8 MiB and 8:
+    about 128 MiB in flight, and S3 objects up to 78 GiB before parts grow.
     """
 
-    part_size: int = 32 * 2**20
+    part_size: int = 8 * 2**20
     concurrency: int = 8
 
     def __post_init__(self) -> None:
@@ -227,6 +230,14 @@ class Transfer:
             raise ValueError(f"part_size must be at least 1 byte; got {self.part_size!r}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1; got {self.concurrency!r}")
+
+    def s3_part_size(self, size: int | None = None) -> int:
+        """The part size for an S3 object of ``size`` bytes: :attr:`part_size`, raised to
+        S3's 5 MiB minimum and to the smallest size that fits the object in 10,000 parts."""
+        part = max(self.part_size, _MIN_S3_PART)
+        if size is not None and size > part * _S3_MAX_PARTS:
+            part = -(-size // _S3_MAX_PARTS)
+        return part
 
     @classmethod
     def from_env(cls) -> Transfer:
@@ -478,7 +489,8 @@ class Store:
     def _put(self, local: str, name: str) -> None:
         path = self._path(name)
         self._lost_upload_is_transient(
-            lambda: self.fs.put_file(local, path, **self._part_options()), local
+            lambda: self.fs.put_file(local, path, **self._part_options(os.path.getsize(local))),
+            local,
         )
         self._invalidate(name)
 
@@ -497,11 +509,12 @@ class Store:
             self._check_bucket(exc)
             raise _LostUpload(f"the store lost the upload in progress: {exc}") from exc
 
-    def _part_options(self) -> dict[str, Any]:
+    def _part_options(self, size: int | None = None) -> dict[str, Any]:
+        """The backend's transfer keywords for an object of ``size`` bytes (if known)."""
         protocols = self._protocols
         part, concurrency = self._transfer.part_size, self._transfer.concurrency
         if protocols & {"s3", "s3a"}:
-            return {"chunksize": max(part, _MIN_S3_PART), "max_concurrency": concurrency}
+            return {"chunksize": self._transfer.s3_part_size(size), "max_concurrency": concurrency}
         if protocols & {"gs", "gcs"}:
             return {"chunksize": max(_GCS_CHUNK, part - part % _GCS_CHUNK)}
         if protocols & {"az", "abfs", "abfss"}:
