@@ -31,6 +31,7 @@ from taskpoint.errors import (
 )
 from taskpoint.runtime import TaskEnvironment
 from taskpoint.store import RetryPolicy
+from taskpoint.versions import require_version
 
 __version__ = "0.1.0"
 
@@ -52,4 +53,5 @@ __all__ = [
     "__version__",
     "ctx",
     "latest_checkpoint",
+    "require_version",
 ]

@@ -215,13 +215,13 @@ def test_version_check_names_requested_and_found(monkeypatch: pytest.MonkeyPatch
     from taskpoint_sklearn import _compat
 
     _compat.check_versions()
-    monkeypatch.setitem(_compat.SUPPORTED, "scikit-learn", ((9, 0), (10, 0)))
+    monkeypatch.setitem(_compat.SUPPORTED, "scikit-learn", ">=9.0,<10.0")
     found = version("scikit-learn")
     with pytest.raises(
         ImportError, match=re.escape(f"requested scikit-learn>=9.0,<10.0 but found scikit-learn {found}")
     ):
         _compat.check_versions()
-    monkeypatch.setitem(_compat.SUPPORTED, "no-such-dist-tp", ((1, 0), (2, 0)))
+    monkeypatch.setitem(_compat.SUPPORTED, "no-such-dist-tp", ">=1.0,<2.0")
     monkeypatch.delitem(_compat.SUPPORTED, "scikit-learn")
     with pytest.raises(ImportError, match=r"requested no-such-dist-tp>=1\.0,<2\.0 but found none"):
         _compat.check_versions()
