@@ -63,6 +63,7 @@ from taskpoint.manifest import (
     Manifest,
     check_format,
     parse_manifest_name,
+    parse_payload_name,
     payload_name,
 )
 from taskpoint.store import RetryPolicy, Store
@@ -380,9 +381,7 @@ class Checkpoint:
         for _, name in committed[:cut]:
             self._store.remove(f"{CHECKPOINTS}/{name}")
         for name in names:
-            if not name.endswith(".payload"):
-                continue
-            order = _payload_order(name)
+            order = parse_payload_name(name)
             if order is not None and order not in kept and order <= newest:
                 self._store.remove(f"{CHECKPOINTS}/{name}")
 
@@ -684,13 +683,6 @@ def _lower_priority() -> None:
 def _discard(source: _Source) -> None:
     if source.snapshot is not None:
         shutil.rmtree(source.snapshot, ignore_errors=True)
-
-
-def _payload_order(name: str) -> tuple[int, int] | None:
-    parts = name.split("-")
-    if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
-        return None
-    return int(parts[0]), int(parts[1])
 
 
 def latest_checkpoint(

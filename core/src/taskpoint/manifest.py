@@ -44,6 +44,7 @@ __all__ = [
     "check_format",
     "manifest_name",
     "parse_manifest_name",
+    "parse_payload_name",
     "payload_name",
 ]
 
@@ -59,6 +60,7 @@ CODECS: tuple[Codec, ...] = ("gzip", "zstd", "none")
 _SUFFIX = ".manifest.json"
 _CHECKSUM_RE = re.compile(r"xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64}")
 _NAME_RE = re.compile(r"^(\d{6,})-(\d{9,})\.manifest\.json$")
+_PAYLOAD_RE = re.compile(r"^(\d{6,})-(\d{9,})-[^-/]+\.payload$")
 
 
 def check_format(record: object, *, url: str) -> None:
@@ -86,6 +88,14 @@ def manifest_name(attempt: int, seq: int) -> str:
 def payload_name(attempt: int, seq: int, token: str) -> str:
     """The payload's object name; ``token`` keeps concurrent writers apart."""
     return f"{attempt:06d}-{seq:09d}-{token}.payload"
+
+
+def parse_payload_name(name: str) -> tuple[int, int] | None:
+    """``(attempt, seq)`` for a payload object name, or ``None`` for any other name."""
+    match = _PAYLOAD_RE.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2))
 
 
 def parse_manifest_name(name: str) -> tuple[int, int] | None:

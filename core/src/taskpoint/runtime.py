@@ -322,6 +322,22 @@ class Runner:
             return _isolation.run_attempt(self, context, args, kwargs)
         return self._attempt_inline(context, args, kwargs)
 
+    async def _attempt_async(self, context: TaskContext, args: Any, kwargs: Any) -> Any:
+        if self.isolation == "process":
+            return await asyncio.to_thread(self._attempt, context, args, kwargs)
+        log.info("%s attempt %d/%d starting", context.action, context.attempt, self.retries)
+        token = _current.set(context)
+        try:
+            install_sigterm_handler()
+            result = await self.func(*args, **kwargs)
+        except BaseException:
+            await asyncio.to_thread(self.settle, context, True)
+            raise
+        finally:
+            _current.reset(token)
+        await asyncio.to_thread(self.settle, context, False)
+        return result
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task (awaitable for async tasks when inline)."""
         return self.wrap_async()(*args, **kwargs) if self.is_async else self.wrap_sync()(*args, **kwargs)
@@ -351,22 +367,7 @@ class Runner:
             for attempt in range(self.retries + 1):
                 context = self.context(run_id, attempt)
                 try:
-                    if self.isolation == "process":
-                        result = await asyncio.to_thread(self._attempt, context, args, kwargs)
-                    else:
-                        log.info(
-                            "%s attempt %d/%d starting", context.action, attempt, self.retries
-                        )
-                        token = _current.set(context)
-                        try:
-                            install_sigterm_handler()
-                            result = await self.func(*args, **kwargs)
-                        except BaseException:
-                            await asyncio.to_thread(self.settle, context, True)
-                            raise
-                        finally:
-                            _current.reset(token)
-                        await asyncio.to_thread(self.settle, context, False)
+                    result = await self._attempt_async(context, args, kwargs)
                 except BaseException as exc:
                     if not self._failed(context, exc):
                         self._finish(context, "failed")

@@ -696,10 +696,6 @@ class Store:
         # position); concurrent readers would interleave, so copy the bytes out instead.
         return bytes(self.fs.cat_file(self._path(name)))
 
-    def size(self, name: str) -> int:
-        """The size of ``name`` in bytes. Raises FileNotFoundError when it is missing."""
-        return self._call("stat", name, lambda: int(self.fs.size(self._path(name))))
-
     def remove_tree(self, name: str = "") -> None:
         """Delete ``name`` and everything under it; a missing prefix is not an error.
 
