@@ -8,6 +8,8 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from taskpoint._streams import ReadView, WriteView
+
 CHUNK = 8 * 1024 * 1024
 """Bytes moved per read/write call when copying payloads."""
 
@@ -54,7 +56,7 @@ Progress = Callable[[int], object]
 """Called with the number of bytes just moved."""
 
 
-class HashingWriter:
+class HashingWriter(WriteView):
     """A write-only binary stream that hashes what it passes on to ``raw``."""
 
     def __init__(self, raw: BinaryIO, progress: Progress | None = None) -> None:
@@ -72,24 +74,8 @@ class HashingWriter:
     def flush(self) -> None:
         self._raw.flush()
 
-    def writable(self) -> bool:
-        return True
 
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
-    @property
-    def closed(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        """Does nothing: the owner of ``raw`` closes it."""
-
-
-class HashingReader:
+class HashingReader(ReadView):
     """A read-only binary stream that hashes what it reads from ``raw``."""
 
     def __init__(
@@ -115,22 +101,6 @@ class HashingReader:
         """Read to the end, so the digest covers the whole object."""
         while self.read(CHUNK):
             pass
-
-    def readable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
-    @property
-    def closed(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        """Does nothing: the owner of ``raw`` closes it."""
 
 
 def file_chunks(path: str) -> Iterator[memoryview]:

@@ -42,6 +42,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import known_implementations
 
+from taskpoint._streams import ReadView, WriteView
 from taskpoint.errors import CheckpointError, CheckpointStoreError
 
 __all__ = ["RetryPolicy", "Store", "Transfer", "is_transient"]
@@ -736,7 +737,7 @@ def _backoff(retry: RetryPolicy) -> Callable[[dict[str, Any]], float]:
     return backoff
 
 
-class _Spool:
+class _Spool(WriteView):
     """A write-only stream kept in memory up to ``limit`` bytes, then in a temporary file."""
 
     def __init__(self, limit: int) -> None:
@@ -776,26 +777,10 @@ class _Spool:
                 os.unlink(self.path)
 
     def flush(self) -> None:
-        pass
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
-    @property
-    def closed(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        """Does nothing: :meth:`Store.write_stream` finishes the spool."""
+        """Nothing to do: :meth:`Store.write_stream` finishes the spool."""
 
 
-class _GuardedReader:
+class _GuardedReader(ReadView):
     """Reads from a store stream, translating its failures into CheckpointStoreError."""
 
     def __init__(self, raw: BinaryIO, url: str) -> None:
@@ -810,16 +795,3 @@ class _GuardedReader:
                 f"checkpoint store failed while reading {self._url}: {type(exc).__name__}: {exc}",
                 url=self._url,
             ) from exc
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    @property
-    def closed(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        """Does nothing: :meth:`Store.open_read` closes the stream."""
