@@ -155,3 +155,48 @@ def test_run_command(tmp_path: Path) -> None:
     assert failed.stderr.strip().splitlines()[-1].startswith("error: cli.count failed")
     bad = subprocess.run([*cmd, "run", f"{script}:nope"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "no @env.task function named 'nope'" in bad.stderr
+
+
+def _pull_with_stderr_on_a_terminal(root: str, action: str, dest: Path) -> tuple[int, str]:
+    """Run ``taskpoint pull`` with stderr on a pseudo-terminal; return its code and stderr."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "taskpoint.cli", "pull", action, str(dest), "--root", root],
+        stdout=subprocess.DEVNULL, stderr=terminal, env={**os.environ, "COLUMNS": "100"},
+    )
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(controller)
+    return proc.wait(timeout=60), b"".join(chunks).decode(errors="replace")
+
+
+def test_pull_draws_a_progress_bar_only_on_a_terminal_and_for_large_transfers(
+    tmp_path: Path,
+) -> None:
+    root = f"file://{tmp_path / 'store'}"
+    Checkpoint(f"{root}/train.fit/big", attempt=0).save_sync(os.urandom(12 * 2**20))
+    Checkpoint(f"{root}/train.fit/small", attempt=0).save_sync(os.urandom(2**20))
+
+    code, err = _pull_with_stderr_on_a_terminal(root, "train.fit/big", tmp_path / "big")
+    assert code == 0 and (tmp_path / "big").stat().st_size == 12 * 2**20
+    assert "pulling" in err and "100%" in err
+
+    code, err = _pull_with_stderr_on_a_terminal(root, "train.fit/small", tmp_path / "small")
+    assert code == 0 and "pulling" not in err  # under 8 MiB: not worth a bar
+
+    piped = subprocess.run(
+        [sys.executable, "-m", "taskpoint.cli", "pull", "train.fit/big", str(tmp_path / "again"),
+         "--root", root],
+        capture_output=True, text=True,
+    )
+    assert piped.returncode == 0 and "pulling" not in piped.stderr  # not a terminal
