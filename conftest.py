@@ -14,6 +14,7 @@ fails the run; elsewhere its tests are skipped with the reason.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import uuid
 from collections.abc import Iterator
@@ -83,6 +84,16 @@ def azure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.
 def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.ObjectServer]:
     """The GCS emulator, with the bucket ``taskpoint-tests``."""
     yield from _object_server("gcs", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def uv() -> str:
+    """The ``uv`` executable (``$UV``, else on PATH); without one, skip, or fail under CI."""
+    found = os.environ.get("UV") or shutil.which("uv")
+    if found and Path(found).is_file():
+        return found
+    _servers.required("uv is not installed (not on PATH, no UV variable)", "the tests that "
+                      "build wheels and run the README's commands must run")
 
 
 def _cuda_available() -> bool:

@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 LOOPBACK = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
@@ -804,15 +804,22 @@ def start_server(kind: str, workdir: Path, **options: Any) -> ObjectServer:
     return server
 
 
-def unavailable(kind: str, reason: str) -> Callable[[], None]:
-    """What a fixture does when ``kind``'s server cannot start: fail in CI, else skip."""
+def in_ci() -> bool:
+    """Whether this is a CI run (``CI=true``), where nothing required may be skipped."""
+    return os.environ.get("CI", "").lower() in ("true", "1", "yes")
+
+
+def required(message: str, why: str) -> NoReturn:
+    """Something a test needs is missing: fail under ``CI=true`` (saying ``why`` it must
+    run), else skip with ``message``."""
     import pytest
 
+    if in_ci():
+        pytest.fail(f"{message} (CI=true: {why})", pytrace=False)
+    pytest.skip(message)
+
+
+def unavailable(kind: str, reason: str) -> Callable[[], None]:
+    """What a fixture does when ``kind``'s server cannot start: fail in CI, else skip."""
     message = f"{SERVERS[kind].name} for {kind} tests is unavailable: {reason}"
-
-    def act() -> None:
-        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
-            pytest.fail(message + " (CI=true: every store must run)", pytrace=False)
-        pytest.skip(message)
-
-    return act
+    return lambda: required(message, "every store must run")

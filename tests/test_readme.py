@@ -34,13 +34,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import _servers
 import pytest
 import taskpoint
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 FIXTURES = Path(__file__).resolve().parent / "readme"
-IN_CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
 ENV_CONTRACT = ("TASKPOINT_ROOT", "TASKPOINT_ACTION", "TASKPOINT_RUN_ID", "TASKPOINT_ATTEMPT")
 """Variables that would send the blocks' checkpoints elsewhere; unset for every block."""
 
@@ -381,16 +381,6 @@ def test_sklearn_quickstart(workdir: Path, block_module: Callable[..., types.Mod
     assert chunks.calls == [0] * 4 + [1] * 7, "attempt 1 resumes at chunk 3 of 10"
 
 
-def _uv() -> str:
-    uv = shutil.which("uv")
-    if uv is None:
-        message = "uv is not on PATH (pip install uv)"
-        if IN_CI:
-            pytest.fail(message + " (CI=true)")
-        pytest.skip(message)
-    return uv
-
-
 def _child_env(**extra: str) -> dict[str, str]:
     """This environment minus what would point ``uv``/taskpoint elsewhere, plus ``extra``."""
     env = {
@@ -404,13 +394,13 @@ def _child_env(**extra: str) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_unsloth_quickstart(tmp_path: Path) -> None:
+def test_unsloth_quickstart(tmp_path: Path, uv: str) -> None:
     """Runs in Unsloth's environment (its pins conflict with this one), through
     ``tests/readme/unsloth_block.py``, which supplies the reader's code and checks nothing
     itself; the assertions are here."""
     block = readme_block("test_unsloth_quickstart")
     check_free_names(block, {"load_lora_model", "make_sft_config", "make_dataset"})
-    if not (REPO / ".venv-unsloth").is_dir() and not IN_CI:
+    if not (REPO / ".venv-unsloth").is_dir() and not _servers.in_ci():
         pytest.skip(
             "Unsloth's environment is not installed (about 3 GB); create it with "
             "`UV_PROJECT_ENVIRONMENT=.venv-unsloth uv sync --frozen --only-group unsloth`"
@@ -420,7 +410,7 @@ def test_unsloth_quickstart(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     proc = subprocess.run(
-        [_uv(), "run", "--frozen", "--only-group", "unsloth", "--project", str(REPO),
+        [uv, "run", "--frozen", "--only-group", "unsloth", "--project", str(REPO),
          "python", str(FIXTURES / "unsloth_block.py"), str(source)],
         cwd=run, env=_child_env(UV_PROJECT_ENVIRONMENT=str(REPO / ".venv-unsloth")),
         capture_output=True, text=True, timeout=840,
@@ -442,14 +432,14 @@ def _commands(block: Block) -> list[str]:
 
 
 @pytest.mark.slow
-def test_first_screen_example_command(tmp_path: Path) -> None:
+def test_first_screen_example_command(tmp_path: Path, uv: str) -> None:
     block = readme_block("test_first_screen_example_command")
     assert _commands(block) == ["uv run python examples/pytorch_checkpoint.py", "uv run pytest"]
     # As written, from the repository root. Here from an empty directory (the example writes
     # its checkpoints under the working directory): `--project` names the repository, and
     # `--locked` fails instead of rewriting uv.lock when it is out of date.
     proc = subprocess.run(
-        [_uv(), "run", "--locked", "--project", str(REPO),
+        [uv, "run", "--locked", "--project", str(REPO),
          "python", str(REPO / "examples" / "pytorch_checkpoint.py")],
         cwd=tmp_path, env=_child_env(), capture_output=True, text=True, timeout=300,
     )
@@ -462,13 +452,13 @@ def test_first_screen_example_command(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_first_screen_pytest_command() -> None:
+def test_first_screen_pytest_command(uv: str) -> None:
     block = readme_block("test_first_screen_pytest_command")
     assert "uv run pytest" in _commands(block)
     # `uv run pytest` would run this test again, and everything else: collecting proves the
     # command, environment and every test module are valid without recursing.
     proc = subprocess.run(
-        [_uv(), "run", "--locked", "pytest", "--collect-only", "-q"],
+        [uv, "run", "--locked", "pytest", "--collect-only", "-q"],
         cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]

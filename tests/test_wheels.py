@@ -148,17 +148,6 @@ def test_every_distribution_ships_the_license() -> None:
 # --- uv and the built distributions --------------------------------------------------
 
 
-def _uv_or_skip() -> str:
-    """The ``uv`` executable; without one, skip (or fail under ``CI=true``)."""
-    found = os.environ.get("UV") or shutil.which("uv")
-    if found and Path(found).is_file():
-        return found
-    message = "uv is not installed (not on PATH, no UV variable): the wheel checks need it"
-    if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
-        pytest.fail(message + " (CI=true: they must run)", pytrace=False)
-    pytest.skip(message)
-
-
 def _run(args: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None,
          what: str) -> str:
     """Run a command; its stdout. A failure shows the command and both streams."""
@@ -193,11 +182,6 @@ def _wheel_metadata(wheel: Path) -> Message:
         name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         text = zf.read(name).decode("utf-8")
     return email.parser.Parser(policy=email.policy.compat32).parsestr(text)
-
-
-@pytest.fixture(scope="module")
-def uv() -> str:
-    return _uv_or_skip()
 
 
 @pytest.fixture(scope="module")
