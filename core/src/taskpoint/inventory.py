@@ -16,8 +16,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from taskpoint.checkpoint import ATTEMPTS, CHECKPOINTS, STATUS, Checkpoint
-from taskpoint.context import DEFAULT_ROOT, ENV_ROOT
+from taskpoint.checkpoint import CHECKPOINTS, STATUS, Checkpoint
+from taskpoint.context import root_from
+from taskpoint.history import ATTEMPTS
 from taskpoint.manifest import Manifest, parse_manifest_name
 from taskpoint.store import Store
 
@@ -26,7 +27,7 @@ __all__ = ["ActionInfo", "default_root", "find_action", "list_actions"]
 
 def default_root() -> str:
     """``TASKPOINT_ROOT``, else the embedded local store under the working directory."""
-    return os.environ.get(ENV_ROOT) or str(DEFAULT_ROOT.absolute())
+    return root_from(os.environ)
 
 
 @dataclass(frozen=True)
