@@ -27,7 +27,7 @@ import stat
 import struct
 import tarfile
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -35,7 +35,15 @@ from typing import Any, BinaryIO, cast
 from taskpoint.errors import CheckpointUnsafeError
 from taskpoint.manifest import CODECS, Codec
 
-__all__ = ["check_codec", "check_tree", "pack_directory", "unpack_directory"]
+__all__ = [
+    "Extractor",
+    "check_codec",
+    "check_tree",
+    "gzip_bytes",
+    "pack_directory",
+    "unpack_directory",
+    "worth_compressing",
+]
 
 _GZIP_LEVEL = 1
 _ZSTD_LEVEL = 3
@@ -117,13 +125,30 @@ _INCOMPRESSIBLE = 0.9
 """A block whose sample deflates to more than this fraction of its size is stored."""
 
 
-def _gzip_member(block: bytes) -> bytes:
-    """One complete gzip member holding ``block``: deflated, or stored if that gains little."""
-    from isal import igzip, isal_zlib
+def worth_compressing(block: bytes | memoryview) -> bool:
+    """Whether deflating ``block`` pays, judged by a cheap sample of its first 64 KiB.
+
+    Text, JSON and sparse arrays do; fp32 weights and already-compressed data do not.
+    """
+    from isal import isal_zlib
 
     sample = block[:_SAMPLE]
-    if len(isal_zlib.compress(sample, _GZIP_LEVEL)) < _INCOMPRESSIBLE * len(sample):
-        return bytes(igzip.compress(block, compresslevel=_GZIP_LEVEL))
+    return len(isal_zlib.compress(sample, _GZIP_LEVEL)) < _INCOMPRESSIBLE * len(sample)
+
+
+def gzip_bytes(block: bytes | memoryview) -> bytes:
+    """``block`` as one gzip member, deflated at taskpoint's (fast) level."""
+    from isal import igzip
+
+    return bytes(igzip.compress(block, compresslevel=_GZIP_LEVEL))
+
+
+def _gzip_member(block: bytes) -> bytes:
+    """One complete gzip member holding ``block``: deflated, or stored if that gains little."""
+    from isal import isal_zlib
+
+    if worth_compressing(block):
+        return gzip_bytes(block)
     view = memoryview(block)
     parts: list[bytes | memoryview] = [_GZIP_HEADER]
     for offset in range(0, len(block), _STORED_MAX):
@@ -261,8 +286,17 @@ def _member_parts(member: tarfile.TarInfo) -> tuple[str, ...]:
     return parts
 
 
-class _Extractor:
+def _mtime_ns(member: tarfile.TarInfo) -> int:
+    ns = getattr(member, "mtime_ns", None)
+    return ns if isinstance(ns, int) else int(member.mtime * 1_000_000_000)
+
+
+class Extractor:
     """Writes archive entries under ``dest`` with taskpoint's own checks, never tarfile's.
+
+    The entries are ``tarfile.TarInfo`` records, from a tar archive or built from a
+    format-2 manifest; ``write(member, path, out)`` fills each regular file (created
+    empty, exclusively, without following links) and may defer the bytes to ``fill``.
 
     Python's ``tarfile`` filters have been unsound on many releases (a symlink chain
     longer than ``PATH_MAX`` escapes the ``data`` filter: CVE-2025-4517), so nothing here
@@ -279,15 +313,24 @@ class _Extractor:
     - only regular files, directories and links are accepted.
     """
 
-    def __init__(self, tar: tarfile.TarFile, dest: Path) -> None:
-        self._tar = tar
+    def __init__(
+        self,
+        members: Iterable[tarfile.TarInfo],
+        dest: Path,
+        write: Callable[[tarfile.TarInfo, Path, BinaryIO], None],
+    ) -> None:
+        self._members = members
         self._dest = dest
+        self._write = write
         self._seen: dict[tuple[str, ...], str] = {(): "dir"}
         self._dirs: list[tuple[Path, tarfile.TarInfo]] = []
+        self._files: list[tuple[Path, tarfile.TarInfo]] = []
         self._links: list[tuple[tuple[str, ...], tarfile.TarInfo]] = []
 
-    def run(self) -> None:
-        for member in self._tar:
+    def run(self, fill: Callable[[], None] | None = None) -> None:
+        """Check and create every entry; ``fill`` runs once all exist, before modes and
+        times are set (a caller that writes file contents later waits for them there)."""
+        for member in self._members:
             parts = _member_parts(member)
             if parts in self._seen and not (member.isdir() and self._seen[parts] == "dir"):
                 raise _refuse(member, "a second entry with the same name")
@@ -305,6 +348,11 @@ class _Extractor:
             else:
                 raise _refuse(member, "not a regular file, directory or link")
         self._symlinks()
+        if fill is not None:
+            fill()
+        for path, member in self._files:
+            os.chmod(path, member.mode & 0o777)
+            os.utime(path, ns=(_mtime_ns(member), _mtime_ns(member)))
         for path, member in reversed(self._dirs):  # children first: their writes are done
             os.chmod(path, member.mode & 0o777)
             os.utime(path, (member.mtime, member.mtime))
@@ -335,18 +383,9 @@ class _Extractor:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
         fd = os.open(path, flags, 0o600)
         with os.fdopen(fd, "wb") as out:
-            source = self._tar.extractfile(member)
-            assert source is not None  # a regular file always has data
-            left = member.size
-            while left > 0:
-                block = source.read(min(left, _BLOCK))
-                if not block:
-                    raise EOFError(f"archive entry {member.name!r} is cut short")
-                out.write(block)
-                left -= len(block)
+            self._write(member, path, cast(BinaryIO, out))
         self._seen[parts] = "file"
-        os.chmod(path, member.mode & 0o777)
-        os.utime(path, (member.mtime, member.mtime))
+        self._files.append((path, member))
 
     def _hard_link(self, member: tarfile.TarInfo, parts: tuple[str, ...]) -> None:
         target = tarfile.TarInfo(member.linkname)
@@ -458,7 +497,7 @@ def unpack_directory(src: BinaryIO, dest: Path, codec: Codec = "gzip") -> None:
 
     ``dest`` is created if missing. ``src`` is read to its end and not closed.
 
-    Entries are checked by taskpoint itself (see :class:`_Extractor`), whatever Python's
+    Entries are checked by taskpoint itself (see :class:`Extractor`), whatever Python's
     own ``tarfile`` filters would allow.
 
     Raises:
@@ -474,4 +513,19 @@ def unpack_directory(src: BinaryIO, dest: Path, codec: Codec = "gzip") -> None:
     with _decompressing(src, codec) as stream, tarfile.open(
         fileobj=cast(BinaryIO, _ForwardReader(stream)), mode="r:"
     ) as tar:
-        _Extractor(tar, dest).run()
+        Extractor(tar, dest, _copy_member(tar)).run()
+
+
+def _copy_member(tar: tarfile.TarFile) -> Callable[[tarfile.TarInfo, Path, BinaryIO], None]:
+    def write(member: tarfile.TarInfo, path: Path, out: BinaryIO) -> None:
+        source = tar.extractfile(member)
+        assert source is not None  # a regular file always has data
+        left = member.size
+        while left > 0:
+            block = source.read(min(left, _BLOCK))
+            if not block:
+                raise EOFError(f"archive entry {member.name!r} is cut short")
+            out.write(block)
+            left -= len(block)
+
+    return write
