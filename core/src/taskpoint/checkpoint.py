@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import dataclasses
 import errno
+import functools
 import itertools
 import json
 import logging
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, Union
 
-from taskpoint import archive, history
+from taskpoint import archive, history, retention, tree
 from taskpoint._digest import (
     Digest,
     HashingReader,
@@ -64,6 +65,7 @@ from taskpoint.errors import (
 from taskpoint.history import ATTEMPTS, SaveStats
 from taskpoint.manifest import (
     FORMAT_VERSION,
+    TREE_FORMAT,
     Codec,
     Manifest,
     check_format,
@@ -72,6 +74,7 @@ from taskpoint.manifest import (
     parse_manifest_name,
     parse_payload_name,
     payload_name,
+    tree_checksum,
 )
 from taskpoint.store import RetryPolicy, Store, check_location
 
@@ -151,10 +154,14 @@ class Checkpoint:
             interpreter exit, by default.
         retry: how store calls retry transient failures.
         progress: called with the number of payload bytes moved, as saves and loads stream.
+        store_format: how directories are stored: ``2`` (the default) stores each file
+            once by content, so a save uploads only what changed and a load into an
+            existing folder fetches only what is missing; ``1`` stores one tar archive per
+            checkpoint, which any ``tar xzf`` reads (and taskpoint before 0.2).
 
     Raises:
-        ValueError: ``url`` is blank, ``keep`` is below 1, ``attempt`` is negative or
-            ``codec`` is unknown.
+        ValueError: ``url`` is blank, ``keep`` is below 1, ``attempt`` is negative,
+            ``codec`` is unknown or ``store_format`` is neither 1 nor 2.
         TypeError: ``url`` is not a string or path.
     """
 
@@ -169,8 +176,12 @@ class Checkpoint:
         workdir: str | os.PathLike[str] | None = None,
         retry: RetryPolicy | None = None,
         progress: Progress | None = None,
+        store_format: int = FORMAT_VERSION,
     ) -> None:
         url = check_location("url", url)
+        if store_format not in (1, TREE_FORMAT) or isinstance(store_format, bool):
+            raise ValueError(f"store_format must be 1 or {TREE_FORMAT}; got {store_format!r}")
+        self._store_format = store_format
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int of at least 1; got {keep!r}")
         if attempt is not None and (not isinstance(attempt, int) or attempt < 0):
@@ -189,6 +200,7 @@ class Checkpoint:
         self._listeners: list[Callable[[SaveStats], object]] = []
         self._intact: set[tuple[str, str]] = set()  # (manifest key, checksum) known good
         self._resumed: tuple[Manifest, float] | None = None  # recorded once claimed
+        self._manifests: dict[str, Manifest] = {}  # committed manifests read, by name
 
     @classmethod
     def at(cls, url: str | os.PathLike[str], **options: Any) -> Checkpoint:
@@ -300,45 +312,122 @@ class Checkpoint:
         with self._save_lock:
             attempt = self._claim_attempt()
             seq = self._next_seq(attempt, ticket)
-            token = uuid.uuid4().hex[:8]
-            payload = payload_name(attempt, seq, token)
-            upload_started = time.monotonic()
-            digest, name, codec = self._write_payload(source, payload)
-            key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
-            stats = SaveStats(
-                url=self._store.url_of(key),
-                attempt=attempt,
-                seq=seq,
-                kind=source.kind,
-                size=digest.size,
-                uploaded=digest.size,
-                reused=0,
-                save_s=0.0,
-                upload_s=0.0,
-                blocked_s=0.0,
-                background=source.blocked_s is not None,
-            )
-            manifest = Manifest(
-                kind=source.kind,  # type: ignore[arg-type]
-                name=name,
-                codec=codec,
-                size=digest.size,
-                checksum=digest.checksum,
-                payload=payload,
-                attempt=attempt,
-                seq=seq,
-                created=time.time(),
-                stats=self._timed(stats, source, upload_started).to_record(),
-            )
-            self._store.write_atomic(key, manifest.to_json())
-            self._intact.add((manifest.key, manifest.checksum))
-            stats = self._timed(stats, source, upload_started)
-            log.info(
-                "committed %s checkpoint %s (%d bytes) in %.2fs",
-                source.kind, stats.url, digest.size, stats.save_s,
-            )
+            if source.kind == "directory" and self._store_format == TREE_FORMAT:
+                stats = self._save_tree(source, attempt, seq)
+            else:
+                stats = self._save_payload(source, attempt, seq)
             self._prune()
         self._notify(stats)
+
+    def _save_tree(self, source: _Source, attempt: int, seq: int) -> SaveStats:
+        """Commit a format-2 tree: content the run holds is referenced, the rest uploaded."""
+        assert source.path is not None
+        key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
+        with retention.Lease(self._store, attempt, seq) as lease:
+            upload_started = time.monotonic()
+            known = tree.BlobIndex.of(self._read_committed())
+            saved = tree.save_tree(
+                self._store, source.path, known, codec=self._codec,
+                workers=self._store.transfer.concurrency, progress=self._progress,
+            )
+            stats = SaveStats(
+                url=self._store.url_of(key), attempt=attempt, seq=seq, kind=source.kind,
+                size=saved.size, uploaded=saved.uploaded, reused=saved.reused, save_s=0.0,
+                upload_s=0.0, blocked_s=0.0, background=source.blocked_s is not None,
+            )
+            manifest = Manifest(
+                kind="directory", name=source.path.name, codec="none", size=saved.size,
+                checksum=tree_checksum(saved.entries), payload=None, attempt=attempt, seq=seq,
+                created=time.time(), format=TREE_FORMAT,
+                stats=self._timed(stats, source, upload_started).to_record(),
+                entries=saved.entries, objects=saved.objects,
+            )
+            lease.check()
+            self._store.write_atomic(key, manifest.to_json())
+        self._manifests[manifest.key] = manifest
+        self._intact.add((manifest.key, manifest.checksum))
+        stats = self._timed(stats, source, upload_started)
+        log.info(
+            "committed directory checkpoint %s (%d bytes, %d uploaded) in %.2fs",
+            stats.url, saved.size, saved.uploaded, stats.save_s,
+        )
+        return stats
+
+    def _read_committed(self, strict: bool = False) -> list[Manifest]:
+        """The committed manifests, listed now; each read from the store only once.
+
+        With ``strict``, a manifest that cannot be read raises instead of being left out.
+        """
+        names = [n for n in self._manifest_names()]
+        listed = set(names)
+        for name in list(self._manifests):
+            if name not in listed:
+                del self._manifests[name]
+        for name in names:
+            if name in self._manifests:
+                continue
+            try:
+                self._manifests[name] = self._read_manifest(name)
+            except FileNotFoundError:
+                continue  # pruned since the listing: it references nothing any more
+            except (CheckpointCorruptError, CheckpointFormatError):
+                if strict:
+                    raise
+        return [self._manifests[n] for n in names if n in self._manifests]
+
+    def collect(self) -> retention.Collected:
+        """Delete content objects that no committed checkpoint references.
+
+        Safe while other processes save to the same run (see :mod:`taskpoint.retention`):
+        a round is skipped while any save is in flight. Saves collect after pruning.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        return retention.collect(
+            self._store, lambda: self._read_committed(strict=True),
+            concurrency=self._store.transfer.concurrency,
+        )
+
+    def _save_payload(self, source: _Source, attempt: int, seq: int) -> SaveStats:
+        token = uuid.uuid4().hex[:8]
+        payload = payload_name(attempt, seq, token)
+        upload_started = time.monotonic()
+        digest, name, codec = self._write_payload(source, payload)
+        key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
+        stats = SaveStats(
+            url=self._store.url_of(key),
+            attempt=attempt,
+            seq=seq,
+            kind=source.kind,
+            size=digest.size,
+            uploaded=digest.size,
+            reused=0,
+            save_s=0.0,
+            upload_s=0.0,
+            blocked_s=0.0,
+            background=source.blocked_s is not None,
+        )
+        manifest = Manifest(
+            kind=source.kind,  # type: ignore[arg-type]
+            name=name,
+            codec=codec,
+            size=digest.size,
+            checksum=digest.checksum,
+            payload=payload,
+            attempt=attempt,
+            seq=seq,
+            created=time.time(),
+            stats=self._timed(stats, source, upload_started).to_record(),
+        )
+        self._store.write_atomic(key, manifest.to_json())
+        self._intact.add((manifest.key, manifest.checksum))
+        stats = self._timed(stats, source, upload_started)
+        log.info(
+            "committed %s checkpoint %s (%d bytes) in %.2fs",
+            source.kind, stats.url, digest.size, stats.save_s,
+        )
+        return stats
 
     @staticmethod
     def _timed(stats: SaveStats, source: _Source, upload_started: float) -> SaveStats:
@@ -472,6 +561,8 @@ class Checkpoint:
         doomed = [name for order, name in manifests if order < cut]
         for name in doomed:
             self._store.remove(f"{CHECKPOINTS}/{name}")
+        if doomed and self._store.list(retention.OBJECTS):
+            self.collect()
         remaining = {order for order, _ in manifests if order >= cut}
         for name in names:
             order = parse_payload_name(name)
@@ -521,6 +612,8 @@ class Checkpoint:
         Raises:
             CheckpointStoreError: the store failed.
         """
+        if manifest.is_tree:
+            return tree.verify_tree(self._store, manifest)
         try:
             with self._store.open_read(f"{CHECKPOINTS}/{manifest.payload}") as raw:
                 reader = HashingReader(raw, self._progress, Digest.matching(manifest.checksum))
@@ -587,13 +680,22 @@ class Checkpoint:
         key = f"{CHECKPOINTS}/{name}"
         return Manifest.from_json(self._store.read_bytes(key), url=self._store.url_of(key))
 
-    def load_sync(self) -> Path | None:
+    def load_sync(self, *, into: str | os.PathLike[str] | None = None) -> Path | None:
         """Restore the newest intact committed checkpoint to a local path.
+
+        Args:
+            into: a local directory to restore into instead of a fresh folder. A directory
+                checkpoint's tree *becomes* ``into``: files already there with the right
+                size and content are kept rather than downloaded (a retry on the same
+                machine fetches only what is missing), the others are replaced, and
+                anything the checkpoint does not hold is removed. A file or bytes
+                checkpoint is placed in ``into`` under its name. Nothing in ``into``
+                changes unless the whole checkpoint restored and verified.
 
         Returns:
             The restored file (keeping its name), the restored directory tree, or a file
             named ``checkpoint.bin`` holding saved bytes; ``None`` when nothing has been
-            committed. Each call restores afresh into a new folder.
+            committed. Without ``into`` each call restores afresh into a new folder.
 
         A checkpoint that fails its checksum or cannot be read back is skipped, with a
         :class:`~taskpoint.TaskpointWarning` naming it, for the next newest.
@@ -609,7 +711,9 @@ class Checkpoint:
             if not names:
                 log.info("no checkpoint committed at %s", self._store.url)
                 return None
-            path, skipped, pruned = self._load_newest(names)
+            path, skipped, pruned = self._load_newest(
+                names, None if into is None else Path(os.fspath(into))
+            )
             if path is not None:
                 return path
             if not pruned:
@@ -625,7 +729,9 @@ class Checkpoint:
             url=self._store.url,
         )
 
-    def _load_newest(self, names: list[str]) -> tuple[Path | None, list[str], bool]:
+    def _load_newest(
+        self, names: list[str], into: Path | None = None
+    ) -> tuple[Path | None, list[str], bool]:
         """Restore the newest intact of ``names``; also report skipped and pruned ones."""
         skipped: list[str] = []
         pruned = False
@@ -634,7 +740,7 @@ class Checkpoint:
             try:
                 manifest = self._read_manifest(name)
                 started = time.monotonic()
-                path = self._restore(manifest)
+                path = self._restore(manifest, into)
             except (
                 CheckpointStoreError,
                 CheckpointFormatError,
@@ -664,9 +770,9 @@ class Checkpoint:
             return path, skipped, pruned
         return None, skipped, pruned
 
-    async def load(self) -> Path | None:
-        """Async :meth:`load_sync`: the download runs in a worker thread."""
-        return await asyncio.to_thread(self.load_sync)
+    async def load(self, *, into: str | os.PathLike[str] | None = None) -> Path | None:
+        """Async :meth:`load_sync`: the download runs in worker threads."""
+        return await asyncio.to_thread(functools.partial(self.load_sync, into=into))
 
     def _restore_dir(self, manifest: Manifest) -> Path:
         try:
@@ -699,20 +805,35 @@ class Checkpoint:
                 ) from exc
         return reader.digest
 
-    def _restore(self, manifest: Manifest) -> Path:
+    def _staging_in(self, into: Path) -> Path:
+        try:
+            into.mkdir(parents=True, exist_ok=True)
+            return Path(tempfile.mkdtemp(prefix=".taskpoint-restore-", dir=into))
+        except OSError as exc:
+            raise _restore_error(exc, str(into)) from exc
+
+    def _restore(self, manifest: Manifest, into: Path | None = None) -> Path:
         key = f"{CHECKPOINTS}/{manifest.payload}"
         url = self._store.url_of(key)
-        staging = self._restore_dir(manifest)
+        staging = self._restore_dir(manifest) if into is None else self._staging_in(into)
         path = staging / (manifest.name or BYTES_NAME)
         try:
-            if manifest.kind == "directory":
+            if manifest.is_tree:
+                tree.restore_tree(
+                    self._store, manifest, path, existing=into, progress=self._progress,
+                    workers=max(16, self._store.transfer.concurrency),
+                )
+                digest = None
+            elif manifest.kind == "directory":
                 digest = self._unpack(key, url, manifest, path)
             else:
                 self._store.get_file(key, str(path))
                 digest = digest_file(str(path), Digest.matching(manifest.checksum).algorithm)
                 if self._progress is not None:
                     self._progress(digest.size)
-            if digest.size != manifest.size or digest.checksum != manifest.checksum:
+            if digest is not None and (
+                digest.size != manifest.size or digest.checksum != manifest.checksum
+            ):
                 raise CheckpointCorruptError(
                     f"payload {url} does not match its manifest: {digest.size} bytes with "
                     f"{digest.checksum}, expected {manifest.size} bytes with {manifest.checksum}",
@@ -732,7 +853,18 @@ class Checkpoint:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        return path
+        if into is None:
+            return path
+        try:
+            if manifest.kind == "directory":
+                tree.swap_into(path, into)
+                return into
+            os.replace(path, into / path.name)
+            return into / path.name
+        except OSError as exc:
+            raise _restore_error(exc, str(into)) from exc
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}

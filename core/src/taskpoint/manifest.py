@@ -21,6 +21,31 @@ Format 1 (``"format": 1``)::
                 "blocked_s": 0.1, "background": true}   # optional: what the save cost
     }
 
+Format 2 (``"format": 2``) is how directories are stored from taskpoint 0.2 on: no
+``payload``, no ``codec``; instead every path of the tree and the content objects it uses
+(bytes and single files keep format 1 manifests)::
+
+    {
+      "format": 2, "kind": "directory", "name": "run-state",
+      "size": 16392,                  # bytes of file content in the tree
+      "checksum": "xxh3-128:<hex>",   # over the canonical JSON of "entries"
+      "attempt": 1, "seq": 4, "created": 1764412345.1, "stats": {...},
+      "objects": {"<xxh3-128 hex>": 16400},   # every object used, and its stored size
+      "entries": [                    # parents before children, each path once
+        {"path": "weights", "type": "dir", "mode": 493, "mtime_ns": 1700000000000000000},
+        {"path": "weights/model.bin", "type": "file", "mode": 420, "mtime_ns": ...,
+         "size": 16384, "hash": "xxh3-128:<hex>",
+         "blobs": [["<object>", 0, 16400, "gzip", 16384, "<xxh3-128 hex>"]]},
+        {"path": "latest", "type": "symlink", "target": "weights/model.bin"},
+        {"path": "copy.bin", "type": "hardlink", "target": "weights/model.bin"}
+      ]
+    }
+
+A file's ``blobs`` are its content in order: ``[object, offset, length, codec, size, hash]``
+says that ``length`` bytes at ``offset`` of ``objects/<object>``, decoded with ``codec``
+(``none``, ``gzip`` or ``zstd``), are ``size`` bytes of the file whose XXH3-128 is ``hash``.
+An object's name is the XXH3-128 of its stored bytes.
+
 Readers ignore fields they do not know, so optional fields such as ``stats`` stay format 1.
 Records are parsed by :func:`loads_record`, which bounds what a hostile store can make a
 reader do: integers of at most 64 digits, no NaN or infinities, nesting below Python's
@@ -44,7 +69,11 @@ from typing import Any, Literal
 from taskpoint.errors import CheckpointCorruptError, CheckpointFormatError
 
 __all__ = [
+    "BLOB_CODECS",
     "CODECS",
+    "TREE_FORMAT",
+    "Blob",
+    "Entry",
     "FORMAT_VERSION",
     "KINDS",
     "Manifest",
@@ -56,9 +85,12 @@ __all__ = [
     "payload_name",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """The store format (manifests, attempt markers, status record) this version writes, and the
-newest it reads."""
+newest it reads. Bytes and single files are still committed with format 1 manifests."""
+
+TREE_FORMAT = 2
+"""The first format that stores a directory as content objects (see the module docstring)."""
 
 Kind = Literal["bytes", "file", "directory"]
 Codec = Literal["gzip", "zstd", "none"]
@@ -66,6 +98,9 @@ KINDS: tuple[Kind, ...] = ("bytes", "file", "directory")
 CODECS: tuple[Codec, ...] = ("gzip", "zstd", "none")
 
 _SUFFIX = ".manifest.json"
+_HEX_RE = re.compile(r"[0-9a-f]{32}")
+BLOB_CODECS: tuple[Codec, ...] = ("none", "gzip", "zstd")
+ENTRY_TYPES = ("file", "dir", "symlink", "hardlink")
 _CHECKSUM_RE = re.compile(r"xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64}")
 _NAME_RE = re.compile(r"^(\d{6,})-(\d{9,})\.manifest\.json$")
 _PAYLOAD_RE = re.compile(r"^(\d{6,})-(\d{9,})-[^-/]+\.payload$")
@@ -151,12 +186,19 @@ class Manifest:
     codec: Codec
     size: int
     checksum: str
-    payload: str
+    payload: str | None
     attempt: int
     seq: int
     created: float
-    format: int = FORMAT_VERSION
+    format: int = 1
     stats: dict[str, Any] | None = None
+    entries: tuple[Entry, ...] | None = None
+    objects: dict[str, int] | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether this is a format-2 directory (entries and objects, no payload)."""
+        return self.entries is not None
 
     @property
     def order(self) -> tuple[int, int]:
@@ -173,6 +215,12 @@ class Manifest:
         record = asdict(self)
         if self.stats is None:
             del record["stats"]
+        if self.entries is None:
+            del record["entries"], record["objects"]
+        else:
+            del record["payload"], record["codec"]
+            record["entries"] = [e.to_record() for e in self.entries]
+            return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
         return json.dumps(record, sort_keys=True, indent=1).encode()
 
     @classmethod
@@ -199,11 +247,15 @@ class Manifest:
                 f"manifest {url} has an invalid {field!r}: {raw.get(field)!r}", url=url
             )
 
-        if raw.get("format") != FORMAT_VERSION:
+        fmt = raw.get("format")
+        if fmt not in (1, TREE_FORMAT) or isinstance(fmt, bool):
             raise bad("format")
         if raw.get("kind") not in KINDS:
             raise bad("kind")
-        if raw.get("codec") not in CODECS:
+        tree = fmt == TREE_FORMAT and raw["kind"] == "directory"
+        if tree:
+            raw = {**raw, "codec": "none", "payload": None}
+        elif raw.get("codec") not in CODECS:
             raise bad("codec")
         name = raw.get("name")
         if name is not None and (not isinstance(name, str) or "/" in name or name in ("", ".", "..")):
@@ -218,8 +270,19 @@ class Manifest:
         if not isinstance(checksum, str) or not _CHECKSUM_RE.fullmatch(checksum):
             raise bad("checksum")
         payload = raw.get("payload")
-        if not isinstance(payload, str) or "/" in payload or not payload.endswith(".payload"):
+        if not tree and (
+            not isinstance(payload, str) or "/" in payload or not payload.endswith(".payload")
+        ):
             raise bad("payload")
+        entries: tuple[Entry, ...] | None = None
+        objects: dict[str, int] | None = None
+        if tree:
+            objects = _objects(raw.get("objects"), bad)
+            entries = _entries(raw.get("entries"), objects, bad)
+            if sum(e.size for e in entries if e.type == "file") != raw["size"]:
+                raise bad("size")
+            if checksum != tree_checksum(entries):
+                raise bad("checksum")
         created = raw.get("created")
         if not isinstance(created, (int, float)) or isinstance(created, bool):
             raise bad("created")
@@ -236,5 +299,123 @@ class Manifest:
             attempt=raw["attempt"],
             seq=raw["seq"],
             created=float(created),
+            format=fmt,
             stats=stats,
+            entries=entries,
+            objects=objects,
         )
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A piece of a file's content: ``length`` bytes at ``offset`` of ``objects/<object>``,
+    decoded with ``codec``, are ``size`` bytes hashing (XXH3-128, hex) to ``hash``."""
+
+    object: str
+    offset: int
+    length: int
+    codec: Codec
+    size: int
+    hash: str
+
+    def to_record(self) -> list[Any]:
+        return [self.object, self.offset, self.length, self.codec, self.size, self.hash]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One path of a format-2 tree. ``target`` is a link's text (``symlink``) or the path
+    of the file it shares (``hardlink``); ``blobs`` are a file's content in order."""
+
+    path: str
+    type: str
+    mode: int = 0
+    mtime_ns: int = 0
+    size: int = 0
+    hash: str | None = None
+    blobs: tuple[Blob, ...] = ()
+    target: str | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"path": self.path, "type": self.type}
+        if self.type in ("file", "dir"):
+            record.update(mode=self.mode, mtime_ns=self.mtime_ns)
+        if self.type == "file":
+            record.update(size=self.size, hash=self.hash, blobs=[b.to_record() for b in self.blobs])
+        if self.target is not None:
+            record["target"] = self.target
+        return record
+
+
+def tree_checksum(entries: tuple[Entry, ...]) -> str:
+    """The checksum a format-2 manifest records: XXH3-128 over its entries' canonical JSON."""
+    import xxhash
+
+    text = json.dumps([e.to_record() for e in entries], sort_keys=True, separators=(",", ":"))
+    return f"xxh3-128:{xxhash.xxh3_128_hexdigest(text.encode())}"
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _objects(raw: object, bad: Any) -> dict[str, int]:
+    if not isinstance(raw, dict):
+        raise bad("objects")
+    for name, size in raw.items():
+        if not isinstance(name, str) or not _HEX_RE.fullmatch(name) or not _count(size):
+            raise bad("objects")
+    return dict(raw)
+
+
+def _blob(raw: object, objects: dict[str, int]) -> Blob | None:
+    if not isinstance(raw, list) or len(raw) != 6:
+        return None
+    name, offset, length, codec, size, digest = raw
+    if (
+        not isinstance(name, str) or name not in objects or not _count(offset)
+        or not _count(length) or codec not in BLOB_CODECS or not _count(size)
+        or not isinstance(digest, str) or not _HEX_RE.fullmatch(digest)
+        or offset + length > objects[name]
+    ):
+        return None
+    return Blob(name, offset, length, codec, size, digest)
+
+
+def _entries(raw: object, objects: dict[str, int], bad: Any) -> tuple[Entry, ...]:
+    """Entries with well-typed fields; path safety is the restorer's (archive.Extractor)."""
+    if not isinstance(raw, list):
+        raise bad("entries")
+    result = []
+    for item in raw:
+        if not isinstance(item, dict) or item.get("type") not in ENTRY_TYPES:
+            raise bad("entries")
+        path, kind = item.get("path"), item["type"]
+        if not isinstance(path, str) or not path:
+            raise bad("entries")
+        entry = Entry(path=path, type=kind)
+        if kind in ("file", "dir"):
+            mode, mtime = item.get("mode"), item.get("mtime_ns")
+            if not _count(mode) or not isinstance(mtime, int) or isinstance(mtime, bool):
+                raise bad("entries")
+            entry = Entry(path=path, type=kind, mode=mode & 0o7777, mtime_ns=mtime)
+        if kind == "file":
+            size, digest, blobs = item.get("size"), item.get("hash"), item.get("blobs")
+            if not _count(size) or not isinstance(digest, str) or not _CHECKSUM_RE.fullmatch(digest):
+                raise bad("entries")
+            if not isinstance(blobs, list):
+                raise bad("entries")
+            parsed = tuple(_blob(b, objects) for b in blobs)
+            if any(b is None for b in parsed) or sum(b.size for b in parsed if b) != size:
+                raise bad("entries")
+            entry = Entry(
+                path=path, type=kind, mode=entry.mode, mtime_ns=entry.mtime_ns, size=size,
+                hash=digest, blobs=tuple(b for b in parsed if b is not None),
+            )
+        elif kind in ("symlink", "hardlink"):
+            target = item.get("target")
+            if not isinstance(target, str):
+                raise bad("entries")
+            entry = Entry(path=path, type=kind, target=target)
+        result.append(entry)
+    return tuple(result)

@@ -307,6 +307,11 @@ class Store:
         self._bucket_ok = False
 
     @property
+    def transfer(self) -> Transfer:
+        """The part size and parallelism of this store's transfers."""
+        return self._transfer
+
+    @property
     def url(self) -> str:
         """The location's URL as given."""
         return self._url
@@ -446,6 +451,28 @@ class Store:
                 self._check_bucket(exc)
                 return []
             return sorted(os.path.basename(str(e).rstrip("/")) for e in entries)
+
+        return self._call("list", prefix, run)
+
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """The objects directly under ``prefix`` and their sizes; ``{}`` when it is missing.
+
+        Raises:
+            CheckpointStoreError: the store failed, or its bucket does not exist.
+        """
+
+        def run() -> dict[str, int]:
+            self._invalidate(prefix)
+            try:
+                entries = self.fs.ls(self._path(prefix), detail=True)
+            except FileNotFoundError as exc:
+                self._check_bucket(exc)
+                return {}
+            return {
+                os.path.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
+                for e in entries
+                if e.get("type") != "directory"
+            }
 
         return self._call("list", prefix, run)
 

@@ -1,0 +1,618 @@
+"""Format 2: a directory checkpoint as files stored once by content.
+
+Saving walks the tree and stores each file's content as *blobs*: a small file (below
+:data:`SMALL_FILE`) is one blob, packed with the save's other new small files into pack
+objects of about :data:`PACK_SIZE`; a larger file is cut by content-defined chunking
+(FastCDC 2020, from ``pyfastcdc``) into blobs of :data:`CHUNK_AVG` bytes on average, each
+its own object, so that a near-copy of a file (Lightning's ``last.ckpt`` beside the epoch
+checkpoint) shares all but the chunks around its differences. A blob the run's store
+already holds, by the manifests committed there (read once, then kept in memory), is
+referenced, not uploaded. Each new object is compressed where a 64 KiB sample says it pays
+(text yes, fp32 weights no), named by the XXH3-128 of its stored bytes, and uploaded by a
+thread pool while hashing and chunking go on; nothing is spooled to local disk.
+
+Restoring checks every path with :class:`taskpoint.archive.Extractor` (the rules that guard
+tar restores), downloads each object once, in parallel, verifies it against its name and
+each blob against its hash, and writes blobs straight to their offsets. Restoring into a
+directory that already holds some files keeps every file whose size and hash match.
+
+Example::
+
+    known = BlobIndex.of(manifests)
+    saved = save_tree(store, Path("out"), known)
+    restore_tree(store, manifest, Path("restored"))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import stat
+import tarfile
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import xxhash
+
+from taskpoint import archive
+from taskpoint._digest import Progress
+from taskpoint.errors import CheckpointCorruptError, CheckpointStoreError
+from taskpoint.manifest import Blob, Codec, Entry, Manifest
+from taskpoint.retention import OBJECTS
+from taskpoint.store import Store
+
+__all__ = [
+    "CHUNK_AVG",
+    "PACK_SIZE",
+    "SMALL_FILE",
+    "BlobIndex",
+    "SavedTree",
+    "restore_tree",
+    "save_tree",
+    "swap_into",
+    "verify_tree",
+]
+
+SMALL_FILE = 256 * 1024
+"""Files smaller than this are packed with others instead of being chunked."""
+PACK_SIZE = 8 * 2**20
+"""About how many stored bytes one pack object gathers."""
+CHUNK_AVG = 512 * 1024
+"""FastCDC's average chunk size (minimum a quarter, maximum four times). See the README's
+performance section for the measurements behind it."""
+_MIN_WORKERS = 8
+
+
+def _hash(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+class BlobIndex:
+    """The blobs a run's store holds, by content hash, from its committed manifests."""
+
+    def __init__(self) -> None:
+        self._blobs: dict[str, Blob] = {}
+        self.objects: dict[str, int] = {}  # stored size of each object the blobs lie in
+
+    @classmethod
+    def of(cls, manifests: Iterable[Manifest], bad: Iterable[str] = ()) -> BlobIndex:
+        """The blobs of ``manifests``' trees, less those in objects named in ``bad``."""
+        index = cls()
+        excluded = set(bad)
+        for manifest in manifests:
+            index.objects.update(manifest.objects or {})
+            for entry in manifest.entries or ():
+                for blob in entry.blobs:
+                    if blob.object not in excluded:
+                        index._blobs.setdefault(blob.hash, blob)
+        return index
+
+    def get(self, digest: str) -> Blob | None:
+        return self._blobs.get(digest)
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+
+@dataclass
+class SavedTree:
+    """What :func:`save_tree` stored: the entries, the objects they use, and its cost."""
+
+    entries: tuple[Entry, ...]
+    objects: dict[str, int]
+    size: int
+    uploaded: int
+    reused: int
+
+
+def _codec_for(data: bytes | memoryview, wanted: Codec) -> Codec:
+    if wanted == "none" or len(data) < 64 or not archive.worth_compressing(data):
+        return "none"
+    return wanted
+
+
+def _encode(data: bytes | memoryview, codec: Codec) -> bytes:
+    if codec == "gzip":
+        return archive.gzip_bytes(data)
+    if codec == "zstd":
+        return bytes(archive._zstandard().ZstdCompressor(level=3).compress(data))
+    return bytes(data)
+
+
+def _decode(data: bytes | memoryview, codec: str) -> bytes:
+    if codec == "gzip":
+        from isal import igzip
+
+        return bytes(igzip.decompress(data))
+    if codec == "zstd":
+        return bytes(archive._zstandard().ZstdDecompressor().decompress(data))
+    return bytes(data)
+
+
+@dataclass
+class _Pending:
+    """A blob whose object is still being made (a pack not yet sealed, a chunk uploading)."""
+
+    hash: str
+    size: int
+    codec: Codec = "none"
+    object: str | None = None
+    offset: int = 0
+    length: int = 0
+
+    def blob(self) -> Blob:
+        assert self.object is not None
+        return Blob(self.object, self.offset, self.length, self.codec, self.size, self.hash)
+
+
+@dataclass
+class _FileRefs:
+    path: str
+    mode: int
+    mtime_ns: int
+    size: int
+    hash: str
+    parts: list[Blob | _Pending] = field(default_factory=list)
+
+
+class _Uploader:
+    """Uploads objects from a thread pool, at most ``2 * workers`` in flight."""
+
+    def __init__(self, store: Store, workers: int) -> None:
+        self._store = store
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-put")
+        self._limit = 2 * workers
+        self._futures: set[Future[None]] = set()
+        self.objects: dict[str, int] = {}
+        self.uploaded = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], tuple[str, bytes]]) -> None:
+        """Run ``fn`` (which returns an object's name and stored bytes) and upload them."""
+        while len(self._futures) >= self._limit:
+            done, self._futures = wait(self._futures, return_when=FIRST_COMPLETED)
+            for future in done:
+                future.result()
+        self._futures.add(self._pool.submit(self._run, fn))
+
+    def _run(self, fn: Callable[[], tuple[str, bytes]]) -> None:
+        name, data = fn()
+        self._store.write_atomic(f"{OBJECTS}/{name}", data)
+        with self._lock:
+            self.objects[name] = len(data)
+            self.uploaded += len(data)
+
+    def finish(self) -> None:
+        try:
+            for future in self._futures:
+                future.result()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for future in self._futures:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+
+
+class _Packer:
+    """Gathers new small blobs, each encoded on its own, into pack objects."""
+
+    def __init__(self, uploader: _Uploader, codec: Codec) -> None:
+        self._uploader = uploader
+        self._codec = codec
+        self._parts: list[bytes] = []
+        self._members: list[_Pending] = []
+        self._size = 0
+
+    def add(self, digest: str, data: bytes) -> _Pending:
+        codec = _codec_for(data, self._codec)
+        stored = _encode(data, codec)
+        pending = _Pending(digest, len(data), codec, offset=self._size, length=len(stored))
+        self._parts.append(stored)
+        self._members.append(pending)
+        self._size += len(stored)
+        if self._size >= PACK_SIZE:
+            self.seal()
+        return pending
+
+    def seal(self) -> None:
+        if not self._members:
+            return
+        data = b"".join(self._parts)
+        name = _hash(data)
+        for member in self._members:
+            member.object = name
+        self._uploader.submit(lambda: (name, data))
+        self._parts, self._members, self._size = [], [], 0
+
+
+def _chunker() -> Any:
+    from pyfastcdc import FastCDC
+
+    return FastCDC(CHUNK_AVG, min_size=CHUNK_AVG // 4, max_size=CHUNK_AVG * 4)
+
+
+def _walk(root: Path) -> Iterator[tuple[str, os.stat_result, Path]]:
+    for path in archive._entries(root):
+        yield path.relative_to(root).as_posix(), path.lstat(), path
+
+
+def save_tree(
+    store: Store,
+    root: Path,
+    known: BlobIndex,
+    *,
+    codec: Codec = "gzip",
+    workers: int = _MIN_WORKERS,
+    progress: Progress | None = None,
+) -> SavedTree:
+    """Store the tree under ``root`` as content objects; the entries a manifest lists.
+
+    Content in ``known`` is referenced, not uploaded. The caller has checked the tree
+    (:func:`taskpoint.archive.check_tree`) before calling.
+
+    Raises:
+        CheckpointStoreError: an upload failed (objects already sent stay, unreferenced,
+            until a collection).
+    """
+    uploader = _Uploader(store, max(workers, _MIN_WORKERS))
+    packer = _Packer(uploader, codec)
+    chunker = _chunker()
+    fresh: dict[str, Blob | _Pending] = {}  # new this save, by hash
+    refs: list[_FileRefs | Entry] = []
+    inodes: dict[tuple[int, int], str] = {}
+    reused = 0
+    total = 0
+    try:
+        for rel, st, path in _walk(root):
+            if stat.S_ISDIR(st.st_mode):
+                refs.append(Entry(rel, "dir", stat.S_IMODE(st.st_mode), st.st_mtime_ns))
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                refs.append(Entry(rel, "symlink", target=os.readlink(path)))
+                continue
+            if st.st_nlink > 1:
+                first = inodes.setdefault((st.st_dev, st.st_ino), rel)
+                if first != rel:
+                    refs.append(Entry(rel, "hardlink", target=first))
+                    continue
+            whole = xxhash.xxh3_128()
+            file = _FileRefs(rel, stat.S_IMODE(st.st_mode), st.st_mtime_ns, 0, "")
+            for piece in _pieces(path, st.st_size, chunker):
+                whole.update(piece)
+                digest = _hash(piece)
+                file.size += len(piece)
+                if progress is not None:
+                    progress(len(piece))
+                found = known.get(digest) or fresh.get(digest)
+                if found is not None:
+                    reused += len(piece)
+                    file.parts.append(found)
+                    continue
+                if len(piece) < SMALL_FILE:
+                    pending = packer.add(digest, bytes(piece))
+                else:
+                    pending = _Pending(digest, len(piece))
+                    uploader.submit(_chunk_job(pending, bytes(piece), codec))
+                fresh[digest] = pending
+                file.parts.append(pending)
+            file.hash = f"xxh3-128:{whole.hexdigest()}"
+            total += file.size
+            refs.append(file)
+        packer.seal()
+        uploader.finish()
+    except BaseException:
+        uploader.close()
+        raise
+    entries = tuple(_entry(ref) for ref in refs)
+    objects: dict[str, int] = {}
+    for entry in entries:
+        for blob in entry.blobs:
+            objects[blob.object] = uploader.objects.get(blob.object) or known.objects[blob.object]
+    return SavedTree(entries, objects, total, uploader.uploaded, reused)
+
+
+def _chunk_job(pending: _Pending, data: bytes, codec: Codec) -> Callable[[], tuple[str, bytes]]:
+    def run() -> tuple[str, bytes]:
+        pending.codec = _codec_for(data, codec)
+        stored = _encode(data, pending.codec)
+        pending.length = len(stored)
+        pending.object = _hash(stored)
+        return pending.object, stored
+
+    return run
+
+
+def _pieces(path: Path, size: int, chunker: Any) -> Iterator[memoryview | bytes]:
+    """A file's content: whole when small, else its content-defined chunks."""
+    if size < SMALL_FILE:
+        data = path.read_bytes()
+        if len(data) < SMALL_FILE:
+            yield data
+            return
+    for chunk in chunker.cut_file(str(path)):
+        yield chunk.data
+
+
+def _entry(ref: _FileRefs | Entry) -> Entry:
+    if isinstance(ref, Entry):
+        return ref
+    blobs = tuple(p.blob() if isinstance(p, _Pending) else p for p in ref.parts)
+    return Entry(ref.path, "file", ref.mode, ref.mtime_ns, ref.size, ref.hash, blobs)
+
+
+# -- restoring ------------------------------------------------------------------------
+
+
+class _Member(tarfile.TarInfo):
+    """A manifest entry as the extractor's record, keeping the nanosecond mtime."""
+
+    __slots__ = ("mtime_ns",)
+
+
+def _members(entries: Iterable[Entry]) -> Iterator[tarfile.TarInfo]:
+    for entry in entries:
+        info = _Member(entry.path)
+        info.mode = entry.mode
+        info.mtime = entry.mtime_ns / 1e9
+        info.mtime_ns = entry.mtime_ns
+        info.type = {
+            "file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE,
+            "symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE,
+        }[entry.type]
+        info.size = entry.size
+        if entry.target is not None:
+            info.linkname = entry.target
+        yield info
+
+
+@dataclass(frozen=True)
+class _Place:
+    path: Path
+    offset: int  # in the file
+    blob: Blob
+
+
+def _fetch(store: Store, manifest: Manifest, name: str, url: str) -> bytes:
+    key = f"{OBJECTS}/{name}"
+    try:
+        data = store.read_bytes(key)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(
+            f"checkpoint {url} needs object {store.url_of(key)}, which is missing", url=url
+        ) from None
+    expected = (manifest.objects or {}).get(name)
+    if len(data) != expected or _hash(data) != name:
+        raise CheckpointCorruptError(
+            f"object {store.url_of(key)} of checkpoint {url} is damaged: {len(data)} bytes "
+            f"hashing to {_hash(data)}, expected {expected} bytes hashing to {name}",
+            url=url,
+        )
+    return data
+
+
+def _blob_bytes(store: Store, data: bytes, blob: Blob, url: str) -> bytes:
+    try:
+        raw = _decode(memoryview(data)[blob.offset : blob.offset + blob.length], blob.codec)
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"a blob of object {store.url_of(f'{OBJECTS}/{blob.object}')} of checkpoint "
+            f"{url} cannot be decoded ({type(exc).__name__}: {exc})",
+            url=url,
+        ) from exc
+    if len(raw) != blob.size or _hash(raw) != blob.hash:
+        raise CheckpointCorruptError(
+            f"a blob of object {store.url_of(f'{OBJECTS}/{blob.object}')} of checkpoint "
+            f"{url} does not match its hash {blob.hash}",
+            url=url,
+        )
+    return raw
+
+
+def _download(
+    store: Store,
+    manifest: Manifest,
+    places: dict[str, list[_Place]],
+    url: str,
+    workers: int,
+    progress: Progress | None,
+) -> None:
+    """Fetch each object of ``places`` once and write its blobs where they go."""
+
+    def one(name: str) -> None:
+        data = _fetch(store, manifest, name, url)
+        for place in places[name]:
+            raw = _blob_bytes(store, data, place.blob, url)
+            fd = os.open(place.path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                os.pwrite(fd, raw, place.offset)
+            finally:
+                os.close(fd)
+            if progress is not None:
+                progress(len(raw))
+
+    _run_all(workers, one, places)
+
+
+def _run_all(workers: int, fn: Callable[[str], None], items: Iterable[str]) -> None:
+    """``fn`` over ``items`` in a pool; the first failure is raised, the rest cancelled."""
+    with ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-get") as pool:
+        futures = [pool.submit(fn, item) for item in items]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def verify_tree(store: Store, manifest: Manifest, *, workers: int = _MIN_WORKERS) -> bool:
+    """Whether every object and blob of ``manifest`` is in the store and intact.
+
+    Raises:
+        CheckpointStoreError: the store failed.
+    """
+    url = store.url_of(f"checkpoints/{manifest.key}")
+    by_object: dict[str, list[Blob]] = defaultdict(list)
+    for entry in manifest.entries or ():
+        for blob in entry.blobs:
+            by_object[blob.object].append(blob)
+
+    def one(name: str) -> None:
+        data = _fetch(store, manifest, name, url)
+        for blob in by_object[name]:
+            _blob_bytes(store, data, blob, url)
+
+    try:
+        _run_all(max(workers, _MIN_WORKERS), one, by_object)
+    except CheckpointStoreError:
+        raise
+    except CheckpointCorruptError:
+        return False
+    return True
+
+
+def _present(base: Path, rel: str) -> Path | None:
+    """``base/rel`` if it is a regular file reached through real directories only."""
+    here = base
+    parts = rel.split("/")
+    for part in parts[:-1]:
+        here = here / part
+        try:
+            if not stat.S_ISDIR(here.lstat().st_mode):
+                return None
+        except OSError:
+            return None
+    here = here / parts[-1]
+    try:
+        return here if stat.S_ISREG(here.lstat().st_mode) else None
+    except OSError:
+        return None
+
+
+def _matches(path: Path, entry: Entry) -> bool:
+    try:
+        if path.lstat().st_size != entry.size:
+            return False
+        digest = xxhash.xxh3_128()
+        with open(path, "rb", buffering=0) as fh:
+            while block := fh.read(8 * 2**20):
+                digest.update(block)
+        return f"xxh3-128:{digest.hexdigest()}" == entry.hash
+    except OSError:
+        return False
+
+
+def _reusable(existing: Path | None, entries: tuple[Entry, ...], workers: int) -> dict[str, Path]:
+    """Files already at ``existing`` that match their entry, by path."""
+    if existing is None:
+        return {}
+    candidates = {
+        e.path: p for e in entries
+        if e.type == "file" and (p := _present(existing, e.path)) is not None
+    }
+    by_path = {e.path: e for e in entries}
+    found: dict[str, Path] = {}
+
+    def check(rel: str) -> None:
+        if _matches(candidates[rel], by_path[rel]):
+            found[rel] = candidates[rel]
+
+    _run_all(workers, check, candidates)
+    return found
+
+
+def restore_tree(
+    store: Store,
+    manifest: Manifest,
+    dest: Path,
+    *,
+    existing: Path | None = None,
+    workers: int = 16,
+    progress: Progress | None = None,
+) -> int:
+    """Restore ``manifest``'s tree into the new directory ``dest``; the bytes downloaded.
+
+    Files of ``existing`` (a directory) that match an entry's size and hash are linked
+    (or copied) instead of downloaded.
+
+    Raises:
+        CheckpointUnsafeError: an entry is absolute, climbs out with ``..``, is listed
+            twice, lies under a link, or links outside the tree. Nothing is written for it.
+        CheckpointCorruptError: an object is missing or damaged.
+        CheckpointStoreError: the store failed.
+        OSError: writing under ``dest`` failed.
+    """
+    url = store.url_of(f"checkpoints/{manifest.key}")
+    entries = manifest.entries or ()
+    keep = _reusable(existing, entries, workers)
+    by_path = {e.path: e for e in entries if e.type == "file"}
+    places: dict[str, list[_Place]] = defaultdict(list)
+    kept: list[tuple[Path, Path]] = []
+
+    def write(member: tarfile.TarInfo, path: Path, out: BinaryIO) -> None:
+        if member.name in keep:
+            kept.append((keep[member.name], path))
+            return
+        entry = by_path[member.name]
+        out.truncate(entry.size)
+        offset = 0
+        for blob in entry.blobs:
+            places[blob.object].append(_Place(path, offset, blob))
+            offset += blob.size
+
+    def fill() -> None:
+        for source, path in kept:
+            _adopt(source, path)
+        _download(store, manifest, places, url, workers, progress)
+
+    dest.mkdir(parents=True, exist_ok=True)
+    archive.Extractor(_members(entries), dest, write).run(fill)
+    return sum(b.size for ps in places.values() for b in (p.blob for p in ps))
+
+
+def _adopt(source: Path, path: Path) -> None:
+    """Put the existing file ``source`` at ``path`` (just created, empty): a hard link
+    where the disk allows, else a copy."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        os.link(source, tmp, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK):
+            raise
+        shutil.copyfile(source, tmp, follow_symlinks=False)
+    os.replace(tmp, path)
+
+
+def swap_into(restored: Path, into: Path) -> None:
+    """Make the directory ``into`` hold exactly what ``restored`` holds.
+
+    ``restored`` lies in a staging folder inside ``into``, which is kept for the caller to
+    remove. What else ``into`` holds is removed (links are removed, never followed), then
+    ``restored``'s entries are moved in.
+    """
+    staging = into / restored.relative_to(into).parts[0]
+    for path in list(into.iterdir()):
+        if path != staging:
+            _remove(path)
+    for path in sorted(restored.iterdir()):
+        os.replace(path, into / path.name)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(path.lstat().st_mode):
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
