@@ -139,10 +139,10 @@ async def test_async_save_and_load(store_url: str) -> None:
     assert restored is not None and restored.read_bytes() == b"async"
 
 
-def test_directory_checkpoint_is_a_tarball_tar_reads(tmp_path: Path) -> None:
+def test_a_format_1_directory_checkpoint_is_a_tarball_tar_reads(tmp_path: Path) -> None:
     tree = _make_tree(tmp_path / "t")
     store = tmp_path / "store"
-    Checkpoint(str(store)).save_sync(tree)
+    Checkpoint(str(store), store_format=1).save_sync(tree)
     (payload,) = (store / "checkpoints").glob("*.payload")
     listing = subprocess.run(
         ["tar", "tzf", str(payload)], check=True, capture_output=True, text=True
@@ -278,13 +278,21 @@ def test_corrupt_newest_is_skipped_with_a_warning(store_url: str, damage: str) -
     assert restored is not None and restored.read_bytes() == b"older" * 100
 
 
-def test_corrupt_directory_archive_is_skipped(store_url: str, tmp_path: Path) -> None:
-    ckpt = Checkpoint(store_url, attempt=0, keep=2)
+@pytest.mark.parametrize("store_format", [1, 2])
+def test_corrupt_directory_archive_is_skipped(
+    store_url: str, tmp_path: Path, store_format: int
+) -> None:
+    ckpt = Checkpoint(store_url, attempt=0, keep=2, store_format=store_format)
     ckpt.save_sync(_make_tree(tmp_path / "a"))
     (tmp_path / "a" / "weights.bin").write_bytes(b"v2")
     ckpt.save_sync(tmp_path / "a")
-    fs, _ = _fs_path(store_url)
-    target = _payload_path(store_url)
+    fs, path = _fs_path(store_url)
+    if store_format == 1:
+        target = _payload_path(store_url)
+    else:  # the object only the newest checkpoint uses
+        older, newer = ckpt.committed()[1], ckpt.committed()[0]
+        (only,) = set(newer.objects or {}) - set(older.objects or {})
+        target = f"{path}/objects/{only}"
     data = fs.cat_file(target)
     fs.pipe_file(target, data[: len(data) // 2])
     with pytest.warns(TaskpointWarning, match="skipping"):

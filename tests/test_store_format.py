@@ -127,9 +127,32 @@ def test_a_newer_status_record_is_refused(task_root: Path) -> None:
 
 
 def test_the_current_format_is_what_new_records_carry(tmp_path: Path) -> None:
-    ckpt = taskpoint.Checkpoint(str(tmp_path / "run"))
+    ckpt = taskpoint.Checkpoint(str(tmp_path / "run"), keep=2)
     ckpt.save_sync(b"x")
+    (tmp_path / "tree").mkdir()
+    ckpt.save_sync(tmp_path / "tree")
     ckpt.mark_finished("succeeded", attempts=1)
-    (manifest,) = (tmp_path / "run" / "checkpoints").glob("*.manifest.json")
-    for record in (manifest, tmp_path / "run" / "attempts" / "000000", tmp_path / "run" / "status.json"):
+    bytes_manifest, tree_manifest = sorted((tmp_path / "run" / "checkpoints").glob("*.manifest.json"))
+    for record in (tree_manifest, tmp_path / "run" / "attempts" / "000000", tmp_path / "run" / "status.json"):
         assert json.loads(record.read_text())["format"] == FORMAT_VERSION
+    # Bytes and single files are stored as before: a format-1 reader still loads them.
+    assert json.loads(bytes_manifest.read_text())["format"] == 1
+
+
+def test_a_format_1_reader_refuses_a_format_2_tree(tmp_path: Path) -> None:
+    """What taskpoint 0.1's check does with a format-2 manifest (its FORMAT_VERSION was 1)."""
+    from taskpoint import manifest as manifest_module
+
+    ckpt = taskpoint.Checkpoint(str(tmp_path / "run"))
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "a.txt").write_text("a")
+    ckpt.save_sync(tmp_path / "tree")
+    (path,) = (tmp_path / "run" / "checkpoints").glob("*.manifest.json")
+    record = json.loads(path.read_text())
+    original = manifest_module.FORMAT_VERSION
+    manifest_module.FORMAT_VERSION = 1
+    try:
+        with pytest.raises(taskpoint.CheckpointFormatError, match="upgrade taskpoint"):
+            manifest_module.check_format(record, url=str(path))
+    finally:
+        manifest_module.FORMAT_VERSION = original
