@@ -9,7 +9,7 @@ is in flight. The protocol (restic's, on the two guarantees every store gives ta
 A **save** (:class:`Lease`)
     1. creates ``leases/<attempt:06d>-<seq:09d>-<token>.json`` (refreshed every
        :data:`LEASE_REFRESH_S` by a heartbeat thread while the save runs);
-    2. waits while ``gc.lock`` exists and is not stale;
+    2. waits while ``gc.lock`` exists and is not stale (:data:`LOCK_STALE_S`);
     3. only then lists the committed manifests and decides which content the store
        already holds, uploads the rest, and commits its manifest;
     4. before committing, checks that its lease is still fresh (refreshed less than
@@ -23,8 +23,9 @@ A **collection** (:func:`collect`)
        (stale ones, left by killed saves, are removed);
     3. lists and reads every committed manifest; if any cannot be read, it skips the
        round (it cannot know what that one references);
-    4. deletes every object no manifest references, giving up if its own lock would be
-       stale by then, and removes the lock.
+    4. deletes every object no manifest references, stopping once half of
+       :data:`LOCK_STALE_S` has passed (so its lock is never taken for stale while it
+       deletes), and removes the lock.
 
 Why no object a committed or in-flight checkpoint needs is ever deleted. Take a save S
 and a collection C. If S's lease exists when C lists leases (C.2), C deletes nothing.
@@ -39,7 +40,8 @@ lease, is caught by S.4: it fails instead of committing. What is left is the win
 S.4 and the manifest's PUT, a few milliseconds against a five-minute staleness; a store
 offering no fencing cannot close it (restic accepts the same). Clocks: staleness compares
 the writer's and the collector's wall clocks, so skew must stay well below
-:data:`LEASE_STALE_S` (NTP keeps it to milliseconds).
+:data:`LOCK_STALE_S` (NTP keeps it to milliseconds). A record whose writer ran on this
+host is stale as soon as its process is gone, so a killed save or collection blocks nothing.
 
 Loads take no lease: a reader whose manifest was pruned meanwhile sees the missing objects,
 finds the manifest gone from the listing, and loads the newer checkpoint instead.
@@ -77,6 +79,10 @@ LEASE_REFRESH_S = 30.0
 """Seconds between a running save's lease refreshes."""
 LEASE_STALE_S = 300.0
 """Seconds without refresh after which a lease, or the collection lock, is abandoned."""
+LOCK_STALE_S = 60.0
+"""Seconds after which a collection lock is abandoned; a collection stops deleting after
+half of it, so a killed collection holds saves up for a minute at most (none at all when
+it ran on the same host: a lock or lease whose process is gone there is stale at once)."""
 LOCK_POLL_S = 0.2
 """Seconds between a save's looks at ``gc.lock`` while a collection runs."""
 
@@ -88,8 +94,8 @@ def _record(**fields: object) -> bytes:
     ).encode()
 
 
-def _stamp(store: Store, key: str) -> float | None:
-    """The ``at`` time a lease or lock records; ``None`` when it is gone.
+def _read(store: Store, key: str) -> dict[str, object] | None:
+    """A lease or lock record; ``None`` when it is gone.
 
     A record that cannot be parsed counts as written now: it may be a live writer's.
     """
@@ -98,13 +104,34 @@ def _stamp(store: Store, key: str) -> float | None:
     except FileNotFoundError:
         return None
     except ValueError:
-        return time.time()
-    at = raw.get("at") if isinstance(raw, dict) else None
-    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else time.time()
+        return {"at": time.time()}
+    return raw if isinstance(raw, dict) else {"at": time.time()}
 
 
-def _fresh(at: float | None) -> bool:
-    return at is not None and time.time() - at < LEASE_STALE_S
+def _alive_here(record: dict[str, object]) -> bool:
+    """False only when the record's writer ran on this host and its process is gone."""
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _fresh(record: dict[str, object] | None, ttl: float | None = None) -> bool:
+    """Whether a lease or lock may still be held: refreshed within ``ttl`` seconds (by
+    default :data:`LEASE_STALE_S`) by a process not known to be dead."""
+    if record is None:
+        return False
+    at = record.get("at")
+    if not isinstance(at, (int, float)) or isinstance(at, bool):
+        at = time.time()
+    limit = LEASE_STALE_S if ttl is None else ttl
+    return time.time() - float(at) < limit and _alive_here(record)
 
 
 class Lease:
@@ -136,7 +163,7 @@ class Lease:
 
     def _wait_for_collection(self) -> None:
         waited = False
-        while _fresh(_stamp(self._store, GC_LOCK)):
+        while _fresh(_read(self._store, GC_LOCK), LOCK_STALE_S):
             waited = True
             time.sleep(LOCK_POLL_S)
         if waited:
@@ -213,7 +240,7 @@ def collect(
     """
     token = uuid.uuid4().hex
     if not store.create_exclusive(GC_LOCK, _record(token=token)):
-        if _fresh(_stamp(store, GC_LOCK)):
+        if _fresh(_read(store, GC_LOCK), LOCK_STALE_S):
             return Collected(skipped="another collection is running")
         store.remove(GC_LOCK)  # abandoned by a killed collection
         if not store.create_exclusive(GC_LOCK, _record(token=token)):
@@ -223,7 +250,7 @@ def collect(
         live = 0
         for name in store.list(LEASES):
             key = f"{LEASES}/{name}"
-            if _fresh(_stamp(store, key)):
+            if _fresh(_read(store, key)):
                 live += 1
             else:
                 store.remove(key)
@@ -237,16 +264,24 @@ def collect(
         for manifest in manifests:
             referenced.update(manifest.objects or ())
         doomed = {n: s for n, s in store.list_sizes(OBJECTS).items() if n not in referenced}
-        if time.monotonic() - started > LEASE_STALE_S / 2:
-            return Collected(skipped="the collection took too long to list")
+        deadline = started + LOCK_STALE_S / 2
+
+        def delete(name: str) -> int:
+            if time.monotonic() > deadline:  # the lock may pass for stale: stop
+                return 0
+            store.remove(f"{OBJECTS}/{name}")
+            return 1
+
         with ThreadPoolExecutor(concurrency, thread_name_prefix="taskpoint-gc") as pool:
-            list(pool.map(lambda n: store.remove(f"{OBJECTS}/{n}"), doomed))
+            deleted = sum(pool.map(delete, doomed))
+        if deleted < len(doomed):
+            log.warning("collection at %s ran out of time; the rest waits for the next", store.url)
         if doomed:
             log.info(
                 "collected %d unreferenced objects (%d bytes) at %s",
                 len(doomed), sum(doomed.values()), store.url,
             )
-        return Collected(objects=len(doomed), bytes=sum(doomed.values()))
+        return Collected(objects=deleted, bytes=sum(doomed.values()) if deleted == len(doomed) else 0)
     finally:
         _release(store, token)
 
