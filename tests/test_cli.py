@@ -200,3 +200,29 @@ def test_pull_draws_a_progress_bar_only_on_a_terminal_and_for_large_transfers(
         capture_output=True, text=True,
     )
     assert piped.returncode == 0 and "pulling" not in piped.stderr  # not a terminal
+
+
+def test_pull_tar_writes_one_archive_tar_reads(store: str, tmp_path: Path) -> None:
+    dest = tmp_path / "tree.tar.gz"
+    code, out = _invoke("pull", "eval.score/run-c", str(dest), "--root", store, "--tar")
+    assert code == 0, out
+    import tarfile
+
+    with tarfile.open(dest) as tar:
+        assert tar.extractfile("sub/w.bin").read() == b"w" * 1000  # type: ignore[union-attr]
+
+
+def test_gc_reports_the_objects_and_bytes_it_freed(tmp_path: Path) -> None:
+    root = f"file://{tmp_path / 'store'}"
+    ckpt = Checkpoint(f"{root}/train.fit/run-d", attempt=0, keep=3)
+    tree = tmp_path / "t"
+    tree.mkdir()
+    for i in range(3):
+        (tree / "w.bin").write_bytes(bytes([i]) * 300_000)
+        ckpt.save_sync(tree)
+    ckpt.mark_finished("succeeded", attempts=1)
+    code, out = _invoke("gc", root, "--keep", "1")
+    assert code == 0, out
+    assert "removed 2 checkpoint(s)" in out and "freed 2 object(s)" in out
+    restored = Checkpoint(f"{root}/train.fit/run-d").load_sync()
+    assert restored is not None and (restored / "w.bin").read_bytes() == bytes([2]) * 300_000

@@ -529,7 +529,8 @@ class Checkpoint:
         return self._seq_base + ticket
 
     def _prune(self) -> None:
-        self.prune(self._keep)
+        if self._prune_manifests(self._keep) and self._store.list(retention.OBJECTS):
+            self.collect()
 
     def prune(self, keep: int) -> None:
         """Keep the newest ``keep`` intact checkpoints; delete what is older, and stale payloads.
@@ -543,7 +544,8 @@ class Checkpoint:
         nothing is deleted. ``keep=0`` deletes every checkpoint.
 
         Manifests go before their payloads, so a reader never finds a manifest whose
-        payload is gone for good.
+        payload is gone for good. The content objects of format-2 checkpoints are freed
+        by :meth:`collect` (which saves run after pruning).
 
         Raises:
             ValueError: ``keep`` is negative.
@@ -551,23 +553,26 @@ class Checkpoint:
         """
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep must be an int of at least 0; got {keep!r}")
+        self._prune_manifests(keep)
+
+    def _prune_manifests(self, keep: int) -> int:
+        """:meth:`prune`'s work; how many manifests it deleted."""
         names = self._store.list(CHECKPOINTS)
         manifests = sorted(
             (order, name) for name in names if (order := parse_manifest_name(name)) is not None
         )
         cut = self._retention_cut(manifests, keep)
         if cut is None:
-            return
+            return 0
         doomed = [name for order, name in manifests if order < cut]
         for name in doomed:
             self._store.remove(f"{CHECKPOINTS}/{name}")
-        if doomed and self._store.list(retention.OBJECTS):
-            self.collect()
         remaining = {order for order, _ in manifests if order >= cut}
         for name in names:
             order = parse_payload_name(name)
             if order is not None and order < cut and order not in remaining:
                 self._store.remove(f"{CHECKPOINTS}/{name}")
+        return len(doomed)
 
     def _retention_cut(
         self, manifests: list[tuple[tuple[int, int], str]], keep: int

@@ -232,7 +232,8 @@ def show(action: str, root: str | None, as_json: bool) -> None:
 @click.argument("action")
 @click.argument("dest", type=click.Path(path_type=Path))
 @root_option
-def pull(action: str, dest: Path, root: str | None) -> None:
+@click.option("--tar", "as_tar", is_flag=True, help="Write one .tar.gz archive to DEST instead.")
+def pull(action: str, dest: Path, root: str | None, as_tar: bool) -> None:
     """Restore ACTION's newest intact checkpoint to DEST (verified against its checksum)."""
     root = _root(root)
     if dest.exists():
@@ -247,8 +248,25 @@ def pull(action: str, dest: Path, root: str | None) -> None:
             if restored is None:
                 raise click.ClickException(f"{action} has no committed checkpoint")
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(restored), str(dest))
+            if as_tar:
+                _write_tar(restored, dest)
+            else:
+                shutil.move(str(restored), str(dest))
     click.echo(f"pulled {action} to {dest}")
+
+
+def _write_tar(restored: Path, dest: Path) -> None:
+    """``restored`` as one gzip-compressed tar at ``dest``: a tree's entries, or the file."""
+    import tarfile
+
+    from taskpoint.archive import pack_directory
+
+    with open(dest, "wb") as out:
+        if restored.is_dir():
+            pack_directory(restored, out, "gzip")
+        else:
+            with tarfile.open(fileobj=out, mode="w:gz") as tar:
+                tar.add(str(restored), arcname=restored.name)
 
 
 @main.command()
@@ -274,19 +292,32 @@ def rm(action: str, root: str | None, force: bool) -> None:
 @click.option("--keep", type=click.IntRange(min=0), required=True, help="Checkpoints kept per action.")
 @click.option("--force", is_flag=True, help="Let --keep 0 empty unfinished runs too.")
 def gc(root: str | None, keep: int, force: bool) -> None:
-    """Prune every action under ROOT to its newest KEEP checkpoints.
+    """Prune every action under ROOT to its newest KEEP checkpoints, then free the content
+    objects no checkpoint references any more.
 
     An unfinished run always keeps the checkpoint it would resume from, unless --force.
     """
     root = _root(root)
-    removed = 0
+    removed = objects = freed = 0
+    busy: list[str] = []
     with _errors():
         for info in list_actions(root):
             floor = keep if (info.finished or force) else max(keep, 1)
             excess = max(0, len(info.checkpoints) - floor)
+            checkpoint = info.checkpoint()
             if excess:
-                info.checkpoint().prune(floor)
+                checkpoint.prune(floor)
                 removed += excess
+            collected = checkpoint.collect()
+            objects += collected.objects
+            freed += collected.bytes
+            if collected.skipped:
+                busy.append(f"{info.action} ({collected.skipped})")
     click.echo(f"removed {removed} checkpoint(s) under {root}")
+    click.echo(f"freed {objects} object(s), {_human(freed)}")
+    for action in busy:
+        click.echo(f"not collected now: {action}")
+
+
 if __name__ == "__main__":
     main()
