@@ -71,11 +71,11 @@ from taskpoint.errors import CheckpointCorruptError, CheckpointFormatError
 __all__ = [
     "BLOB_CODECS",
     "CODECS",
+    "FORMAT_VERSION",
+    "KINDS",
     "TREE_FORMAT",
     "Blob",
     "Entry",
-    "FORMAT_VERSION",
-    "KINDS",
     "Manifest",
     "check_format",
     "loads_record",
@@ -396,7 +396,7 @@ def _entries(raw: object, objects: dict[str, int], bad: Any) -> tuple[Entry, ...
         entry = Entry(path=path, type=kind)
         if kind in ("file", "dir"):
             mode, mtime = item.get("mode"), item.get("mtime_ns")
-            if not _count(mode) or not isinstance(mtime, int) or isinstance(mtime, bool):
+            if not isinstance(mode, int) or not _count(mode) or not isinstance(mtime, int):
                 raise bad("entries")
             entry = Entry(path=path, type=kind, mode=mode & 0o7777, mtime_ns=mtime)
         if kind == "file":

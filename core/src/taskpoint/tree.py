@@ -131,7 +131,7 @@ def _decode(data: bytes | memoryview, codec: str) -> bytes:
     if codec == "gzip":
         from isal import igzip
 
-        return bytes(igzip.decompress(data))
+        return bytes(igzip.decompress(data))  # type: ignore[no-untyped-call]
     if codec == "zstd":
         return bytes(archive._zstandard().ZstdDecompressor().decompress(data))
     return bytes(data)
@@ -357,6 +357,7 @@ class _Member(tarfile.TarInfo):
     """A manifest entry as the extractor's record, keeping the nanosecond mtime."""
 
     __slots__ = ("mtime_ns",)
+    mtime_ns: int
 
 
 def _members(entries: Iterable[Entry]) -> Iterator[tarfile.TarInfo]:
