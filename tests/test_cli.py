@@ -200,3 +200,48 @@ def test_pull_draws_a_progress_bar_only_on_a_terminal_and_for_large_transfers(
         capture_output=True, text=True,
     )
     assert piped.returncode == 0 and "pulling" not in piped.stderr  # not a terminal
+
+
+@pytest.mark.parametrize("command", ["rm", "rm --force", "show", "pull"])
+@pytest.mark.parametrize(
+    "action",
+    [
+        "../outside",
+        "train.fit/../../outside",
+        "train.fit/../run-a",
+        "./run-a",
+        "train.fit/.",
+        "train.fit/..",
+        "..",
+        "/abs/path",
+        "ABSOLUTE",
+        "train.fit/run-a/",
+        "/train.fit/run-a",
+        "train.fit//run-a",
+        "train.fit/run-a/checkpoints",
+        "train.fit\\run-a",
+        "train.fit/run-a\\..\\..",
+        "train.fit/run a",
+        "",
+        "/",
+    ],
+)
+def test_action_names_are_checked_like_the_api_and_nothing_is_deleted(
+    store: str, tmp_path: Path, command: str, action: str
+) -> None:
+    """`rm ../x` once deleted a directory outside the root; every bad name is refused."""
+    outside = tmp_path / "outside"
+    (outside / "checkpoints").mkdir(parents=True)
+    (outside / "checkpoints" / "sentinel").write_text("keep me")
+    (outside / "status.json").write_text('{"format": 1, "state": "succeeded"}')
+    if action == "ABSOLUTE":
+        action = str(outside)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    name, *flags = command.split()
+    extra = [str(tmp_path / "dest")] if name == "pull" else []
+    code, out = _invoke(name, action, *extra, "--root", store, *flags)
+    assert code != 0, out
+    assert "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+    assert "<task>/<run id>" in out or "must be a non-empty string" in out, out
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (outside / "checkpoints" / "sentinel").read_text() == "keep me"

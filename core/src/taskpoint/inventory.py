@@ -19,9 +19,10 @@ from typing import Any
 from taskpoint.checkpoint import ATTEMPTS, CHECKPOINTS, STATUS, Checkpoint
 from taskpoint.context import DEFAULT_ROOT, ENV_ROOT
 from taskpoint.manifest import Manifest, parse_manifest_name
+from taskpoint.runtime import check_name
 from taskpoint.store import Store
 
-__all__ = ["ActionInfo", "default_root", "find_action", "list_actions"]
+__all__ = ["ActionInfo", "default_root", "find_action", "list_actions", "parse_action"]
 
 
 def default_root() -> str:
@@ -124,13 +125,35 @@ def list_actions(
                 yield _describe(root, task, run_id, options)
 
 
+def parse_action(action: str) -> tuple[str, str]:
+    """Split ``"<task>/<run id>"`` into its task and run id, checked as the API checks them.
+
+    Both parts must be names :func:`taskpoint.runtime.check_name` accepts, so an action can
+    never reach outside its root: no ``..`` or ``.``, no absolute path, no empty part, no
+    backslash.
+
+    Raises:
+        ValueError: ``action`` is not two such names joined by one ``/``.
+    """
+    parts = action.split("/") if isinstance(action, str) else []
+    if len(parts) != 2:
+        raise ValueError(
+            f"an action is written <task>/<run id> (as `taskpoint ls` shows); got {action!r}"
+        )
+    task, run_id = parts
+    return check_name("task", task), check_name("run id", run_id)
+
+
 def find_action(
     root: str, action: str, storage_options: Mapping[str, Any] | None = None
 ) -> ActionInfo | None:
-    """The action ``"<task>/<run id>"`` under ``root``, or ``None`` if it holds nothing."""
-    task, sep, run_id = action.strip("/").partition("/")
-    if not sep or not task or not run_id or "/" in run_id:
-        raise ValueError(f"an action is written <task>/<run id> (as `taskpoint ls` shows); got {action!r}")
+    """The action ``"<task>/<run id>"`` under ``root``, or ``None`` if it holds nothing.
+
+    Raises:
+        ValueError: ``action`` is not a valid action name (see :func:`parse_action`).
+        CheckpointStoreError: the store failed or the root cannot be opened.
+    """
+    task, run_id = parse_action(action)
     options = dict(storage_options or {})
     if not _is_action(Store(root, options), task, run_id):
         return None
