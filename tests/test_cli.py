@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -245,3 +247,77 @@ def test_action_names_are_checked_like_the_api_and_nothing_is_deleted(
     assert "<task>/<run id>" in out or "must be a non-empty string" in out, out
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     assert (outside / "checkpoints" / "sentinel").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("spelling", ["path", "file-url"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ls", "{root}"],
+        ["ls", "{root}", "--json"],
+        ["gc", "{root}", "--keep", "1"],
+        ["show", "train.fit/run-a", "--root", "{root}"],
+        ["pull", "train.fit/run-a", "{dest}", "--root", "{root}"],
+        ["rm", "train.fit/run-a", "--root", "{root}", "--force"],
+    ],
+)
+def test_a_missing_local_root_is_an_error_not_an_empty_listing(
+    tmp_path: Path, command: list[str], spelling: str
+) -> None:
+    missing = tmp_path / "no" / "such-root"
+    root = str(missing) if spelling == "path" else f"file://{missing}"
+    args = [a.format(root=root, dest=tmp_path / "dest") for a in command]
+    code, out = _invoke(*args)
+    assert code == 1, out
+    assert out.strip() == f"Error: checkpoint root {root} does not exist (nothing was ever " \
+        "saved there, or the path is wrong: pass --root or set $TASKPOINT_ROOT)"
+    assert not missing.exists() and not (tmp_path / "dest").exists()
+
+
+def test_the_default_root_missing_is_an_error_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TASKPOINT_ROOT", raising=False)
+    code, out = _invoke("ls")
+    assert code == 1 and "does not exist" in out
+    assert str(tmp_path / ".taskpoint" / "checkpoints") in out
+    (tmp_path / ".taskpoint" / "checkpoints").mkdir(parents=True)
+    code, out = _invoke("ls")
+    assert code == 0
+    assert out.strip() == f"no checkpoints under {tmp_path / '.taskpoint' / 'checkpoints'}"
+
+
+def test_a_root_that_is_a_file_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "root").write_text("not a directory")
+    code, out = _invoke("ls", str(tmp_path / "root"))
+    assert code == 1 and out.strip() == f"Error: checkpoint root {tmp_path / 'root'} is not a directory"
+
+
+def test_an_existing_empty_root_has_no_checkpoints(store_url: str) -> None:
+    """On a local disk an empty directory; on an object store an empty prefix of a bucket."""
+    code, out = _invoke("ls", store_url)
+    assert (code, out.strip()) == (0, f"no checkpoints under {store_url}")
+    code, out = _invoke("ls", store_url, "--json")
+    assert code == 0 and json.loads(out) == {"root": store_url, "actions": []}
+    code, out = _invoke("gc", store_url, "--keep", "0")
+    assert (code, out.strip()) == (0, f"removed 0 checkpoint(s) under {store_url}")
+    code, out = _invoke("show", "train.fit/run-a", "--root", store_url)
+    assert code == 1 and "no action 'train.fit/run-a'" in out
+
+
+def test_a_missing_bucket_is_an_error(s3_server: Any) -> None:
+    root = s3_server.url(f"absent-{uuid.uuid4().hex[:12]}", "jobs")
+    for args in (["ls", root], ["gc", root, "--keep", "1"],
+                 ["show", "train.fit/run-a", "--root", root]):
+        code, out = _invoke(*args)
+        assert code == 1 and "does not exist" in out and "Traceback" not in out, out
+        assert len(out.strip().splitlines()) == 1
+
+
+def test_a_stray_file_in_the_root_is_not_an_action(store: str, tmp_path: Path) -> None:
+    (tmp_path / "store" / "README").write_text("notes")
+    (tmp_path / "store" / "train.fit" / "notes.txt").write_text("notes")
+    code, out = _invoke("ls", store, "--no-verify")
+    assert code == 0, out
+    assert "train.fit/run-a" in out and "README" not in out and "notes" not in out

@@ -49,7 +49,7 @@ def _age(seconds: float) -> str:
 def _errors() -> Iterator[None]:
     try:
         yield
-    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+    except (CheckpointError, ValueError, FileNotFoundError, NotADirectoryError) as exc:
         raise click.ClickException(str(exc)) from exc
 
 

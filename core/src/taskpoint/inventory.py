@@ -18,11 +18,12 @@ from typing import Any
 
 from taskpoint.checkpoint import ATTEMPTS, CHECKPOINTS, STATUS, Checkpoint
 from taskpoint.context import DEFAULT_ROOT, ENV_ROOT
+from taskpoint.errors import CheckpointStoreError
 from taskpoint.manifest import Manifest, parse_manifest_name
 from taskpoint.runtime import check_name
 from taskpoint.store import Store
 
-__all__ = ["ActionInfo", "default_root", "find_action", "list_actions", "parse_action"]
+__all__ = ["ActionInfo", "check_root", "default_root", "find_action", "list_actions", "parse_action"]
 
 
 def default_root() -> str:
@@ -104,7 +105,51 @@ def _describe(root: str, task: str, run_id: str, options: Mapping[str, Any]) -> 
     )
 
 
+def _is_dir(store: Store, name: str) -> bool:
+    """Whether ``name`` can hold actions: on a local disk, a directory; elsewhere, always.
+
+    Object stores and ``memory://`` have prefixes, not directories, and list an object under
+    its own name; only a local disk refuses to list inside a file.
+    """
+    if not store.is_local:
+        return True
+    try:
+        return bool(store.fs.isdir(store.url_of(name)))
+    except OSError as exc:
+        raise CheckpointStoreError(
+            f"cannot inspect {store.url_of(name)}: {exc}", url=store.url_of(name)
+        ) from exc
+
+
+def check_root(root: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Refuse a root that cannot hold checkpoints.
+
+    A local root (a path or ``file://`` URL) must be an existing directory. On an object
+    store the bucket (or container) must exist; a prefix holding nothing is an empty root.
+
+    Raises:
+        FileNotFoundError: the local root does not exist.
+        NotADirectoryError: the local root is a file.
+        CheckpointStoreError: the store failed, its protocol is unknown, or its bucket does
+            not exist.
+    """
+    store = Store(root, storage_options)
+    if not store.is_local:
+        store.list("")  # a missing bucket raises CheckpointStoreError
+        return
+    if _is_dir(store, ""):
+        return
+    if store.fs.exists(root):
+        raise NotADirectoryError(f"checkpoint root {root} is not a directory")
+    raise FileNotFoundError(
+        f"checkpoint root {root} does not exist (nothing was ever saved there, or the path "
+        f"is wrong: pass --root or set ${ENV_ROOT})"
+    )
+
+
 def _is_action(store: Store, task: str, run_id: str) -> bool:
+    if not _is_dir(store, f"{task}/{run_id}"):
+        return False
     names = store.list(f"{task}/{run_id}")
     return any(n in (CHECKPOINTS, ATTEMPTS, STATUS) for n in names)
 
@@ -114,12 +159,24 @@ def list_actions(
 ) -> Iterator[ActionInfo]:
     """Every action under ``root``, by task then run id.
 
+    The root is checked at once (see :func:`check_root`); the actions are read as the
+    iterator reaches them.
+
     Raises:
+        FileNotFoundError: the local root does not exist.
+        NotADirectoryError: the local root is a file.
         CheckpointStoreError: the store failed or the root cannot be opened.
     """
     options = dict(storage_options or {})
+    check_root(root, options)
+    return _actions(root, options)
+
+
+def _actions(root: str, options: dict[str, Any]) -> Iterator[ActionInfo]:
     store = Store(root, options)
     for task in store.list(""):
+        if not _is_dir(store, task):
+            continue
         for run_id in store.list(task):
             if parse_manifest_name(run_id) is None and _is_action(store, task, run_id):
                 yield _describe(root, task, run_id, options)
@@ -151,10 +208,13 @@ def find_action(
 
     Raises:
         ValueError: ``action`` is not a valid action name (see :func:`parse_action`).
+        FileNotFoundError: the local root does not exist.
+        NotADirectoryError: the local root is a file.
         CheckpointStoreError: the store failed or the root cannot be opened.
     """
     task, run_id = parse_action(action)
     options = dict(storage_options or {})
+    check_root(root, options)
     if not _is_action(Store(root, options), task, run_id):
         return None
     return _describe(root, task, run_id, options)
