@@ -321,3 +321,67 @@ def test_a_stray_file_in_the_root_is_not_an_action(store: str, tmp_path: Path) -
     code, out = _invoke("ls", store, "--no-verify")
     assert code == 0, out
     assert "train.fit/run-a" in out and "README" not in out and "notes" not in out
+
+
+def _damage(store_dir: Path) -> None:
+    """Garbage where manifests, payloads, attempt markers and status records go."""
+    run_a = store_dir / "train.fit" / "run-a"
+    checkpoints = run_a / "checkpoints"
+    (checkpoints / "000000-000000007.manifest.json").write_bytes(b"\xff\x00garbage")
+    (checkpoints / "000000-000000008.manifest.json").write_text('{"format": 1, "kind": "bytes"}')
+    (checkpoints / "000000-000000009.manifest.json").mkdir()  # unreadable
+    (checkpoints / "000000-000000010.manifest.json").write_text('{"format": 99}')
+    (checkpoints / "000000-000000011.manifest.json").write_text("[[")
+    (checkpoints / "000000-000000012.manifest.json").write_text("null")
+    (checkpoints / "000000-000000099-feed.payload").write_bytes(b"orphan")
+    (checkpoints / "junk").write_bytes(b"\x00")
+    attempts = run_a / "attempts"
+    attempts.mkdir()
+    (attempts / "000003").write_bytes(b"\xffgarbage")
+    (attempts / "000004").mkdir()
+    (attempts / "000005").write_text('{"format": 1, "started": "yesterday", "pid": "x"}')
+    (attempts / "000005.end.json").write_text("{")
+    (attempts / "junk").write_text("{}")
+    (run_a / "status.json").unlink()
+    (run_a / "status.json").mkdir()  # unreadable
+    (store_dir / "train.fit" / "run-b" / "status.json").write_text('["not", "a", "record"')
+    run_c = store_dir / "eval.score" / "run-c" / "checkpoints"
+    payload = next(run_c.glob("*.payload"))
+    payload.unlink()
+    payload.mkdir()  # a payload the store cannot read
+
+
+def test_ls_and_show_never_crash_over_a_damaged_store(store: str, tmp_path: Path) -> None:
+    _damage(tmp_path / "store")
+    code, out = _invoke("ls", store)
+    assert code == 0, out
+    assert "Traceback" not in out
+    for key in ("07", "08", "09", "11", "12"):
+        assert f"checkpoints/000000-0000000{key}.manifest.json CORRUPT" in out.replace(
+            "UNREADABLE", "CORRUPT"), key
+    assert "checkpoints/000000-000000010.manifest.json NEWER FORMAT" in out
+    assert "status.json" in out and "train.fit/run-b  [unfinished]" in out
+    assert out.count(" ok") == 6  # run-a's and run-b's three intact checkpoints each
+    assert out.count("CORRUPT") >= 5  # run-c's unreadable payload too
+
+    code, out = _invoke("ls", store, "--json")
+    assert code == 0, out
+    actions = {a["action"]: a for a in json.loads(out)["actions"]}
+    damaged = {d["key"]: d["problem"] for d in actions["train.fit/run-a"]["damaged"]}
+    assert damaged == {
+        "checkpoints/000000-000000007.manifest.json": "corrupt",
+        "checkpoints/000000-000000008.manifest.json": "corrupt",
+        "checkpoints/000000-000000009.manifest.json": "unreadable",
+        "checkpoints/000000-000000010.manifest.json": "newer-format",
+        "checkpoints/000000-000000011.manifest.json": "corrupt",
+        "checkpoints/000000-000000012.manifest.json": "corrupt",
+        "status.json": "unreadable",
+    }
+    assert [c["verified"] for c in actions["train.fit/run-a"]["checkpoints"]] == [True] * 3
+    assert actions["eval.score/run-c"]["checkpoints"][0]["verified"] is False
+    assert actions["train.fit/run-b"]["damaged"][0]["key"] == "status.json"
+
+    for action in ("train.fit/run-a", "train.fit/run-b", "eval.score/run-c"):
+        for extra in ([], ["--json"]):
+            code, out = _invoke("show", action, "--root", store, *extra)
+            assert code == 0 and "Traceback" not in out, out

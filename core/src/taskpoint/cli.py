@@ -22,27 +22,12 @@ import click
 from taskpoint._isolation import FILE_MODULE
 from taskpoint.errors import CheckpointError
 from taskpoint.inventory import ActionInfo, default_root, find_action, list_actions
+from taskpoint.timeline import age, human_size
 
 __all__ = ["main"]
 
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 """Transfers smaller than this never show a progress bar."""
-
-
-def _human(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _age(seconds: float) -> str:
-    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= span:
-            return f"{seconds / span:.0f}{unit}"
-    return f"{seconds:.0f}s"
 
 
 @contextlib.contextmanager
@@ -177,24 +162,22 @@ def ls_command(root: str | None, as_json: bool, no_verify: bool) -> None:
 
 
 def _verify(action: ActionInfo, skip: bool) -> dict[str, bool] | None:
-    if skip:
-        return None
-    checkpoint = action.checkpoint()
-    return {m.key: checkpoint.verify(m) for m in action.checkpoints}
+    return None if skip else action.verify()
 
 
 def _print_action(action: ActionInfo, verified: dict[str, bool] | None) -> None:
-    state = (action.status or {}).get("state", "unfinished")
     attempts = ",".join(map(str, action.attempts)) or "-"
-    click.echo(f"{action.action}  [{state}]  attempts: {attempts}")
+    click.echo(f"{action.action}  [{action.state}]  attempts: {attempts}")
     now = time.time()
     for m in action.checkpoints:
         check = "unverified" if verified is None else ("ok" if verified[m.key] else "CORRUPT")
         label = m.name or "(bytes)"
         click.echo(
-            f"  {m.key:<32} {m.kind:<9} {label:<24} {_human(m.size):>10}  "
-            f"{_age(now - m.created):>4} ago  {check}"
+            f"  {m.key:<32} {m.kind:<9} {label:<24} {human_size(m.size):>10}  "
+            f"{age(now - m.created):>4} ago  {check}"
         )
+    for damage in action.damaged:
+        click.echo(f"  {damage.key:<32} {damage.label}: {damage.detail}")
 
 
 def _require(root: str, action: str) -> ActionInfo:

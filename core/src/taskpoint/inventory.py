@@ -10,25 +10,63 @@ Layout under a root (a public contract, see the README)::
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from taskpoint.checkpoint import ATTEMPTS, CHECKPOINTS, STATUS, Checkpoint
 from taskpoint.context import DEFAULT_ROOT, ENV_ROOT
-from taskpoint.errors import CheckpointStoreError
-from taskpoint.manifest import Manifest, parse_manifest_name
+from taskpoint.errors import CheckpointError, CheckpointFormatError, CheckpointStoreError
+from taskpoint.manifest import Manifest, check_format, parse_manifest_name
 from taskpoint.runtime import check_name
 from taskpoint.store import Store
 
-__all__ = ["ActionInfo", "check_root", "default_root", "find_action", "list_actions", "parse_action"]
+__all__ = [
+    "ActionInfo",
+    "Damage",
+    "check_root",
+    "default_root",
+    "find_action",
+    "list_actions",
+    "parse_action",
+]
+
+log = logging.getLogger(__name__)
 
 
 def default_root() -> str:
     """``TASKPOINT_ROOT``, else the embedded local store under the working directory."""
     return os.environ.get(ENV_ROOT) or str(DEFAULT_ROOT.absolute())
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A record of an action that could not be read as what its name says it is.
+
+    Attributes:
+        key: the object's name under the action (``checkpoints/<name>``, ``status.json``).
+        problem: ``"corrupt"`` (not a valid record), ``"newer-format"`` (written by a newer
+            taskpoint) or ``"unreadable"`` (the store failed to read it).
+        detail: the error, as text.
+    """
+
+    key: str
+    problem: str
+    detail: str
+
+    @property
+    def label(self) -> str:
+        """How listings show it: ``CORRUPT``, ``NEWER FORMAT`` or ``UNREADABLE``."""
+        return {"newer-format": "NEWER FORMAT", "unreadable": "UNREADABLE"}.get(
+            self.problem, "CORRUPT"
+        )
+
+    def to_json(self) -> dict[str, str]:
+        return {"key": self.key, "problem": self.problem, "detail": self.detail}
 
 
 @dataclass(frozen=True)
@@ -39,9 +77,13 @@ class ActionInfo:
         task: the task's name.
         run_id: the run's id.
         url: the action's checkpoint URL.
-        status: what the action recorded when it ended, or ``None`` while unfinished.
+        status: what the action recorded when it ended, or ``None`` while unfinished (or
+            when the record is damaged: see ``damaged``).
         attempts: the attempt numbers seen (from markers and checkpoints), ascending.
         checkpoints: committed manifests, newest first.
+        damaged: records that could not be read (garbage manifests, an unreadable
+            ``status.json``), by key.
+        storage_options: the options the action was read with.
     """
 
     task: str
@@ -50,6 +92,8 @@ class ActionInfo:
     status: dict[str, Any] | None
     attempts: list[int]
     checkpoints: list[Manifest]
+    damaged: list[Damage] = field(default_factory=list)
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def action(self) -> str:
@@ -59,9 +103,35 @@ class ActionInfo:
     def finished(self) -> bool:
         return self.status is not None
 
+    @property
+    def state(self) -> str:
+        """``"succeeded"``, ``"failed"`` (as recorded) or ``"unfinished"``."""
+        state = (self.status or {}).get("state")
+        return state if isinstance(state, str) and state else "unfinished"
+
     def checkpoint(self, **options: Any) -> Checkpoint:
         """A :class:`Checkpoint` bound to this action (for loading, pruning, deleting)."""
+        options.setdefault("storage_options", self.storage_options)
         return Checkpoint(self.url, **options)
+
+    def verify(self) -> dict[str, bool]:
+        """Read each checkpoint's payload through: whether it matches its size and checksum.
+
+        A payload the store fails to read counts as not intact (it cannot be loaded
+        either); the failure is logged as a warning.
+
+        Returns:
+            Manifest keys mapped to the result.
+        """
+        checkpoint = self.checkpoint()
+        result = {}
+        for m in self.checkpoints:
+            try:
+                result[m.key] = checkpoint.verify(m)
+            except CheckpointStoreError as exc:
+                log.warning("cannot verify %s/%s/%s: %s", self.url, CHECKPOINTS, m.key, exc)
+                result[m.key] = False
+        return result
 
     def to_json(self, verified: Mapping[str, bool] | None = None) -> dict[str, Any]:
         """A JSON-ready description; ``verified`` maps manifest keys to checksum results."""
@@ -71,7 +141,7 @@ class ActionInfo:
             "task": self.task,
             "run_id": self.run_id,
             "url": self.url,
-            "state": (self.status or {}).get("state", "unfinished"),
+            "state": self.state,
             "attempts": self.attempts,
             "checkpoints": [
                 {
@@ -89,19 +159,75 @@ class ActionInfo:
                 }
                 for m in self.checkpoints
             ],
+            "damaged": [d.to_json() for d in self.damaged],
         }
+
+
+def _damage(key: str, exc: CheckpointError) -> Damage:
+    if isinstance(exc, CheckpointFormatError):
+        return Damage(key, "newer-format", str(exc))
+    if isinstance(exc, CheckpointStoreError):
+        return Damage(key, "unreadable", str(exc))
+    return Damage(key, "corrupt", str(exc))
+
+
+def _read_manifests(store: Store, damaged: list[Damage]) -> list[Manifest]:
+    """The manifests that parse, newest first; the others are added to ``damaged``."""
+    names = sorted(
+        (order, name)
+        for name in store.list(CHECKPOINTS)
+        if (order := parse_manifest_name(name)) is not None
+    )
+    manifests = []
+    for _, name in reversed(names):
+        key = f"{CHECKPOINTS}/{name}"
+        try:
+            manifests.append(Manifest.from_json(store.read_bytes(key), url=store.url_of(key)))
+        except FileNotFoundError:
+            continue  # pruned since the listing
+        except CheckpointError as exc:
+            damaged.append(_damage(key, exc))
+    return manifests
+
+
+def _read_status(store: Store, damaged: list[Damage]) -> dict[str, Any] | None:
+    """The status record, or ``None`` when there is none or it is damaged."""
+    try:
+        data = store.read_bytes(STATUS)
+    except FileNotFoundError:
+        return None
+    except CheckpointStoreError as exc:
+        damaged.append(_damage(STATUS, exc))
+        return None
+    url = store.url_of(STATUS)
+    try:
+        record = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        damaged.append(Damage(STATUS, "corrupt", f"{url} is not valid JSON: {exc}"))
+        return None
+    try:
+        check_format(record, url=url)
+    except CheckpointFormatError as exc:
+        damaged.append(_damage(STATUS, exc))
+        return None
+    if not isinstance(record, dict):
+        damaged.append(Damage(STATUS, "corrupt", f"{url} is not a JSON object"))
+        return None
+    return record
 
 
 def _describe(root: str, task: str, run_id: str, options: Mapping[str, Any]) -> ActionInfo:
     url = f"{root.rstrip('/')}/{task}/{run_id}"
-    checkpoint = Checkpoint(url, storage_options=options)
     store = Store(url, options)
-    manifests = checkpoint.committed()
+    damaged: list[Damage] = []
+    manifests = _read_manifests(store, damaged)
+    status = _read_status(store, damaged)
     attempts = {int(n) for n in store.list(ATTEMPTS) if n.isdigit()}
     attempts |= {m.attempt for m in manifests}
     return ActionInfo(
-        task=task, run_id=run_id, url=url, status=checkpoint.status(),
-        attempts=sorted(attempts), checkpoints=manifests,
+        task=task, run_id=run_id, url=url, status=status, attempts=sorted(attempts),
+        checkpoints=manifests, damaged=sorted(damaged, key=lambda d: d.key),
+        storage_options=dict(options),
     )
 
 
