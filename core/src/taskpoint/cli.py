@@ -48,6 +48,12 @@ def _progress(total: int, label: str) -> Iterator[Callable[[int], object] | None
         yield bar.update
 
 
+def _root(root: str | None) -> str:
+    """``--root``/ROOT as given, else the default; a bad root is a one-line error."""
+    with _errors():
+        return root if root is not None else default_root()
+
+
 root_option = click.option(
     "--root", default=None, metavar="URL",
     help="Checkpoint root (default: $TASKPOINT_ROOT, else ./.taskpoint/checkpoints).",
@@ -143,7 +149,7 @@ def run(
 @click.option("--no-verify", is_flag=True, help="Skip reading payloads to check checksums.")
 def ls_command(root: str | None, as_json: bool, no_verify: bool) -> None:
     """List tasks, runs, attempts and committed checkpoints under ROOT."""
-    root = root or default_root()
+    root = _root(root)
     with _errors():
         actions = list(list_actions(root))
         verified = {a.action: _verify(a, no_verify) for a in actions}
@@ -195,7 +201,7 @@ def _require(root: str, action: str) -> ActionInfo:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def show(action: str, root: str | None, as_json: bool) -> None:
     """Show ACTION (<task>/<run id>): its state, attempts and checkpoints, verified."""
-    root = root or default_root()
+    root = _root(root)
     with _errors():
         info = _require(root, action)
         verified = _verify(info, False)
@@ -211,7 +217,7 @@ def show(action: str, root: str | None, as_json: bool) -> None:
 @root_option
 def pull(action: str, dest: Path, root: str | None) -> None:
     """Restore ACTION's newest intact checkpoint to DEST (verified against its checksum)."""
-    root = root or default_root()
+    root = _root(root)
     if dest.exists():
         raise click.ClickException(f"{dest} already exists; pull into a new path")
     with _errors():
@@ -234,7 +240,7 @@ def pull(action: str, dest: Path, root: str | None) -> None:
 @click.option("--force", is_flag=True, help="Also remove an unfinished run's checkpoints.")
 def rm(action: str, root: str | None, force: bool) -> None:
     """Remove ACTION and everything it stored."""
-    root = root or default_root()
+    root = _root(root)
     with _errors():
         info = _require(root, action)
         if not info.finished and info.checkpoints and not force:
@@ -255,7 +261,7 @@ def gc(root: str | None, keep: int, force: bool) -> None:
 
     An unfinished run always keeps the checkpoint it would resume from, unless --force.
     """
-    root = root or default_root()
+    root = _root(root)
     removed = 0
     with _errors():
         for info in list_actions(root):

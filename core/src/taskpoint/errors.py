@@ -7,6 +7,8 @@ Every failure that is taskpoint's own derives from :class:`CheckpointError`::
     ├── CheckpointCorruptError    checkpoints exist, but none passes its checksum
     ├── CheckpointUnsafeError     an archive entry would escape the restore directory
     ├── CheckpointFormatError     a manifest from a newer (or unknown) format
+    ├── CheckpointRestoreError    the local disk refused the restored files (full, too
+    │                             large, permission): the checkpoint itself is fine
     └── TaskAttemptError          a process-isolated attempt died (signal, exit code)
 
 Bad arguments raise the builtin exceptions Python users expect: ``TypeError`` for a
@@ -20,6 +22,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointFormatError",
+    "CheckpointRestoreError",
     "CheckpointStoreError",
     "CheckpointUnsafeError",
     "TaskAttemptError",
@@ -64,6 +67,22 @@ class CheckpointUnsafeError(CheckpointError):
 
 class CheckpointFormatError(CheckpointError):
     """A manifest is from a format this version of taskpoint cannot read."""
+
+
+class CheckpointRestoreError(CheckpointError):
+    """Writing a restored checkpoint to local disk failed: the disk is full, a file is
+    larger than the process may write, or a permission was refused.
+
+    The checkpoint is not at fault: it is neither skipped nor marked bad, and nothing in
+    the store is changed. Free space or fix the restore directory, then load again.
+
+    Attributes:
+        path: the local path being written.
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class TaskAttemptError(CheckpointError):

@@ -18,9 +18,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from taskpoint.checkpoint import ATTEMPTS, CHECKPOINTS, STATUS, Checkpoint
-from taskpoint.context import DEFAULT_ROOT, ENV_ROOT
+from taskpoint.checkpoint import CHECKPOINTS, STATUS, Checkpoint
+from taskpoint.context import ENV_ROOT, root_from
 from taskpoint.errors import CheckpointError, CheckpointFormatError, CheckpointStoreError
+from taskpoint.history import ATTEMPTS
 from taskpoint.manifest import Manifest, check_format, parse_manifest_name
 from taskpoint.runtime import check_name
 from taskpoint.store import Store
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def default_root() -> str:
     """``TASKPOINT_ROOT``, else the embedded local store under the working directory."""
-    return os.environ.get(ENV_ROOT) or str(DEFAULT_ROOT.absolute())
+    return root_from(os.environ)
 
 
 @dataclass(frozen=True)
