@@ -331,7 +331,7 @@ def _damage(store_dir: Path) -> None:
     (checkpoints / "000000-000000008.manifest.json").write_text('{"format": 1, "kind": "bytes"}')
     (checkpoints / "000000-000000009.manifest.json").mkdir()  # unreadable
     (checkpoints / "000000-000000010.manifest.json").write_text('{"format": 99}')
-    (checkpoints / "000000-000000011.manifest.json").write_text("[[")
+    (checkpoints / "000000-000000011.manifest.json").write_text("[" * 100_000)
     (checkpoints / "000000-000000012.manifest.json").write_text("null")
     (checkpoints / "000000-000000099-feed.payload").write_bytes(b"orphan")
     (checkpoints / "junk").write_bytes(b"\x00")
@@ -376,6 +376,7 @@ def test_ls_and_show_never_crash_over_a_damaged_store(store: str, tmp_path: Path
         "checkpoints/000000-000000011.manifest.json": "corrupt",
         "checkpoints/000000-000000012.manifest.json": "corrupt",
         "status.json": "unreadable",
+        "attempts/": "unreadable",  # attempts/000004 is a directory: no record can be read
     }
     assert [c["verified"] for c in actions["train.fit/run-a"]["checkpoints"]] == [True] * 3
     assert actions["eval.score/run-c"]["checkpoints"][0]["verified"] is False

@@ -10,7 +10,6 @@ Layout under a root (a public contract, see the README)::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -21,8 +20,8 @@ from typing import Any
 from taskpoint.checkpoint import CHECKPOINTS, STATUS, Checkpoint
 from taskpoint.context import ENV_ROOT, root_from
 from taskpoint.errors import CheckpointError, CheckpointFormatError, CheckpointStoreError
-from taskpoint.history import ATTEMPTS
-from taskpoint.manifest import Manifest, check_format, parse_manifest_name
+from taskpoint.history import ATTEMPTS, AttemptRecord, attempt_numbers, read_attempts
+from taskpoint.manifest import Manifest, check_format, loads_record, parse_manifest_name
 from taskpoint.runtime import check_name
 from taskpoint.store import Store
 
@@ -84,6 +83,8 @@ class ActionInfo:
         checkpoints: committed manifests, newest first.
         damaged: records that could not be read (garbage manifests, an unreadable
             ``status.json``), by key.
+        history: what each attempt recorded (start, resume, end), ascending; attempts
+            known only from their checkpoints have no record here.
         storage_options: the options the action was read with.
     """
 
@@ -94,6 +95,7 @@ class ActionInfo:
     attempts: list[int]
     checkpoints: list[Manifest]
     damaged: list[Damage] = field(default_factory=list)
+    history: list[AttemptRecord] = field(default_factory=list)
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -202,8 +204,8 @@ def _read_status(store: Store, damaged: list[Damage]) -> dict[str, Any] | None:
         return None
     url = store.url_of(STATUS)
     try:
-        record = json.loads(data)
-    except (ValueError, RecursionError) as exc:
+        record = loads_record(data)
+    except ValueError as exc:
         damaged.append(Damage(STATUS, "corrupt", f"{url} is not valid JSON: {exc}"))
         return None
     try:
@@ -217,17 +219,26 @@ def _read_status(store: Store, damaged: list[Damage]) -> dict[str, Any] | None:
     return record
 
 
+def _read_history(store: Store, damaged: list[Damage]) -> list[AttemptRecord]:
+    """The attempt records; when the store cannot read them, bare numbers from the listing."""
+    try:
+        return read_attempts(store)
+    except CheckpointStoreError as exc:
+        damaged.append(_damage(f"{ATTEMPTS}/", exc))
+    return [AttemptRecord(attempt=n) for n in attempt_numbers(store)]
+
+
 def _describe(root: str, task: str, run_id: str, options: Mapping[str, Any]) -> ActionInfo:
     url = f"{root.rstrip('/')}/{task}/{run_id}"
     store = Store(url, options)
     damaged: list[Damage] = []
     manifests = _read_manifests(store, damaged)
     status = _read_status(store, damaged)
-    attempts = {int(n) for n in store.list(ATTEMPTS) if n.isdigit()}
-    attempts |= {m.attempt for m in manifests}
+    history = _read_history(store, damaged)
+    attempts = {r.attempt for r in history} | {m.attempt for m in manifests}
     return ActionInfo(
         task=task, run_id=run_id, url=url, status=status, attempts=sorted(attempts),
-        checkpoints=manifests, damaged=sorted(damaged, key=lambda d: d.key),
+        checkpoints=manifests, damaged=sorted(damaged, key=lambda d: d.key), history=history,
         storage_options=dict(options),
     )
 
