@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
 
+from taskpoint import timeline
 from taskpoint._isolation import FILE_MODULE
 from taskpoint.errors import CheckpointError
 from taskpoint.inventory import ActionInfo, default_root, find_action, list_actions
@@ -199,16 +201,34 @@ def _require(root: str, action: str) -> ActionInfo:
 @click.argument("action")
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def show(action: str, root: str | None, as_json: bool) -> None:
-    """Show ACTION (<task>/<run id>): its state, attempts and checkpoints, verified."""
+@click.option(
+    "--svg", "svg", type=click.Path(dir_okay=False, writable=True, path_type=Path), default=None,
+    metavar="FILE", help="Also write the timeline to FILE as an SVG picture.",
+)
+@click.option("--no-verify", is_flag=True, help="Skip reading payloads to check checksums.")
+def show(action: str, root: str | None, as_json: bool, svg: Path | None, no_verify: bool) -> None:
+    """Show ACTION (<task>/<run id>): its attempts, resumes and checkpoints, in time order.
+
+    Each attempt with its outcome, host and process, the checkpoint it resumed from and how
+    long the restore took; each kept checkpoint with its size, what its save cost and
+    whether its payload is intact (read through and checked against its checksum).
+    """
     root = _root(root)
     with _errors():
         info = _require(root, action)
-        verified = _verify(info, False)
+        verified = _verify(info, no_verify)
     if as_json:
-        click.echo(json.dumps(info.to_json(verified), indent=2))
-    else:
-        _print_action(info, verified)
+        click.echo(json.dumps({**info.to_json(verified), **timeline.to_json(info, verified)},
+                              indent=2))
+        return
+    console = Console(record=svg is not None, highlight=False)
+    console.print(timeline.render(info, verified))
+    if svg is not None:
+        try:
+            console.save_svg(str(svg), title=f"taskpoint show {info.action}")
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {svg}: {exc.strerror or exc}") from exc
+        click.echo(f"wrote {svg}", err=True)
 
 
 @main.command()
