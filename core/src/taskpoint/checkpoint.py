@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import os
+import pickle
 import shutil
 import stat
 import sys
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, Union
 
-from taskpoint import archive, history
+from taskpoint import _uploader, archive, history
 from taskpoint._digest import (
     Digest,
     HashingReader,
@@ -128,12 +129,19 @@ def _classify(data: object, called: float) -> _Source:
 
 
 _workdirs: list[str] = []
+_workers: list[_uploader.Worker] = []
 
 
 @atexit.register
 def _remove_workdirs() -> None:
     for path in _workdirs:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@atexit.register
+def _close_workers() -> None:
+    for worker in _workers:
+        worker.close()
 
 
 class Checkpoint:
@@ -151,10 +159,14 @@ class Checkpoint:
             interpreter exit, by default.
         retry: how store calls retry transient failures.
         progress: called with the number of payload bytes moved, as saves and loads stream.
+        background_upload: where background saves upload: ``"process"`` (a separate
+            upload process, so the upload's Python work never holds the training loop's
+            GIL) or ``"thread"`` (a thread of this process). ``memory://`` stores and
+            checkpoints with a ``progress`` callback always use a thread.
 
     Raises:
-        ValueError: ``url`` is blank, ``keep`` is below 1, ``attempt`` is negative or
-            ``codec`` is unknown.
+        ValueError: ``url`` is blank, ``keep`` is below 1, ``attempt`` is negative, or
+            ``codec`` or ``background_upload`` is unknown.
         TypeError: ``url`` is not a string or path.
     """
 
@@ -169,6 +181,7 @@ class Checkpoint:
         workdir: str | os.PathLike[str] | None = None,
         retry: RetryPolicy | None = None,
         progress: Progress | None = None,
+        background_upload: str = "process",
     ) -> None:
         url = check_location("url", url)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -176,7 +189,17 @@ class Checkpoint:
         if attempt is not None and (not isinstance(attempt, int) or attempt < 0):
             raise ValueError(f"attempt must be a non-negative int or None; got {attempt!r}")
         self._codec: Codec = archive.check_codec(codec)
+        if background_upload not in ("process", "thread"):
+            raise ValueError(
+                f'background_upload must be "process" or "thread"; got {background_upload!r}'
+            )
         self._store = Store(url, storage_options, retry)
+        self._options: dict[str, Any] = {
+            "url": url, "keep": keep, "codec": codec, "retry": retry,
+            "storage_options": dict(storage_options or {}), "background_upload": "thread",
+        }
+        self._background_upload = background_upload
+        self._worker: _uploader.Worker | None = None
         self._attempt = attempt
         self._keep = keep
         self._workdir = Path(workdir) if workdir is not None else None
@@ -300,45 +323,77 @@ class Checkpoint:
         with self._save_lock:
             attempt = self._claim_attempt()
             seq = self._next_seq(attempt, ticket)
-            token = uuid.uuid4().hex[:8]
-            payload = payload_name(attempt, seq, token)
-            upload_started = time.monotonic()
-            digest, name, codec = self._write_payload(source, payload)
-            key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
-            stats = SaveStats(
-                url=self._store.url_of(key),
-                attempt=attempt,
-                seq=seq,
-                kind=source.kind,
-                size=digest.size,
-                uploaded=digest.size,
-                reused=0,
-                save_s=0.0,
-                upload_s=0.0,
-                blocked_s=0.0,
-                background=source.blocked_s is not None,
-            )
-            manifest = Manifest(
-                kind=source.kind,  # type: ignore[arg-type]
-                name=name,
-                codec=codec,
-                size=digest.size,
-                checksum=digest.checksum,
-                payload=payload,
-                attempt=attempt,
-                seq=seq,
-                created=time.time(),
-                stats=self._timed(stats, source, upload_started).to_record(),
-            )
-            self._store.write_atomic(key, manifest.to_json())
-            self._intact.add((manifest.key, manifest.checksum))
-            stats = self._timed(stats, source, upload_started)
-            log.info(
-                "committed %s checkpoint %s (%d bytes) in %.2fs",
-                source.kind, stats.url, digest.size, stats.save_s,
-            )
-            self._prune()
+            if source.blocked_s is not None and self._upload_in_process:
+                if self._worker is None:
+                    self._worker = _uploader.Worker()
+                    _workers.append(self._worker)
+                request = _uploader.Request(
+                    self._options, attempt, seq, source, frozenset(self._intact)
+                )
+                stats, intact = self._worker.run(request)
+                self._intact.add(intact)
+            else:
+                stats, _ = self._commit(source, attempt, seq)
         self._notify(stats)
+
+    @property
+    def _upload_in_process(self) -> bool:
+        """Whether background saves run in the upload process (see :mod:`taskpoint._uploader`)."""
+        if self._background_upload != "process" or self._progress is not None:
+            return False  # a progress callback cannot cross processes
+        if self._store.is_memory:
+            return False  # memory:// lives in this process alone
+        try:
+            pickle.dumps(self._options)
+        except Exception:  # storage_options holding a live client object, say
+            self._background_upload = "thread"
+            return False
+        return True
+
+    def _commit(
+        self, source: _Source, attempt: int, seq: int
+    ) -> tuple[SaveStats, tuple[str, str]]:
+        """Write ``source`` as save ``seq`` of ``attempt``, commit it, prune; with the save lock
+        held (or in the upload process). Returns its stats and its ``(key, checksum)``."""
+        token = uuid.uuid4().hex[:8]
+        payload = payload_name(attempt, seq, token)
+        upload_started = time.monotonic()
+        digest, name, codec = self._write_payload(source, payload)
+        key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
+        stats = SaveStats(
+            url=self._store.url_of(key),
+            attempt=attempt,
+            seq=seq,
+            kind=source.kind,
+            size=digest.size,
+            uploaded=digest.size,
+            reused=0,
+            save_s=0.0,
+            upload_s=0.0,
+            blocked_s=0.0,
+            background=source.blocked_s is not None,
+        )
+        manifest = Manifest(
+            kind=source.kind,  # type: ignore[arg-type]
+            name=name,
+            codec=codec,
+            size=digest.size,
+            checksum=digest.checksum,
+            payload=payload,
+            attempt=attempt,
+            seq=seq,
+            created=time.time(),
+            stats=self._timed(stats, source, upload_started).to_record(),
+        )
+        self._store.write_atomic(key, manifest.to_json())
+        self._intact.add((manifest.key, manifest.checksum))
+        stats = self._timed(stats, source, upload_started)
+        log.info(
+            "committed %s checkpoint %s (%d bytes) in %.2fs",
+            source.kind, stats.url, digest.size, stats.save_s,
+        )
+        self._prune()
+        return stats, (manifest.key, manifest.checksum)
 
     @staticmethod
     def _timed(stats: SaveStats, source: _Source, upload_started: float) -> SaveStats:

@@ -493,7 +493,7 @@ class Store:
             path = self._path(name)
             if self.is_local:
                 return _link_new(path, data)
-            if self._is_memory:
+            if self.is_memory:
                 with _MEMORY_CREATE:
                     if self.fs.exists(path):
                         return False
@@ -729,7 +729,7 @@ class Store:
                 shutil.rmtree(folder, ignore_errors=True)
             return
         fh: Any
-        if self._is_memory:
+        if self.is_memory:
             fh = self._call("open", name, lambda: io.BytesIO(self._read_memory(name)))
         else:
             fh = self._call("open", name, lambda: self.fs.open(self._path(name), "rb"))
@@ -740,7 +740,7 @@ class Store:
                 fh.close()
 
     def _download(self, name: str, local: str) -> None:
-        if self._is_memory:
+        if self.is_memory:
             with open(local, "wb") as fh:
                 fh.write(self._read_memory(name))
             return
@@ -750,7 +750,8 @@ class Store:
         self.fs.get_file(self._path(name), local, **options)
 
     @property
-    def _is_memory(self) -> bool:
+    def is_memory(self) -> bool:
+        """Whether the store is fsspec's in-process ``memory://`` filesystem."""
         return isinstance(self.fs, MemoryFileSystem)
 
     def _read_memory(self, name: str) -> bytes:
