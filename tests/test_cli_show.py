@@ -303,3 +303,32 @@ def test_show_a_process_isolated_attempt_that_crashed(tmp_path: Path) -> None:
     assert "resumed from 000000-000000000.manifest.json" in out
 
 
+
+
+def test_show_is_coloured_on_a_terminal(tmp_path: Path) -> None:
+    import pty
+
+    contract_run(tmp_path / "store")
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "COLUMNS": "120", "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "taskpoint.cli", "show", ACTION, "--root", str(tmp_path / "store")],
+        stdout=terminal, stderr=subprocess.DEVNULL, env=env,
+    )
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(controller)
+    assert proc.wait(timeout=60) == 0
+    out = b"".join(chunks).decode(errors="replace")
+    assert "\x1b[" in out, "styled on a terminal"
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    assert "attempt 1  died (no record)" in plain
