@@ -376,7 +376,7 @@ def test_ls_and_show_never_crash_over_a_damaged_store(store: str, tmp_path: Path
         "checkpoints/000000-000000011.manifest.json": "corrupt",
         "checkpoints/000000-000000012.manifest.json": "corrupt",
         "status.json": "unreadable",
-        "attempts/": "unreadable",  # attempts/000004 is a directory: no record can be read
+        "attempts/000004": "unreadable",  # a directory: that record alone cannot be read
     }
     assert [c["verified"] for c in actions["train.fit/run-a"]["checkpoints"]] == [True] * 3
     assert actions["eval.score/run-c"]["checkpoints"][0]["verified"] is False

@@ -222,10 +222,13 @@ def _read_status(store: Store, damaged: list[Damage]) -> dict[str, Any] | None:
 def _read_history(store: Store, damaged: list[Damage]) -> list[AttemptRecord]:
     """The attempt records; when the store cannot read them, bare numbers from the listing."""
     try:
-        return read_attempts(store)
+        records = read_attempts(store)
     except CheckpointStoreError as exc:
         damaged.append(_damage(f"{ATTEMPTS}/", exc))
-    return [AttemptRecord(attempt=n) for n in attempt_numbers(store)]
+        return [AttemptRecord(attempt=n) for n in attempt_numbers(store)]
+    for record in records:
+        damaged.extend(Damage(key, "unreadable", error) for key, error in record.unreadable)
+    return records
 
 
 def _describe(root: str, task: str, run_id: str, options: Mapping[str, Any]) -> ActionInfo:
@@ -251,12 +254,7 @@ def _is_dir(store: Store, name: str) -> bool:
     """
     if not store.is_local:
         return True
-    try:
-        return bool(store.fs.isdir(store.url_of(name)))
-    except OSError as exc:
-        raise CheckpointStoreError(
-            f"cannot inspect {store.url_of(name)}: {exc}", url=store.url_of(name)
-        ) from exc
+    return store.is_dir(name)
 
 
 def check_root(root: str, storage_options: Mapping[str, Any] | None = None) -> None:
@@ -277,7 +275,7 @@ def check_root(root: str, storage_options: Mapping[str, Any] | None = None) -> N
         return
     if _is_dir(store, ""):
         return
-    if store.fs.exists(root):
+    if store.exists(""):
         raise NotADirectoryError(f"checkpoint root {root} is not a directory")
     raise FileNotFoundError(
         f"checkpoint root {root} does not exist (nothing was ever saved there, or the path "

@@ -449,6 +449,22 @@ class Store:
 
         return self._call("list", prefix, run)
 
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` is an object, a directory or a non-empty prefix.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        return bool(self._call("inspect", name, lambda: self.fs.exists(self._path(name))))
+
+    def is_dir(self, name: str) -> bool:
+        """Whether ``name`` is a directory (or, on object stores, a non-empty prefix).
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        return bool(self._call("inspect", name, lambda: self.fs.isdir(self._path(name))))
+
     def read_bytes(self, name: str) -> bytes:
         """The whole object ``name``. Raises FileNotFoundError when it does not exist."""
         return self._call("read", name, lambda: bytes(self.fs.cat_file(self._path(name))))

@@ -252,7 +252,7 @@ def _attempt_events(view: AttemptView, damaged: list[Damage]) -> list[Event]:
     record = view.record
     sequence = [Event("start", view.attempt, record.started)]
     if record.resumed_from is not None:
-        sequence.append(Event("resume", view.attempt, None))
+        sequence.append(Event("resume", view.attempt, record.resumed_at))
     saves: list[tuple[int, Event]] = [
         (m.seq, Event("checkpoint", view.attempt, m.created, manifest=m))
         for m in view.checkpoints
