@@ -468,3 +468,10 @@ def test_blank_roots_are_refused(blank: str, monkeypatch: pytest.MonkeyPatch) ->
         env.resolve_root()
     result = CliRunner().invoke(main, ["ls"])
     assert result.exit_code != 0 and "TASKPOINT_ROOT is blank" in result.output
+
+
+@pytest.mark.parametrize("name", ["run-a\n", "run\n\n", "a/b", "..", ""])
+def test_names_must_match_whole(name: str) -> None:
+    """A trailing newline passed a ``$``-anchored check; names are matched whole."""
+    with pytest.raises(ValueError, match="run_id must be"):
+        taskpoint.TaskEnvironment(name="env", run_id=name)

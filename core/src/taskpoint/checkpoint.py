@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import pickle
 import shutil
 import stat
 import sys
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, Union
 
-from taskpoint import archive, history, retention, tree
+from taskpoint import _uploader, archive, history, retention, tree
 from taskpoint._digest import (
     Digest,
     HashingReader,
@@ -131,12 +132,19 @@ def _classify(data: object, called: float) -> _Source:
 
 
 _workdirs: list[str] = []
+_workers: list[_uploader.Worker] = []
 
 
 @atexit.register
 def _remove_workdirs() -> None:
     for path in _workdirs:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@atexit.register
+def _close_workers() -> None:
+    for worker in _workers:
+        worker.close()
 
 
 class Checkpoint:
@@ -154,14 +162,21 @@ class Checkpoint:
             interpreter exit, by default.
         retry: how store calls retry transient failures.
         progress: called with the number of payload bytes moved, as saves and loads stream.
+        background_upload: where background saves upload: ``"process"`` (a separate
+            upload process, so the upload's Python work never holds the training loop's
+            GIL) or ``"thread"`` (a thread of this process). ``memory://`` stores and
+            checkpoints with a ``progress`` callback always use a thread.
+
         store_format: how directories are stored: ``2`` (the default) stores each file
             once by content, so a save uploads only what changed and a load into an
             existing folder fetches only what is missing; ``1`` stores one tar archive per
             checkpoint, which any ``tar xzf`` reads (and taskpoint before 0.2).
 
+
     Raises:
         ValueError: ``url`` is blank, ``keep`` is below 1, ``attempt`` is negative,
-            ``codec`` is unknown or ``store_format`` is neither 1 nor 2.
+            ``codec`` or ``background_upload`` is unknown, or ``store_format`` is
+            neither 1 nor 2.
         TypeError: ``url`` is not a string or path.
     """
 
@@ -176,6 +191,7 @@ class Checkpoint:
         workdir: str | os.PathLike[str] | None = None,
         retry: RetryPolicy | None = None,
         progress: Progress | None = None,
+        background_upload: str = "process",
         store_format: int = FORMAT_VERSION,
     ) -> None:
         url = check_location("url", url)
@@ -187,7 +203,18 @@ class Checkpoint:
         if attempt is not None and (not isinstance(attempt, int) or attempt < 0):
             raise ValueError(f"attempt must be a non-negative int or None; got {attempt!r}")
         self._codec: Codec = archive.check_codec(codec)
+        if background_upload not in ("process", "thread"):
+            raise ValueError(
+                f'background_upload must be "process" or "thread"; got {background_upload!r}'
+            )
         self._store = Store(url, storage_options, retry)
+        self._options: dict[str, Any] = {
+            "url": url, "keep": keep, "codec": codec, "retry": retry,
+            "storage_options": dict(storage_options or {}), "background_upload": "thread",
+            "store_format": store_format,
+        }
+        self._background_upload = background_upload
+        self._worker: _uploader.Worker | None = None
         self._attempt = attempt
         self._keep = keep
         self._workdir = Path(workdir) if workdir is not None else None
@@ -312,14 +339,48 @@ class Checkpoint:
         with self._save_lock:
             attempt = self._claim_attempt()
             seq = self._next_seq(attempt, ticket)
-            if source.kind == "directory" and self._store_format == TREE_FORMAT:
-                stats = self._save_tree(source, attempt, seq)
+            if source.blocked_s is not None and self._upload_in_process:
+                if self._worker is None:
+                    self._worker = _uploader.Worker()
+                    _workers.append(self._worker)
+                request = _uploader.Request(
+                    self._options, attempt, seq, source, frozenset(self._intact)
+                )
+                stats, intact = self._worker.run(request)
+                self._intact.add(intact)
             else:
-                stats = self._save_payload(source, attempt, seq)
-            self._prune()
+                stats, _ = self._commit(source, attempt, seq)
         self._notify(stats)
 
-    def _save_tree(self, source: _Source, attempt: int, seq: int) -> SaveStats:
+    @property
+    def _upload_in_process(self) -> bool:
+        """Whether background saves run in the upload process (see :mod:`taskpoint._uploader`)."""
+        if self._background_upload != "process" or self._progress is not None:
+            return False  # a progress callback cannot cross processes
+        if self._store.is_memory:
+            return False  # memory:// lives in this process alone
+        try:
+            pickle.dumps(self._options)
+        except Exception:  # storage_options holding a live client object, say
+            self._background_upload = "thread"
+            return False
+        return True
+
+    def _commit(
+        self, source: _Source, attempt: int, seq: int
+    ) -> tuple[SaveStats, tuple[str, str]]:
+        """Write ``source`` as save ``seq`` of ``attempt``, commit it, prune; with the save lock
+        held (or in the upload process). Returns its stats and its ``(key, checksum)``."""
+        if source.kind == "directory" and self._store_format == TREE_FORMAT:
+            committed = self._save_tree(source, attempt, seq)
+        else:
+            committed = self._save_payload(source, attempt, seq)
+        self._prune()
+        return committed
+
+    def _save_tree(
+        self, source: _Source, attempt: int, seq: int
+    ) -> tuple[SaveStats, tuple[str, str]]:
         """Commit a format-2 tree: content the run holds is referenced, the rest uploaded."""
         assert source.path is not None
         key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
@@ -351,7 +412,7 @@ class Checkpoint:
             "committed directory checkpoint %s (%d bytes, %d uploaded) in %.2fs",
             stats.url, saved.size, saved.uploaded, stats.save_s,
         )
-        return stats
+        return stats, (manifest.key, manifest.checksum)
 
     def _read_committed(self, strict: bool = False) -> list[Manifest]:
         """The committed manifests, listed now; each read from the store only once.
@@ -389,7 +450,9 @@ class Checkpoint:
             concurrency=self._store.transfer.concurrency,
         )
 
-    def _save_payload(self, source: _Source, attempt: int, seq: int) -> SaveStats:
+    def _save_payload(
+        self, source: _Source, attempt: int, seq: int
+    ) -> tuple[SaveStats, tuple[str, str]]:
         token = uuid.uuid4().hex[:8]
         payload = payload_name(attempt, seq, token)
         upload_started = time.monotonic()
@@ -427,7 +490,7 @@ class Checkpoint:
             "committed %s checkpoint %s (%d bytes) in %.2fs",
             source.kind, stats.url, digest.size, stats.save_s,
         )
-        return stats
+        return stats, (manifest.key, manifest.checksum)
 
     @staticmethod
     def _timed(stats: SaveStats, source: _Source, upload_started: float) -> SaveStats:

@@ -18,6 +18,8 @@ path that does not exist.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
@@ -31,7 +33,21 @@ __all__ = [
 
 
 class CheckpointError(Exception):
-    """Base class of every error taskpoint raises for a checkpoint."""
+    """Base class of every error taskpoint raises for a checkpoint.
+
+    Every one pickles with its message and attributes, so it can cross processes (a
+    process-isolated attempt, the background upload process).
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
+
+
+def _rebuild(cls: type[CheckpointError], message: str, state: dict[str, Any]) -> CheckpointError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
 
 
 class CheckpointStoreError(CheckpointError):

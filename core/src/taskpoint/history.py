@@ -114,8 +114,11 @@ class AttemptRecord:
         outcome: how it ended (see :data:`OUTCOMES`).
         error: the error that ended it, as text.
         resumed_from: the manifest key of the checkpoint it loaded.
+        resumed_at: Unix time (seconds) the load finished.
         restore_s: seconds the load took.
         restored_size: stored bytes of the checkpoint it loaded.
+        unreadable: ``(record key, error)`` for each of its records the store could not
+            read (its fields read as unknown).
     """
 
     attempt: int
@@ -126,8 +129,10 @@ class AttemptRecord:
     outcome: str | None = None
     error: str | None = None
     resumed_from: str | None = None
+    resumed_at: float | None = None
     restore_s: float | None = None
     restored_size: int | None = None
+    unreadable: tuple[tuple[str, str], ...] = ()
 
 
 def _claim_key(attempt: int) -> str:
@@ -198,10 +203,11 @@ def _best_effort(store: Store, key: str, data: bytes) -> None:
 
 
 def read_attempts(store: Store) -> list[AttemptRecord]:
-    """Every attempt the records name, ascending; garbage records read as unknown fields.
+    """Every attempt the records name, ascending; garbage or unreadable records read as
+    unknown fields (an unreadable one is named in :attr:`AttemptRecord.unreadable`).
 
     Raises:
-        CheckpointStoreError: the store failed.
+        CheckpointStoreError: the store failed to list the records.
     """
     names = set(store.list(ATTEMPTS))
     numbers: set[int] = set()
@@ -212,9 +218,10 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
     records = []
     for attempt in sorted(numbers):
         key = _claim_key(attempt)
-        claim = _read(store, key, names)
-        resume = _read(store, f"{key}{_RESUME}", names)
-        end = _read(store, f"{key}{_END}", names)
+        unreadable: list[tuple[str, str]] = []
+        claim = _read(store, key, names, unreadable)
+        resume = _read(store, f"{key}{_RESUME}", names, unreadable)
+        end = _read(store, f"{key}{_END}", names, unreadable)
         outcome = end.get("outcome")
         records.append(
             AttemptRecord(
@@ -226,19 +233,26 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
                 outcome=outcome if outcome in OUTCOMES else None,
                 error=_text(end.get("error")),
                 resumed_from=_text(resume.get("checkpoint")),
+                resumed_at=_number(resume.get("at")),
                 restore_s=_number(resume.get("restore_s")),
                 restored_size=_integer(resume.get("size")),
+                unreadable=tuple(unreadable),
             )
         )
     return records
 
 
-def _read(store: Store, key: str, names: set[str]) -> dict[str, Any]:
+def _read(
+    store: Store, key: str, names: set[str], unreadable: list[tuple[str, str]]
+) -> dict[str, Any]:
     if key.rpartition("/")[2] not in names:
         return {}
     try:
         raw = loads_record(store.read_bytes(key))
     except (FileNotFoundError, ValueError):
+        return {}
+    except CheckpointStoreError as exc:  # one unreadable record (a folder, say), not the rest
+        unreadable.append((key, str(exc)))
         return {}
     return raw if isinstance(raw, dict) else {}
 

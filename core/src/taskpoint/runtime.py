@@ -69,7 +69,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
 def check_name(what: str, value: object) -> str:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
         raise ValueError(
             f"{what} must be a non-empty string of letters, digits, '_', '.' and '-' "
             f"(it becomes part of the store path); got {value!r}"

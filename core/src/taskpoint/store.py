@@ -476,6 +476,22 @@ class Store:
 
         return self._call("list", prefix, run)
 
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` is an object, a directory or a non-empty prefix.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        return bool(self._call("inspect", name, lambda: self.fs.exists(self._path(name))))
+
+    def is_dir(self, name: str) -> bool:
+        """Whether ``name`` is a directory (or, on object stores, a non-empty prefix).
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        return bool(self._call("inspect", name, lambda: self.fs.isdir(self._path(name))))
+
     def read_bytes(self, name: str) -> bytes:
         """The whole object ``name``. Raises FileNotFoundError when it does not exist."""
         return self._call("read", name, lambda: bytes(self.fs.cat_file(self._path(name))))
@@ -520,7 +536,7 @@ class Store:
             path = self._path(name)
             if self.is_local:
                 return _link_new(path, data)
-            if self._is_memory:
+            if self.is_memory:
                 with _MEMORY_CREATE:
                     if self.fs.exists(path):
                         return False
@@ -756,7 +772,7 @@ class Store:
                 shutil.rmtree(folder, ignore_errors=True)
             return
         fh: Any
-        if self._is_memory:
+        if self.is_memory:
             fh = self._call("open", name, lambda: io.BytesIO(self._read_memory(name)))
         else:
             fh = self._call("open", name, lambda: self.fs.open(self._path(name), "rb"))
@@ -767,7 +783,7 @@ class Store:
                 fh.close()
 
     def _download(self, name: str, local: str) -> None:
-        if self._is_memory:
+        if self.is_memory:
             with open(local, "wb") as fh:
                 fh.write(self._read_memory(name))
             return
@@ -777,7 +793,8 @@ class Store:
         self.fs.get_file(self._path(name), local, **options)
 
     @property
-    def _is_memory(self) -> bool:
+    def is_memory(self) -> bool:
+        """Whether the store is fsspec's in-process ``memory://`` filesystem."""
         return isinstance(self.fs, MemoryFileSystem)
 
     def _read_memory(self, name: str) -> bytes:
