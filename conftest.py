@@ -1,13 +1,16 @@
 """Fixtures shared by the core tests and every adapter's tests.
 
-``store_url`` runs a test against each store kind: ``file``, ``memory`` and three real
-object-store servers on loopback ports (``s3``: moto, ``azure``: Azurite, ``gcs``: a GCS
-emulator; see ``tests/_servers.py``). Each server starts once per session, when a test
-first needs it, and the backends find it the usual way, through the environment
-(``AWS_*``, ``AZURE_STORAGE_CONNECTION_STRING``, ``STORAGE_EMULATOR_HOST``).
+``store_url`` runs a test against each store kind: ``file``, ``memory`` and four real
+object-store servers on loopback ports (``s3``: moto; ``seaweedfs``: SeaweedFS, a second
+S3 server that keeps its data on disk; ``azure``: Azurite; ``gcs``: a GCS emulator; see
+``tests/_servers.py``). Each server starts once per session, when a test first needs it,
+and the backends find it the usual way, through the environment (``AWS_*``,
+``AZURE_STORAGE_CONNECTION_STRING``, ``STORAGE_EMULATOR_HOST``). Both S3 kinds use
+``s3://`` URLs; a test runs against one of them at a time.
 
-``TASKPOINT_TEST_STORES`` (comma-separated kinds) narrows the list for a quick local run,
-e.g. ``TASKPOINT_TEST_STORES=file,memory``. With ``CI=true`` a server that cannot start
+``TASKPOINT_TEST_STORES`` (comma-separated kinds: ``file``, ``memory``, ``s3``,
+``seaweedfs``, ``azure``, ``gcs``) narrows the list for a quick local run, e.g.
+``TASKPOINT_TEST_STORES=file,memory`` or ``TASKPOINT_TEST_STORES=seaweedfs``. With ``CI=true`` a server that cannot start
 fails the run; elsewhere its tests are skipped with the reason.
 """
 
@@ -35,7 +38,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
 import _servers
 
-STORE_KINDS = ("file", "memory", "s3", "azure", "gcs")
+STORE_KINDS = ("file", "memory", "s3", "seaweedfs", "azure", "gcs")
 TEST_BUCKET = "taskpoint-tests"
 
 
@@ -72,6 +75,12 @@ def _object_server(kind: str, factory: pytest.TempPathFactory) -> Iterator[_serv
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.ObjectServer]:
     """moto's S3 server (IAM auth on), with the bucket ``taskpoint-tests``."""
     yield from _object_server("s3", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.ObjectServer]:
+    """SeaweedFS's S3 gateway (signatures checked), with the bucket ``taskpoint-tests``."""
+    yield from _object_server("seaweedfs", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -144,5 +153,5 @@ def store_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         if fs.exists(url):
             fs.rm(url, recursive=True)
     else:
-        server: _servers.ObjectServer = request.getfixturevalue(f"{kind}_server")
+        server: _servers.ObjectServer = request.getfixturevalue(_servers.SERVER_FIXTURES[kind])
         yield server.url(TEST_BUCKET, uuid.uuid4().hex)

@@ -3,6 +3,9 @@
 Run: uv run python bench/bench_checkpoint.py [--sizes 10,200,1000] [--stores file,s3]
                                             [--out bench/results.json]
 
+``s3`` is a SeaweedFS server on loopback (``weed server -s3``, from the dev dependencies),
+started by the bench in its own process.
+
 For each store, size (MB of fp32 weights) and shape (one file, or a directory of 8 shards)
 it times, in one process and on the same bytes:
 
@@ -26,8 +29,8 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
+import sys
 import tarfile
 import tempfile
 import threading
@@ -129,52 +132,32 @@ def _make_data(root: Path, size_mb: int, shape: str) -> Path:
     return tree
 
 
-class _Moto:
-    """A moto S3 server in its own process (so its memory is not counted as ours)."""
+@contextlib.contextmanager
+def _s3_server() -> Iterator[Any]:
+    """SeaweedFS's S3 gateway with the bucket ``bench``, in its own process (so that its
+    memory is not counted as ours): the test suite's server, ``tests/_servers.SeaweedS3``.
 
-    def __init__(self) -> None:
-        import subprocess
-        import sys
-        import urllib.request
+    A real store, unlike moto, which answers each ranged GET by copying the whole object
+    (restores measured moto more than taskpoint)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import _servers
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        endpoint = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.2)
-        self.options = {
-            "key": "bench", "secret": "bench",
-            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        }
-        import boto3
-
-        boto3.client(
-            "s3", endpoint_url=endpoint, region_name="us-east-1",
-            aws_access_key_id="bench", aws_secret_access_key="bench",
-        ).create_bucket(Bucket="bench")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait()
+    workdir = Path(tempfile.mkdtemp(prefix="tp-bench-seaweedfs-"))
+    server = _servers.SeaweedS3(workdir)
+    try:
+        server.start()
+        server.create_bucket("bench")
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _store(kind: str, tmp: Path, moto: _Moto | None) -> tuple[str, dict[str, Any]]:
+def _store(kind: str, tmp: Path, s3: Any) -> tuple[str, dict[str, Any]]:
     if kind == "file":
         return f"file://{tmp / 'store'}", {}
-    assert moto is not None
-    return f"s3://bench/{tmp.name}", moto.options
+    assert s3 is not None
+    return f"s3://bench/{tmp.name}", s3.storage_options()
 
 
 def _loop_step_time(ckpt: taskpoint.Checkpoint | None, data: Path, steps: int) -> float:
@@ -193,11 +176,11 @@ def _loop_step_time(ckpt: taskpoint.Checkpoint | None, data: Path, steps: int) -
     return statistics.median(times)
 
 
-def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, moto: _Moto | None) -> dict[str, Any]:
+def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, s3: Any) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="tp-bench-"))
     try:
         data = _make_data(tmp, size_mb, shape)
-        url, options = _store(store_kind, tmp, moto)
+        url, options = _store(store_kind, tmp, s3)
         fs, base = fsspec.core.url_to_fs(url, **options)
         if store_kind == "file":
             fs.makedirs(base, exist_ok=True)
@@ -294,7 +277,9 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results.json")
     args = parser.parse_args()
     stores = args.stores.split(",")
-    moto = _Moto() if "s3" in stores else None
+    unknown = sorted(set(stores) - {"file", "s3"})
+    if unknown:
+        parser.error(f"--stores takes file and s3; got {', '.join(unknown)}")
     rows = []
     header = (
         f"{'store':<5} {'MB':>5} {'shape':<5} | {'save/ref':>8} {'save:raw':>8} | "
@@ -305,11 +290,12 @@ def main() -> None:
           "blocking save; loop = step time while uploading / without; rss in MB")
     print(header)
     print("-" * len(header))
-    try:
+    with contextlib.ExitStack() as servers:
+        s3 = servers.enter_context(_s3_server()) if "s3" in stores else None
         for store in stores:
             for size in (int(s) for s in args.sizes.split(",")):
                 for shape in args.shapes.split(","):
-                    row = bench_case(store, size, shape, args.repeat, moto)
+                    row = bench_case(store, size, shape, args.repeat, s3)
                     row["ratios"] = _ratios(row)
                     rows.append(row)
                     r = row["ratios"]
@@ -321,9 +307,6 @@ def main() -> None:
                         f"{row['tp_save_rss_mb']:>8.0f} {row['tp_load_rss_mb']:>8.0f}",
                         flush=True,
                     )
-    finally:
-        if moto is not None:
-            moto.stop()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"cpus": os.cpu_count(), "rows": rows}, indent=1))
     print(f"wrote {args.out}")

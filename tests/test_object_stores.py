@@ -1,6 +1,7 @@
 """Checkpoints on real object-store servers (S3, Azure Blob, GCS) under real network faults.
 
-The servers run on loopback (see ``tests/_servers.py``); faults are injected by a proxy
+S3 runs twice: on moto and on SeaweedFS. The servers run on loopback (see
+``tests/_servers.py``); faults are injected by a proxy
 between the client libraries and the server, or by killing the server process. The
 behaviour tests shared with file:// and memory:// live in ``test_checkpoint.py`` and the
 others, through the ``store_url`` fixture.
@@ -24,7 +25,11 @@ MiB = 2**20
 FAST = RetryPolicy(attempts=4, initial=0.05, maximum=0.2)
 TIMEOUT = 2  # seconds a client waits for a response in these tests
 
-SERVER_KINDS = [k for k in ("s3", "azure", "gcs") if k in os.environ.get("TASKPOINT_TEST_STORES", "s3,azure,gcs")]
+SERVER_KINDS = [
+    kind
+    for kind in ("s3", "seaweedfs", "azure", "gcs")
+    if kind in (os.environ.get("TASKPOINT_TEST_STORES") or ",".join(_servers.SERVERS)).split(",")
+]
 
 
 def fast_client(kind: str, timeout: float = TIMEOUT) -> dict[str, Any]:
@@ -43,13 +48,20 @@ def fast_client(kind: str, timeout: float = TIMEOUT) -> dict[str, Any]:
 
 
 @pytest.fixture(params=SERVER_KINDS)
-def server(request: pytest.FixtureRequest) -> _servers.ObjectServer:
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Each object-store server kind (``s3`` is moto, ``seaweedfs`` SeaweedFS)."""
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def server(store_kind: str, request: pytest.FixtureRequest) -> _servers.ObjectServer:
     """The session's server of each object-store kind."""
-    return request.getfixturevalue(f"{request.param}_server")  # type: ignore[no-any-return]
+    return request.getfixturevalue(_servers.SERVER_FIXTURES[store_kind])  # type: ignore[no-any-return]
 
 
 @pytest.fixture
 def kind(server: _servers.ObjectServer) -> str:
+    """The client library's flavour: ``s3`` (moto and SeaweedFS alike), ``azure`` or ``gcs``."""
     return {"s3": "s3", "az": "azure", "gs": "gcs"}[server.scheme]
 
 
@@ -249,7 +261,7 @@ def test_large_objects_upload_in_parts_and_round_trip(
 
 def orphans(server: _servers.ObjectServer, url: str) -> list[str]:
     prefix = url.split("/", 3)[3] + "/"
-    if isinstance(server, _servers.MotoS3):
+    if isinstance(server, _servers.S3Server):
         return server.multipart_uploads(BUCKET, prefix)
     if isinstance(server, _servers.Azurite):
         return server.uncommitted_blobs(BUCKET, prefix)
@@ -326,12 +338,13 @@ def test_held_zombie_upload_never_overwrites_the_newer_attempt(
 
 
 @pytest.fixture
-def own_server(kind: str, tmp_path: Path) -> Iterator[_servers.ObjectServer]:
-    """A server of this test's own, keeping its data on disk so that it survives a kill."""
+def own_server(store_kind: str, tmp_path: Path) -> Iterator[_servers.ObjectServer]:
+    """A server of this test's own whose data survives a kill: on disk (SeaweedFS,
+    Azurite, the GCS emulator) or in moto's replayed record of requests."""
     try:
-        server = _servers.start_server(kind, tmp_path / "server", persistent=True)
+        server = _servers.start_server(store_kind, tmp_path / "server", persistent=True)
     except _servers.ServerUnavailable as exc:
-        _servers.unavailable(kind, str(exc))()
+        _servers.unavailable(store_kind, str(exc))()
         raise
     try:
         server.create_bucket(BUCKET)
