@@ -26,13 +26,10 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import tarfile
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,132 +42,10 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import fsspec  # noqa: E402
 import numpy as np  # noqa: E402
 import taskpoint  # noqa: E402
-
-SHARDS = 8
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+from _common import Moto, make_data, peak_rss, timed  # noqa: E402
 
 
-@contextlib.contextmanager
-def _peak_rss() -> Iterator[dict[str, float]]:
-    """Sample RSS every 5 ms; yields a dict whose 'extra_mb' is set on exit."""
-    result = {"extra_mb": 0.0}
-    base = _rss_mb()
-    peak = base
-    stop = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not stop.is_set():
-            peak = max(peak, _rss_mb())
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
-        yield result
-    finally:
-        stop.set()
-        thread.join()
-        result["extra_mb"] = max(0.0, peak - base)
-
-
-def _timed(
-    fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None, warmup: int = 1
-) -> float:
-    """Median wall time of ``fn`` over ``repeat`` runs, after ``warmup`` untimed ones.
-
-    Each run follows ``before`` and an ``os.sync``, so that no run pays for the write-back
-    of what an earlier one (or making the data) left dirty in the page cache. The warm-up
-    puts every contender in its steady state: on this VM, the first writes into page-cache
-    memory the guest has not touched yet run several times slower (a 60 ms copy measured
-    500 ms), and which contender met them first depended only on the order of the cases.
-    """
-    times = []
-    for i in range(warmup + repeat):
-        if before is not None:
-            before()
-        os.sync()
-        started = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def _make_data(root: Path, size_mb: int, shape: str) -> Path:
-    rng = np.random.default_rng(0)
-    total = size_mb * 1024 * 1024
-    if shape == "file":
-        path = root / "weights.bin"
-        with path.open("wb") as fh:
-            left = total
-            while left:
-                n = min(left, 64 * 1024 * 1024)
-                fh.write(rng.standard_normal(n // 4, dtype=np.float32).tobytes())
-                left -= n
-        return path
-    tree = root / "weights"
-    tree.mkdir()
-    for i in range(SHARDS):
-        with (tree / f"shard-{i:02d}.bin").open("wb") as fh:
-            left = total // SHARDS
-            while left:
-                n = min(left, 64 * 1024 * 1024)
-                fh.write(rng.standard_normal(n // 4, dtype=np.float32).tobytes())
-                left -= n
-    (tree / "meta.json").write_text(json.dumps({"step": 100}))
-    return tree
-
-
-class _Moto:
-    """A moto S3 server in its own process (so its memory is not counted as ours)."""
-
-    def __init__(self) -> None:
-        import subprocess
-        import sys
-        import urllib.request
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        endpoint = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.2)
-        self.options = {
-            "key": "bench", "secret": "bench",
-            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        }
-        import boto3
-
-        boto3.client(
-            "s3", endpoint_url=endpoint, region_name="us-east-1",
-            aws_access_key_id="bench", aws_secret_access_key="bench",
-        ).create_bucket(Bucket="bench")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait()
-
-
-def _store(kind: str, tmp: Path, moto: _Moto | None) -> tuple[str, dict[str, Any]]:
+def _store(kind: str, tmp: Path, moto: Moto | None) -> tuple[str, dict[str, Any]]:
     if kind == "file":
         return f"file://{tmp / 'store'}", {}
     assert moto is not None
@@ -193,10 +68,10 @@ def _loop_step_time(ckpt: taskpoint.Checkpoint | None, data: Path, steps: int) -
     return statistics.median(times)
 
 
-def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, moto: _Moto | None) -> dict[str, Any]:
+def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, moto: Moto | None) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="tp-bench-"))
     try:
-        data = _make_data(tmp, size_mb, shape)
+        data = make_data(tmp, size_mb, shape)
         url, options = _store(store_kind, tmp, moto)
         fs, base = fsspec.core.url_to_fs(url, **options)
         if store_kind == "file":
@@ -210,11 +85,11 @@ def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, moto: _Mo
                 fs.rm(raw_dst, recursive=True)
 
         if shape == "file":
-            row["raw_save"] = _timed(lambda: fs.put_file(str(data), raw_dst), repeat, raw_clean)
+            row["raw_save"] = timed(lambda: fs.put_file(str(data), raw_dst), repeat, raw_clean)
         else:
-            row["raw_save"] = _timed(lambda: fs.put(str(data), raw_dst, recursive=True), repeat, raw_clean)
+            row["raw_save"] = timed(lambda: fs.put(str(data), raw_dst, recursive=True), repeat, raw_clean)
         got = tmp / "raw-got"
-        row["raw_load"] = _timed(
+        row["raw_load"] = timed(
             lambda: fs.get(raw_dst, str(got), recursive=shape != "file"), repeat,
             lambda: shutil.rmtree(got, ignore_errors=True) if got.is_dir() else got.unlink(missing_ok=True),
         )
@@ -240,12 +115,12 @@ def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, moto: _Mo
                 shutil.rmtree(tmp / "ref-out")
             local.unlink()
 
-        row["ref_save"] = _timed(ref_save, 1, warmup=0)  # slow: once
-        row["ref_load"] = _timed(ref_load, 1, warmup=0)
+        row["ref_save"] = timed(ref_save, 1, warmup=0)  # slow: once
+        row["ref_load"] = timed(ref_load, 1, warmup=0)
 
         ckpt = taskpoint.Checkpoint(f"{url}/tp", storage_options=options, workdir=tmp / "restores")
-        with _peak_rss() as save_rss:
-            row["tp_save"] = _timed(lambda: ckpt.save_sync(data), repeat)
+        with peak_rss() as save_rss:
+            row["tp_save"] = timed(lambda: ckpt.save_sync(data), repeat)
         row["tp_save_rss_mb"] = save_rss["extra_mb"]
 
         def tp_load() -> None:
@@ -253,14 +128,14 @@ def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, moto: _Mo
             assert restored is not None
             shutil.rmtree(restored.parent)
 
-        with _peak_rss() as load_rss:
-            row["tp_load"] = _timed(tp_load, repeat)
+        with peak_rss() as load_rss:
+            row["tp_load"] = timed(tp_load, repeat)
         row["tp_load_rss_mb"] = load_rss["extra_mb"]
 
         def background() -> None:
             ckpt.save_sync(data, background=True)
 
-        row["tp_background_blocked"] = _timed(background, repeat, ckpt.wait)
+        row["tp_background_blocked"] = timed(background, repeat, ckpt.wait)
         ckpt.wait()
         if size_mb <= 200:
             row["loop_step"] = _loop_step_time(None, data, 40)
@@ -294,7 +169,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results.json")
     args = parser.parse_args()
     stores = args.stores.split(",")
-    moto = _Moto() if "s3" in stores else None
+    moto = Moto() if "s3" in stores else None
     rows = []
     header = (
         f"{'store':<5} {'MB':>5} {'shape':<5} | {'save/ref':>8} {'save:raw':>8} | "
