@@ -33,9 +33,8 @@ import statistics
 import sys
 import tarfile
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,88 +47,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import fsspec  # noqa: E402
 import numpy as np  # noqa: E402
 import taskpoint  # noqa: E402
-
-SHARDS = 8
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-@contextlib.contextmanager
-def _peak_rss() -> Iterator[dict[str, float]]:
-    """Sample RSS every 5 ms; yields a dict whose 'extra_mb' is set on exit."""
-    result = {"extra_mb": 0.0}
-    base = _rss_mb()
-    peak = base
-    stop = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not stop.is_set():
-            peak = max(peak, _rss_mb())
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
-        yield result
-    finally:
-        stop.set()
-        thread.join()
-        result["extra_mb"] = max(0.0, peak - base)
-
-
-def _timed(
-    fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None, warmup: int = 1
-) -> float:
-    """Median wall time of ``fn`` over ``repeat`` runs, after ``warmup`` untimed ones.
-
-    Each run follows ``before`` and an ``os.sync``, so that no run pays for the write-back
-    of what an earlier one (or making the data) left dirty in the page cache. The warm-up
-    puts every contender in its steady state: on this VM, the first writes into page-cache
-    memory the guest has not touched yet run several times slower (a 60 ms copy measured
-    500 ms), and which contender met them first depended only on the order of the cases.
-    """
-    times = []
-    for i in range(warmup + repeat):
-        if before is not None:
-            before()
-        os.sync()
-        started = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def _make_data(root: Path, size_mb: int, shape: str) -> Path:
-    rng = np.random.default_rng(0)
-    total = size_mb * 1024 * 1024
-    if shape == "file":
-        path = root / "weights.bin"
-        with path.open("wb") as fh:
-            left = total
-            while left:
-                n = min(left, 64 * 1024 * 1024)
-                fh.write(rng.standard_normal(n // 4, dtype=np.float32).tobytes())
-                left -= n
-        return path
-    tree = root / "weights"
-    tree.mkdir()
-    for i in range(SHARDS):
-        with (tree / f"shard-{i:02d}.bin").open("wb") as fh:
-            left = total // SHARDS
-            while left:
-                n = min(left, 64 * 1024 * 1024)
-                fh.write(rng.standard_normal(n // 4, dtype=np.float32).tobytes())
-                left -= n
-    (tree / "meta.json").write_text(json.dumps({"step": 100}))
-    return tree
+from _common import make_data, peak_rss, timed  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -179,7 +97,7 @@ def _loop_step_time(ckpt: taskpoint.Checkpoint | None, data: Path, steps: int) -
 def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, s3: Any) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="tp-bench-"))
     try:
-        data = _make_data(tmp, size_mb, shape)
+        data = make_data(tmp, size_mb, shape)
         url, options = _store(store_kind, tmp, s3)
         fs, base = fsspec.core.url_to_fs(url, **options)
         if store_kind == "file":
@@ -193,11 +111,11 @@ def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, s3: Any) 
                 fs.rm(raw_dst, recursive=True)
 
         if shape == "file":
-            row["raw_save"] = _timed(lambda: fs.put_file(str(data), raw_dst), repeat, raw_clean)
+            row["raw_save"] = timed(lambda: fs.put_file(str(data), raw_dst), repeat, raw_clean)
         else:
-            row["raw_save"] = _timed(lambda: fs.put(str(data), raw_dst, recursive=True), repeat, raw_clean)
+            row["raw_save"] = timed(lambda: fs.put(str(data), raw_dst, recursive=True), repeat, raw_clean)
         got = tmp / "raw-got"
-        row["raw_load"] = _timed(
+        row["raw_load"] = timed(
             lambda: fs.get(raw_dst, str(got), recursive=shape != "file"), repeat,
             lambda: shutil.rmtree(got, ignore_errors=True) if got.is_dir() else got.unlink(missing_ok=True),
         )
@@ -223,12 +141,12 @@ def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, s3: Any) 
                 shutil.rmtree(tmp / "ref-out")
             local.unlink()
 
-        row["ref_save"] = _timed(ref_save, 1, warmup=0)  # slow: once
-        row["ref_load"] = _timed(ref_load, 1, warmup=0)
+        row["ref_save"] = timed(ref_save, 1, warmup=0)  # slow: once
+        row["ref_load"] = timed(ref_load, 1, warmup=0)
 
         ckpt = taskpoint.Checkpoint(f"{url}/tp", storage_options=options, workdir=tmp / "restores")
-        with _peak_rss() as save_rss:
-            row["tp_save"] = _timed(lambda: ckpt.save_sync(data), repeat)
+        with peak_rss() as save_rss:
+            row["tp_save"] = timed(lambda: ckpt.save_sync(data), repeat)
         row["tp_save_rss_mb"] = save_rss["extra_mb"]
 
         def tp_load() -> None:
@@ -236,14 +154,14 @@ def bench_case(store_kind: str, size_mb: int, shape: str, repeat: int, s3: Any) 
             assert restored is not None
             shutil.rmtree(restored.parent)
 
-        with _peak_rss() as load_rss:
-            row["tp_load"] = _timed(tp_load, repeat)
+        with peak_rss() as load_rss:
+            row["tp_load"] = timed(tp_load, repeat)
         row["tp_load_rss_mb"] = load_rss["extra_mb"]
 
         def background() -> None:
             ckpt.save_sync(data, background=True)
 
-        row["tp_background_blocked"] = _timed(background, repeat, ckpt.wait)
+        row["tp_background_blocked"] = timed(background, repeat, ckpt.wait)
         ckpt.wait()
         if size_mb <= 200:
             row["loop_step"] = _loop_step_time(None, data, 40)

@@ -144,6 +144,29 @@ def test_a_missing_or_damaged_object_falls_back_naming_it(store_url: str, tmp_pa
     assert not ckpt.verify(newest) and ckpt.verify(older)
 
 
+def test_an_object_a_load_found_damaged_is_uploaded_again_not_reused(
+    store_url: str, tmp_path: Path
+) -> None:
+    tree = _shards(tmp_path / "tree", n=2)
+    ckpt = Checkpoint(store_url, keep=2)
+    stats = _stats(ckpt)
+    ckpt.save_sync(tree)
+    (tree / "shard-1.bin").write_bytes(_data(7, MiB))
+    ckpt.save_sync(tree)
+    newest, older = ckpt.committed()
+    fresh = sorted(set(newest.objects or {}) - set(older.objects or {}))
+    fs, path = _fs_path(store_url)
+    fs.pipe_file(f"{path}/objects/{fresh[0]}", b"damaged")
+    with pytest.warns(TaskpointWarning, match=f"{fresh[0]}.*damaged"):
+        restored = ckpt.load_sync()
+    assert restored is not None and (restored / "shard-1.bin").read_bytes() == _data(1, MiB)
+    ckpt.save_sync(tree)  # the same content again: the broken object must not be referenced
+    assert stats[-1].uploaded >= (newest.objects or {})[fresh[0]]
+    restored = Checkpoint(store_url).load_sync()
+    assert restored is not None and (restored / "shard-1.bin").read_bytes() == _data(7, MiB)
+    assert ckpt.verify(ckpt.committed()[0])
+
+
 def _plant_tree(url: str, entries: list[Entry], seq: int = 0) -> None:
     fs, path = _fs_path(url)
     fs.makedirs(f"{path}/checkpoints", exist_ok=True)

@@ -16,6 +16,11 @@ tar restores), downloads each object once, in parallel, verifies it against its 
 each blob against its hash, and writes blobs straight to their offsets. Restoring into a
 directory that already holds some files keeps every file whose size and hash match.
 
+An object that a restore or a verification finds missing or damaged is remembered for the
+store (in this process) and no save references it again: the next save that holds its
+content uploads it anew, which rewrites a chunk's object under its own name and so repairs
+it for the older checkpoints too.
+
 Example::
 
     known = BlobIndex.of(manifests)
@@ -66,9 +71,35 @@ SMALL_FILE = 256 * 1024
 PACK_SIZE = 8 * 2**20
 """About how many stored bytes one pack object gathers."""
 CHUNK_AVG = 512 * 1024
-"""FastCDC's average chunk size (minimum a quarter, maximum four times). See the README's
-performance section for the measurements behind it."""
+"""FastCDC's average chunk size (minimum a quarter, maximum four times).
+
+Measured by ``bench/bench_incremental.py`` (README, "Incremental saves"): per save, over one
+``.ckpt``, Lightning's ``save_last=True`` uploads 1.005 at 128 KiB, 1.007 at 512 KiB and
+1.058 at 2 MiB (the chunk that straddles each difference between ``last.ckpt`` and the
+epoch file is resent, and a larger chunk resends more); an HF ``output_dir`` uploads 0.99-1.0
+of one ``checkpoint-N`` at every size. 128 KiB saves 0.2% of the bytes for four times the
+objects (requests, manifest entries), so 512 KiB stays."""
 _MIN_WORKERS = 8
+
+
+_broken: dict[str, set[str]] = {}
+"""By store URL, the objects found missing or damaged there and not uploaded since."""
+_broken_lock = threading.Lock()
+
+
+def _mark_broken(store: Store, name: str) -> None:
+    with _broken_lock:
+        _broken.setdefault(store.url, set()).add(name)
+
+
+def _mark_written(store: Store, name: str) -> None:
+    with _broken_lock:
+        _broken.get(store.url, set()).discard(name)
+
+
+def _broken_in(store: Store) -> frozenset[str]:
+    with _broken_lock:
+        return frozenset(_broken.get(store.url, ()))
 
 
 def _hash(data: bytes | memoryview) -> str:
@@ -186,6 +217,7 @@ class _Uploader:
     def _run(self, fn: Callable[[], tuple[str, bytes]]) -> None:
         name, data = fn()
         self._store.write_atomic(f"{OBJECTS}/{name}", data)
+        _mark_written(self._store, name)
         with self._lock:
             self.objects[name] = len(data)
             self.uploaded += len(data)
@@ -257,7 +289,8 @@ def save_tree(
 ) -> SavedTree:
     """Store the tree under ``root`` as content objects; the entries a manifest lists.
 
-    Content in ``known`` is referenced, not uploaded. The caller has checked the tree
+    Content in ``known`` is referenced, not uploaded, unless its object was found missing
+    or damaged since (by a restore or verification in this process). The caller has checked the tree
     (:func:`taskpoint.archive.check_tree`) before calling.
 
     Raises:
@@ -270,6 +303,7 @@ def save_tree(
     fresh: dict[str, Blob | _Pending] = {}  # new this save, by hash
     refs: list[_FileRefs | Entry] = []
     inodes: dict[tuple[int, int], str] = {}
+    broken = _broken_in(store)
     reused = 0
     total = 0
     try:
@@ -293,7 +327,10 @@ def save_tree(
                 file.size += len(piece)
                 if progress is not None:
                     progress(len(piece))
-                found = known.get(digest) or fresh.get(digest)
+                found: Blob | _Pending | None = known.get(digest)
+                if found is not None and found.object in broken:
+                    found = None
+                found = found or fresh.get(digest)
                 if found is not None:
                     reused += len(piece)
                     file.parts.append(found)
@@ -388,11 +425,13 @@ def _fetch(store: Store, manifest: Manifest, name: str, url: str) -> bytes:
     try:
         data = store.read_bytes(key)
     except FileNotFoundError:
+        _mark_broken(store, name)
         raise CheckpointCorruptError(
             f"checkpoint {url} needs object {store.url_of(key)}, which is missing", url=url
         ) from None
     expected = (manifest.objects or {}).get(name)
     if len(data) != expected or _hash(data) != name:
+        _mark_broken(store, name)
         raise CheckpointCorruptError(
             f"object {store.url_of(key)} of checkpoint {url} is damaged: {len(data)} bytes "
             f"hashing to {_hash(data)}, expected {expected} bytes hashing to {name}",
@@ -405,12 +444,14 @@ def _blob_bytes(store: Store, data: bytes, blob: Blob, url: str) -> bytes:
     try:
         raw = _decode(memoryview(data)[blob.offset : blob.offset + blob.length], blob.codec)
     except Exception as exc:
+        _mark_broken(store, blob.object)
         raise CheckpointCorruptError(
             f"a blob of object {store.url_of(f'{OBJECTS}/{blob.object}')} of checkpoint "
             f"{url} cannot be decoded ({type(exc).__name__}: {exc})",
             url=url,
         ) from exc
     if len(raw) != blob.size or _hash(raw) != blob.hash:
+        _mark_broken(store, blob.object)
         raise CheckpointCorruptError(
             f"a blob of object {store.url_of(f'{OBJECTS}/{blob.object}')} of checkpoint "
             f"{url} does not match its hash {blob.hash}",
