@@ -1,0 +1,326 @@
+"""``FolderMirror``: upload a finished local folder without stopping training for the store.
+
+For the framework adapters (``taskpoint_hf``, ``taskpoint_lightning``), whose frameworks
+write a checkpoint folder and then never rewrite a finished checkpoint in it, only delete
+old ones. Once the folder is complete the adapter calls :meth:`FolderMirror.save`, which
+waits for the previous upload only if it is still running (raising its error), takes a
+snapshot later writes cannot change, starts uploading it and returns::
+
+    mirror = FolderMirror(checkpoint)          # any CheckpointLike
+    mirror.save(output_dir, step=step)         # in the framework's save hook
+    for stats in mirror.take_stats():          # at a later hook, in the training thread
+        log_metrics(stats.metrics())
+    mirror.wait()                              # at the end of training
+
+On a :class:`~taskpoint.Checkpoint` (anything with ``wait``) the snapshot and upload are
+``save_sync(folder, background=True)``'s; on another checkpoint object (Flyte's) the mirror
+takes the snapshot and calls ``save_sync`` from its own upload thread. ``blocking=True``
+uploads in :meth:`FolderMirror.save` itself. At most one upload is in flight, and none is
+ever queued behind it, so every save is uploaded, in order.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from taskpoint._types import CheckpointLike
+from taskpoint.checkpoint import _classify, _discard, _lower_priority, _snapshot, _Source
+
+__all__ = ["FolderMirror", "MirrorStats", "combined_metrics"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "taskpoint/"
+"""The prefix of every metric name the adapters log."""
+
+
+@dataclass(frozen=True)
+class MirrorStats:
+    """What one mirrored save cost.
+
+    Attributes:
+        step: the training step the adapter saved at, when it gave one.
+        blocked_s: how long the save hook held training up (waiting for the previous
+            upload, the snapshot; the whole upload when blocking).
+        upload_s: payload and manifest write time; the whole ``save_sync`` call when the
+            checkpoint reports no figures of its own. ``None`` when unknown.
+        uploaded_bytes: bytes sent to the store, when the checkpoint reports them.
+        stored_bytes: the stored payload's size, when the checkpoint reports it.
+        background: whether the upload ran while training went on.
+    """
+
+    step: int | None
+    blocked_s: float
+    upload_s: float | None
+    uploaded_bytes: int | None
+    stored_bytes: int | None
+    background: bool
+
+    def metrics(self) -> dict[str, float]:
+        """The figures known, as ``taskpoint/<name>`` metrics."""
+        return combined_metrics([self])
+
+
+def combined_metrics(stats: Sequence[MirrorStats]) -> dict[str, float]:
+    """``taskpoint/*`` metrics for ``stats`` (one or more saves reported together).
+
+    Times and uploaded bytes are summed; ``stored_bytes`` is the newest save's;
+    ``taskpoint/saves`` says how many saves the figures cover. Empty for no saves.
+    """
+    if not stats:
+        return {}
+    out: dict[str, float] = {
+        f"{PREFIX}blocked_s": sum(s.blocked_s for s in stats),
+        f"{PREFIX}saves": float(len(stats)),
+    }
+    upload = [s.upload_s for s in stats if s.upload_s is not None]
+    if upload:
+        out[f"{PREFIX}upload_s"] = sum(upload)
+    uploaded = [s.uploaded_bytes for s in stats if s.uploaded_bytes is not None]
+    if uploaded:
+        out[f"{PREFIX}uploaded_bytes"] = float(sum(uploaded))
+    stored = [s.stored_bytes for s in stats if s.stored_bytes is not None]
+    if stored:
+        out[f"{PREFIX}stored_bytes"] = float(stored[-1])
+    return out
+
+
+@dataclass
+class _Save:
+    """One mirrored save, until its figures are all known."""
+
+    step: int | None
+    background: bool
+    started: float
+    blocked_s: float | None = None
+    upload_s: float | None = None
+    commit: Any = None  # the checkpoint's SaveStats, when it reports them
+    committed: bool = False
+    reported: bool = False
+
+
+class FolderMirror:
+    """Mirror a local folder to ``checkpoint``, one background upload at a time.
+
+    Args:
+        checkpoint: a :class:`~taskpoint.Checkpoint` or any :class:`~taskpoint.CheckpointLike`.
+            Its ``wait`` (if any) is used for background saves and ``on_commit`` (if any)
+            for the upload figures; without them the mirror uploads from its own thread
+            and measures what it can.
+        blocking: upload inside :meth:`save`, as a plain ``save_sync`` call.
+
+    Meant for a checkpoint the mirror has to itself: the figures of each commit the
+    checkpoint reports are taken as those of the save in flight.
+    """
+
+    def __init__(self, checkpoint: CheckpointLike, *, blocking: bool = False) -> None:
+        self._checkpoint = checkpoint
+        self._blocking = blocking
+        self._native: Callable[[], None] | None = getattr(checkpoint, "wait", None)
+        if not callable(self._native):
+            self._native = None
+        self._cond = threading.Condition()
+        self._current: _Save | None = None
+        self._reports: list[MirrorStats] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._waiter: tuple[threading.Thread, list[BaseException]] | None = None
+        on_commit = getattr(checkpoint, "on_commit", None)
+        self._reports_commits = callable(on_commit)
+        if callable(on_commit):
+            on_commit(self._on_commit)
+
+    @property
+    def blocking(self) -> bool:
+        """Whether :meth:`save` uploads before it returns."""
+        return self._blocking
+
+    @property
+    def uploading(self) -> bool:
+        """Whether an upload may still be running (until :meth:`wait` returns)."""
+        with self._cond:
+            return self._current is not None
+
+    def save(self, folder: str | Path, *, step: int | None = None) -> None:
+        """Start mirroring ``folder``, as it is now, and return.
+
+        Waits first for the previous upload if it is still running.
+
+        Raises:
+            CheckpointError: the previous upload failed (this folder is not saved then;
+                the store keeps the checkpoint before), or, when blocking, this one did.
+            FileNotFoundError: ``folder`` does not exist.
+        """
+        started = time.monotonic()
+        self.wait()
+        record = _Save(step, background=not self._blocking, started=started)
+        with self._cond:
+            self._current = record
+        try:
+            if self._blocking:
+                self._checkpoint.save_sync(folder)
+                upload_s = time.monotonic() - started
+                with self._cond:
+                    record.upload_s = upload_s
+                    record.committed = True
+            elif self._native is not None:
+                self._checkpoint.save_sync(folder, background=True)  # type: ignore[call-arg]
+            else:
+                source = _snapshot(_classify(folder))
+                # The caller's context variables go along: another system's checkpoint
+                # (Flyte's) may find its task context through them.
+                context = contextvars.copy_context()
+                thread = threading.Thread(
+                    target=context.run, args=(self._upload, record, source),
+                    name="taskpoint-mirror-upload", daemon=True,
+                )
+                with self._cond:
+                    self._thread = thread
+                thread.start()
+        except BaseException:
+            with self._cond:
+                self._current = None
+            raise
+        with self._cond:
+            record.blocked_s = time.monotonic() - started
+            self._report(record)
+            if self._blocking:
+                self._current = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the upload in flight has committed.
+
+        Args:
+            timeout: give up after this many seconds (``None``: no limit).
+
+        Returns:
+            ``True`` once no upload is running; ``False`` when ``timeout`` ran out first.
+
+        Raises:
+            CheckpointError: what the upload raised (raised once).
+        """
+        with self._cond:
+            record = self._current
+        if record is None:
+            return True
+        try:
+            done = self._wait_native(timeout) if self._native is not None else self._join(timeout)
+        except BaseException:
+            with self._cond:
+                self._current = None
+            raise
+        if not done:
+            return False
+        with self._cond:
+            if not record.committed:
+                record.committed = True  # the checkpoint reported no figures for it
+            self._report(record)
+            self._current = None
+        return True
+
+    def take_stats(self) -> list[MirrorStats]:
+        """The figures of the saves committed since the last call, oldest first."""
+        with self._cond:
+            reports, self._reports = self._reports, []
+        return reports
+
+    # -- internals --------------------------------------------------------------------
+
+    def _wait_native(self, timeout: float | None) -> bool:
+        """``checkpoint.wait()``, given up after ``timeout`` seconds.
+
+        ``wait`` takes no timeout, so it runs in a helper thread; one that outlives its
+        timeout is joined again by the next call, so the error it catches is not lost.
+        """
+        with self._cond:
+            if self._waiter is None:
+                box: list[BaseException] = []
+                waiter = threading.Thread(
+                    target=self._run_wait, args=(box,), name="taskpoint-mirror-wait",
+                    daemon=True,
+                )
+                self._waiter = (waiter, box)
+                waiter.start()
+            waiter, box = self._waiter
+        waiter.join(timeout)
+        if waiter.is_alive():
+            return False
+        with self._cond:
+            self._waiter = None
+        if box:
+            raise box[0]
+        return True
+
+    def _run_wait(self, box: list[BaseException]) -> None:
+        try:
+            assert self._native is not None
+            self._native()
+        except BaseException as exc:  # handed to the thread that waits
+            box.append(exc)
+
+    def _join(self, timeout: float | None) -> bool:
+        with self._cond:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                return False
+        with self._cond:
+            self._thread = None
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return True
+
+    def _upload(self, record: _Save, source: _Source) -> None:
+        _lower_priority()
+        started = time.monotonic()
+        try:
+            assert source.path is not None
+            self._checkpoint.save_sync(source.path)
+        except BaseException as exc:  # raised by the next save or wait()
+            log.warning("background upload to %r failed: %s", self._checkpoint, exc)
+            with self._cond:
+                self._error = exc
+        else:
+            with self._cond:
+                record.upload_s = time.monotonic() - started
+                if not self._reports_commits:
+                    record.committed = True
+                self._report(record)
+        finally:
+            _discard(source)
+
+    def _on_commit(self, stats: Any) -> None:
+        with self._cond:
+            record = self._current
+            if record is None or record.committed:
+                return  # a commit that is not the mirror's
+            record.commit = stats
+            record.committed = True
+            self._report(record)
+
+    def _report(self, record: _Save) -> None:
+        """Queue ``record``'s figures once they are all known (with ``_cond`` held)."""
+        if record.reported or not record.committed or record.blocked_s is None:
+            return
+        commit = record.commit
+        upload_s = getattr(commit, "upload_s", None) if commit is not None else None
+        self._reports.append(
+            MirrorStats(
+                step=record.step,
+                blocked_s=record.blocked_s,
+                upload_s=upload_s if upload_s is not None else record.upload_s,
+                uploaded_bytes=getattr(commit, "uploaded", None),
+                stored_bytes=getattr(commit, "size", None),
+                background=record.background,
+            )
+        )
+        record.reported = True
