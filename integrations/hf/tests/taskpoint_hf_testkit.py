@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +124,23 @@ class StopAt(TrainerCallback):
             self._stop(state)
 
 
+class SlowUpload:
+    """A ``progress=`` callback for a checkpoint stored in the local folder ``store``: the
+    first upload that starts once the store holds a committed checkpoint (the second save's)
+    creates the file ``marker``, then stalls for ``seconds``."""
+
+    def __init__(self, store: str | os.PathLike[str], marker: str | os.PathLike[str], seconds: str | float) -> None:
+        self.store, self.marker, self.seconds = Path(store), Path(marker), float(seconds)
+        self._done = False
+
+    def __call__(self, moved: int) -> None:
+        if self._done or not any((self.store / "checkpoints").glob("*.manifest.json")):
+            return
+        self._done = True
+        self.marker.write_text(str(time.time()))
+        time.sleep(self.seconds)
+
+
 @dataclass
 class Result:
     """What a finished run is compared by."""
@@ -162,7 +180,10 @@ def assert_same_run(got: Result, want: Result) -> None:
 def _result(trainer: Trainer, resumed: Path | None) -> Result:
     losses = [(int(h["step"]), float(h["loss"])) for h in trainer.state.log_history if "loss" in h]
     weights = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
-    return Result(trainer.state.global_step, losses, weights, str(resumed) if resumed else None)
+    extra = {"log_history": [dict(entry) for entry in trainer.state.log_history]}
+    return Result(
+        trainer.state.global_step, losses, weights, str(resumed) if resumed else None, extra
+    )
 
 
 def _classifier_args(out_dir: Path, **overrides: Any) -> TrainingArguments:
