@@ -424,14 +424,15 @@ class Azurite(ObjectServer):
 
 
 class GcsEmulator(ObjectServer):
-    """``gcp-storage-emulator``: the JSON API, including resumable uploads."""
+    """``gcp-storage-emulator``: the JSON API, including resumable uploads, with GCS's
+    upload preconditions added (``_gcs_emulator.py``)."""
 
     name = "GCS emulator"
     scheme = "gs"
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "gcp_storage_emulator", "start",
+            sys.executable, str(Path(__file__).with_name("_gcs_emulator.py")), "start",
             "--host", LOOPBACK, "--port", str(self.port), "--quiet",
         ]
         if not self.persistent:

@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -200,3 +202,187 @@ def test_pull_draws_a_progress_bar_only_on_a_terminal_and_for_large_transfers(
         capture_output=True, text=True,
     )
     assert piped.returncode == 0 and "pulling" not in piped.stderr  # not a terminal
+
+
+@pytest.mark.parametrize("command", ["rm", "rm --force", "show", "pull"])
+@pytest.mark.parametrize(
+    "action",
+    [
+        "../outside",
+        "train.fit/../../outside",
+        "train.fit/../run-a",
+        "./run-a",
+        "train.fit/.",
+        "train.fit/..",
+        "..",
+        "/abs/path",
+        "ABSOLUTE",
+        "train.fit/run-a/",
+        "/train.fit/run-a",
+        "train.fit//run-a",
+        "train.fit/run-a/checkpoints",
+        "train.fit\\run-a",
+        "train.fit/run-a\\..\\..",
+        "train.fit/run a",
+        "",
+        "/",
+    ],
+)
+def test_action_names_are_checked_like_the_api_and_nothing_is_deleted(
+    store: str, tmp_path: Path, command: str, action: str
+) -> None:
+    """`rm ../x` once deleted a directory outside the root; every bad name is refused."""
+    outside = tmp_path / "outside"
+    (outside / "checkpoints").mkdir(parents=True)
+    (outside / "checkpoints" / "sentinel").write_text("keep me")
+    (outside / "status.json").write_text('{"format": 1, "state": "succeeded"}')
+    if action == "ABSOLUTE":
+        action = str(outside)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    name, *flags = command.split()
+    extra = [str(tmp_path / "dest")] if name == "pull" else []
+    code, out = _invoke(name, action, *extra, "--root", store, *flags)
+    assert code != 0, out
+    assert "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+    assert "<task>/<run id>" in out or "must be a non-empty string" in out, out
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (outside / "checkpoints" / "sentinel").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("spelling", ["path", "file-url"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ls", "{root}"],
+        ["ls", "{root}", "--json"],
+        ["gc", "{root}", "--keep", "1"],
+        ["show", "train.fit/run-a", "--root", "{root}"],
+        ["pull", "train.fit/run-a", "{dest}", "--root", "{root}"],
+        ["rm", "train.fit/run-a", "--root", "{root}", "--force"],
+    ],
+)
+def test_a_missing_local_root_is_an_error_not_an_empty_listing(
+    tmp_path: Path, command: list[str], spelling: str
+) -> None:
+    missing = tmp_path / "no" / "such-root"
+    root = str(missing) if spelling == "path" else f"file://{missing}"
+    args = [a.format(root=root, dest=tmp_path / "dest") for a in command]
+    code, out = _invoke(*args)
+    assert code == 1, out
+    assert out.strip() == f"Error: checkpoint root {root} does not exist (nothing was ever " \
+        "saved there, or the path is wrong: pass --root or set $TASKPOINT_ROOT)"
+    assert not missing.exists() and not (tmp_path / "dest").exists()
+
+
+def test_the_default_root_missing_is_an_error_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TASKPOINT_ROOT", raising=False)
+    code, out = _invoke("ls")
+    assert code == 1 and "does not exist" in out
+    assert str(tmp_path / ".taskpoint" / "checkpoints") in out
+    (tmp_path / ".taskpoint" / "checkpoints").mkdir(parents=True)
+    code, out = _invoke("ls")
+    assert code == 0
+    assert out.strip() == f"no checkpoints under {tmp_path / '.taskpoint' / 'checkpoints'}"
+
+
+def test_a_root_that_is_a_file_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "root").write_text("not a directory")
+    code, out = _invoke("ls", str(tmp_path / "root"))
+    assert code == 1 and out.strip() == f"Error: checkpoint root {tmp_path / 'root'} is not a directory"
+
+
+def test_an_existing_empty_root_has_no_checkpoints(store_url: str) -> None:
+    """On a local disk an empty directory; on an object store an empty prefix of a bucket."""
+    code, out = _invoke("ls", store_url)
+    assert (code, out.strip()) == (0, f"no checkpoints under {store_url}")
+    code, out = _invoke("ls", store_url, "--json")
+    assert code == 0 and json.loads(out) == {"root": store_url, "actions": []}
+    code, out = _invoke("gc", store_url, "--keep", "0")
+    assert (code, out.strip()) == (0, f"removed 0 checkpoint(s) under {store_url}")
+    code, out = _invoke("show", "train.fit/run-a", "--root", store_url)
+    assert code == 1 and "no action 'train.fit/run-a'" in out
+
+
+def test_a_missing_bucket_is_an_error(s3_server: Any) -> None:
+    root = s3_server.url(f"absent-{uuid.uuid4().hex[:12]}", "jobs")
+    for args in (["ls", root], ["gc", root, "--keep", "1"],
+                 ["show", "train.fit/run-a", "--root", root]):
+        code, out = _invoke(*args)
+        assert code == 1 and "does not exist" in out and "Traceback" not in out, out
+        assert len(out.strip().splitlines()) == 1
+
+
+def test_a_stray_file_in_the_root_is_not_an_action(store: str, tmp_path: Path) -> None:
+    (tmp_path / "store" / "README").write_text("notes")
+    (tmp_path / "store" / "train.fit" / "notes.txt").write_text("notes")
+    code, out = _invoke("ls", store, "--no-verify")
+    assert code == 0, out
+    assert "train.fit/run-a" in out and "README" not in out and "notes" not in out
+
+
+def _damage(store_dir: Path) -> None:
+    """Garbage where manifests, payloads, attempt markers and status records go."""
+    run_a = store_dir / "train.fit" / "run-a"
+    checkpoints = run_a / "checkpoints"
+    (checkpoints / "000000-000000007.manifest.json").write_bytes(b"\xff\x00garbage")
+    (checkpoints / "000000-000000008.manifest.json").write_text('{"format": 1, "kind": "bytes"}')
+    (checkpoints / "000000-000000009.manifest.json").mkdir()  # unreadable
+    (checkpoints / "000000-000000010.manifest.json").write_text('{"format": 99}')
+    (checkpoints / "000000-000000011.manifest.json").write_text("[" * 100_000)
+    (checkpoints / "000000-000000012.manifest.json").write_text("null")
+    (checkpoints / "000000-000000099-feed.payload").write_bytes(b"orphan")
+    (checkpoints / "junk").write_bytes(b"\x00")
+    attempts = run_a / "attempts"
+    attempts.mkdir()
+    (attempts / "000003").write_bytes(b"\xffgarbage")
+    (attempts / "000004").mkdir()
+    (attempts / "000005").write_text('{"format": 1, "started": "yesterday", "pid": "x"}')
+    (attempts / "000005.end.json").write_text("{")
+    (attempts / "junk").write_text("{}")
+    (run_a / "status.json").unlink()
+    (run_a / "status.json").mkdir()  # unreadable
+    (store_dir / "train.fit" / "run-b" / "status.json").write_text('["not", "a", "record"')
+    run_c = store_dir / "eval.score" / "run-c" / "checkpoints"
+    payload = next(run_c.glob("*.payload"))
+    payload.unlink()
+    payload.mkdir()  # a payload the store cannot read
+
+
+def test_ls_and_show_never_crash_over_a_damaged_store(store: str, tmp_path: Path) -> None:
+    _damage(tmp_path / "store")
+    code, out = _invoke("ls", store)
+    assert code == 0, out
+    assert "Traceback" not in out
+    for key in ("07", "08", "09", "11", "12"):
+        assert f"checkpoints/000000-0000000{key}.manifest.json CORRUPT" in out.replace(
+            "UNREADABLE", "CORRUPT"), key
+    assert "checkpoints/000000-000000010.manifest.json NEWER FORMAT" in out
+    assert "status.json" in out and "train.fit/run-b  [unfinished]" in out
+    assert out.count(" ok") == 6  # run-a's and run-b's three intact checkpoints each
+    assert out.count("CORRUPT") >= 5  # run-c's unreadable payload too
+
+    code, out = _invoke("ls", store, "--json")
+    assert code == 0, out
+    actions = {a["action"]: a for a in json.loads(out)["actions"]}
+    damaged = {d["key"]: d["problem"] for d in actions["train.fit/run-a"]["damaged"]}
+    assert damaged == {
+        "checkpoints/000000-000000007.manifest.json": "corrupt",
+        "checkpoints/000000-000000008.manifest.json": "corrupt",
+        "checkpoints/000000-000000009.manifest.json": "unreadable",
+        "checkpoints/000000-000000010.manifest.json": "newer-format",
+        "checkpoints/000000-000000011.manifest.json": "corrupt",
+        "checkpoints/000000-000000012.manifest.json": "corrupt",
+        "status.json": "unreadable",
+        "attempts/000004": "unreadable",  # a directory: that record alone cannot be read
+    }
+    assert [c["verified"] for c in actions["train.fit/run-a"]["checkpoints"]] == [True] * 3
+    assert actions["eval.score/run-c"]["checkpoints"][0]["verified"] is False
+    assert actions["train.fit/run-b"]["damaged"][0]["key"] == "status.json"
+
+    for action in ("train.fit/run-a", "train.fit/run-b", "eval.score/run-c"):
+        for extra in ([], ["--json"]):
+            code, out = _invoke("show", action, "--root", store, *extra)
+            assert code == 0 and "Traceback" not in out, out

@@ -113,6 +113,7 @@ COVERAGE: list[Covered] = [
     Covered("python", r"flyte\.ctx\(\)\.checkpoint", ("test_flyte_adapter_block",)),
     Covered("python", r"taskpoint\.Checkpoint\.at\(f\"s3://", ("test_flyte_store_block",)),
     Covered("sh", r"^taskpoint run ", ("test_command_line_block",)),
+    Covered("text", r"├── attempt 0 ", ("test_show_output_block",)),
 ]
 """Which tests run which README block."""
 
@@ -769,3 +770,27 @@ def test_command_line_block(workdir: Path) -> None:
     assert not (checkpoints / "r1").exists()
     assert not list((checkpoints / "r2").glob("checkpoints/*.manifest.json"))
 
+
+
+def test_show_output_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sample ``taskpoint show`` output is what it prints for the run it describes."""
+    import time
+
+    from click.testing import CliRunner
+    from taskpoint.cli import main
+    from test_cli_show import ACTION, contract_run
+
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    try:
+        root = tmp_path / "store"
+        contract_run(root)
+        result = CliRunner().invoke(
+            main, ["show", ACTION, "--root", f"file://{root}"], env={"COLUMNS": "100"}
+        )
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert result.exit_code == 0, result.output
+    shown = result.output.replace(f"file://{root}", "file:///data/ckpt")
+    assert readme_block("test_show_output_block").text == shown

@@ -24,11 +24,13 @@ from taskpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
+    CheckpointRestoreError,
     CheckpointStoreError,
     CheckpointUnsafeError,
     TaskAttemptError,
     TaskpointWarning,
 )
+from taskpoint.history import SaveStats
 from taskpoint.runtime import TaskEnvironment
 from taskpoint.store import RetryPolicy
 from taskpoint.versions import require_version
@@ -41,11 +43,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointLike",
+    "CheckpointRestoreError",
     "CheckpointStoreError",
     "CheckpointUnsafeError",
     "Preempted",
     "RetryPolicy",
     "SaveInput",
+    "SaveStats",
     "TaskAttemptError",
     "TaskContext",
     "TaskEnvironment",

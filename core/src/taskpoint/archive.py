@@ -238,20 +238,180 @@ def pack_directory(root: Path, out: BinaryIO, codec: Codec = "gzip") -> None:
                 tar.addfile(info)
 
 
-def _member_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
-    """Refuse unsafe entries (Python's ``data`` filter), keep modes, drop owners."""
-    if member.name.startswith("/") or os.path.isabs(member.name):
-        raise CheckpointUnsafeError(f"refusing archive entry {member.name!r}: absolute path")
-    try:
-        checked = tarfile.data_filter(member, dest)
-    except tarfile.FilterError as exc:
-        raise CheckpointUnsafeError(f"refusing archive entry {member.name!r}: {exc}") from exc
-    # None means "do not set": links keep no mode, and nobody's owner is applied.
-    unset: Any = None
-    mode = unset if member.issym() else member.mode & 0o777
-    return checked.replace(
-        mode=mode, uid=unset, gid=unset, uname=unset, gname=unset, deep=False
-    )
+_MAX_LINK_HOPS = 40
+"""Links followed while resolving one path before it counts as a loop (Linux's limit)."""
+
+
+def _refuse(member: tarfile.TarInfo, why: str) -> CheckpointUnsafeError:
+    return CheckpointUnsafeError(f"refusing archive entry {member.name!r}: {why}")
+
+
+def _member_parts(member: tarfile.TarInfo) -> tuple[str, ...]:
+    """The entry's path components, refusing absolute, climbing and odd names."""
+    name = member.name
+    if "\x00" in name:
+        raise _refuse(member, "NUL in the name")
+    if name.startswith("/") or os.path.isabs(name) or os.path.splitdrive(name)[0]:
+        raise _refuse(member, "absolute path")
+    parts = tuple(p for p in name.split("/") if p not in ("", "."))
+    if not parts:
+        raise _refuse(member, "empty name")
+    if ".." in parts:
+        raise _refuse(member, "the name climbs out with '..'")
+    return parts
+
+
+class _Extractor:
+    """Writes archive entries under ``dest`` with taskpoint's own checks, never tarfile's.
+
+    Python's ``tarfile`` filters have been unsound on many releases (a symlink chain
+    longer than ``PATH_MAX`` escapes the ``data`` filter: CVE-2025-4517), so nothing here
+    relies on them or on ``os.path.realpath``. The rules, which hold whatever the
+    archive's order:
+
+    - names are relative, without ``..``, and each at most once;
+    - nothing is written through a symbolic link: every parent of an entry must be a
+      real directory that this extraction created;
+    - hard links point at a regular file extracted earlier;
+    - symbolic links are created last, each resolved component by component inside
+      ``dest`` (following the links already there, at most 40 hops); one that leaves
+      ``dest`` or loops is refused and the links already made are removed;
+    - only regular files, directories and links are accepted.
+    """
+
+    def __init__(self, tar: tarfile.TarFile, dest: Path) -> None:
+        self._tar = tar
+        self._dest = dest
+        self._seen: dict[tuple[str, ...], str] = {(): "dir"}
+        self._dirs: list[tuple[Path, tarfile.TarInfo]] = []
+        self._links: list[tuple[tuple[str, ...], tarfile.TarInfo]] = []
+
+    def run(self) -> None:
+        for member in self._tar:
+            parts = _member_parts(member)
+            if parts in self._seen and not (member.isdir() and self._seen[parts] == "dir"):
+                raise _refuse(member, "a second entry with the same name")
+            if self._seen.get(parts[:-1]) != "dir":
+                self._make_parents(member, parts[:-1])
+            if member.isdir():
+                self._directory(member, parts)
+            elif member.isreg():
+                self._file(member, parts)
+            elif member.islnk():
+                self._hard_link(member, parts)
+            elif member.issym():
+                self._seen[parts] = "sym"
+                self._links.append((parts, member))
+            else:
+                raise _refuse(member, "not a regular file, directory or link")
+        self._symlinks()
+        for path, member in reversed(self._dirs):  # children first: their writes are done
+            os.chmod(path, member.mode & 0o777)
+            os.utime(path, (member.mtime, member.mtime))
+
+    def _path(self, parts: tuple[str, ...]) -> Path:
+        return self._dest.joinpath(*parts)
+
+    def _make_parents(self, member: tarfile.TarInfo, parents: tuple[str, ...]) -> None:
+        for depth in range(1, len(parents) + 1):
+            prefix = parents[:depth]
+            kind = self._seen.get(prefix)
+            if kind == "dir":
+                continue
+            if kind is not None:
+                raise _refuse(member, f"its parent {'/'.join(prefix)!r} is not a directory")
+            os.mkdir(self._path(prefix), 0o755)
+            self._seen[prefix] = "dir"
+
+    def _directory(self, member: tarfile.TarInfo, parts: tuple[str, ...]) -> None:
+        path = self._path(parts)
+        if parts not in self._seen:
+            os.mkdir(path, 0o700)
+            self._seen[parts] = "dir"
+        self._dirs.append((path, member))
+
+    def _file(self, member: tarfile.TarInfo, parts: tuple[str, ...]) -> None:
+        path = self._path(parts)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(path, flags, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            source = self._tar.extractfile(member)
+            assert source is not None  # a regular file always has data
+            left = member.size
+            while left > 0:
+                block = source.read(min(left, _BLOCK))
+                if not block:
+                    raise EOFError(f"archive entry {member.name!r} is cut short")
+                out.write(block)
+                left -= len(block)
+        self._seen[parts] = "file"
+        os.chmod(path, member.mode & 0o777)
+        os.utime(path, (member.mtime, member.mtime))
+
+    def _hard_link(self, member: tarfile.TarInfo, parts: tuple[str, ...]) -> None:
+        target = tarfile.TarInfo(member.linkname)
+        target_parts = _member_parts(target)
+        if self._seen.get(target_parts) != "file":
+            raise _refuse(member, "a hard link to something other than a file extracted before it")
+        os.link(self._path(target_parts), self._path(parts), follow_symlinks=False)
+        self._seen[parts] = "file"
+
+    def _symlinks(self) -> None:
+        made: list[Path] = []
+        try:
+            for parts, member in self._links:
+                self._check_link_text(member)
+                path = self._path(parts)
+                os.symlink(member.linkname, path)
+                made.append(path)
+            for parts, member in self._links:
+                if self._resolve(parts, member) is None:
+                    raise _refuse(member, f"the link to {member.linkname!r} leaves the tree")
+        except BaseException:
+            for path in made:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
+
+    @staticmethod
+    def _check_link_text(member: tarfile.TarInfo) -> None:
+        target = member.linkname
+        if not target or "\x00" in target or os.path.isabs(target) or target.startswith("/"):
+            raise _refuse(member, f"a link to {target!r}; only relative links inside the tree")
+
+    def _resolve(
+        self, parts: tuple[str, ...], member: tarfile.TarInfo
+    ) -> tuple[str, ...] | None:
+        """Where the link at ``parts`` leads inside ``dest``; ``None`` if it leaves it.
+
+        Resolves lexically over what this extraction wrote (never the file system's
+        own resolution), so the answer cannot depend on ``PATH_MAX``.
+        """
+        hops = 0
+        pending = list(reversed(self._link_steps(parts[:-1], member.linkname)))
+        here: list[str] = []
+        while pending:
+            step = pending.pop()
+            if step == "..":
+                if not here:
+                    return None
+                here.pop()
+                continue
+            candidate = (*here, step)
+            if self._seen.get(candidate) == "sym":
+                hops += 1
+                if hops > _MAX_LINK_HOPS:
+                    return None
+                link = os.readlink(self._path(candidate))
+                pending.extend(reversed(self._link_steps(tuple(here), link)[len(here):]))
+                continue
+            here.append(step)
+        return tuple(here)
+
+    @staticmethod
+    def _link_steps(base: tuple[str, ...], target: str) -> list[str]:
+        """``base`` followed by ``target``'s components, ``.`` and empty ones dropped."""
+        return [*base, *(p for p in target.split("/") if p not in ("", "."))]
 
 
 class _ForwardReader:
@@ -298,15 +458,20 @@ def unpack_directory(src: BinaryIO, dest: Path, codec: Codec = "gzip") -> None:
 
     ``dest`` is created if missing. ``src`` is read to its end and not closed.
 
+    Entries are checked by taskpoint itself (see :class:`_Extractor`), whatever Python's
+    own ``tarfile`` filters would allow.
+
     Raises:
-        CheckpointUnsafeError: an entry is absolute, climbs out with ``..``, links outside
-            ``dest``, or is a device or other special file. Entries before it may have
-            been written inside ``dest``, never outside it.
-        tarfile.TarError, OSError, EOFError: the stream is not a valid archive.
+        CheckpointUnsafeError: an entry is absolute, climbs out with ``..``, is named
+            twice, would be written through a link, links outside ``dest``, or is a
+            device or other special file. Entries before it may have been written
+            inside ``dest``, never outside it.
+        tarfile.TarError, EOFError: the stream is not a valid archive.
+        OSError: the stream is not a valid archive, or writing under ``dest`` failed
+            (one with an ``errno``: a full disk, a file too large, a refused permission).
     """
     dest.mkdir(parents=True, exist_ok=True)
     with _decompressing(src, codec) as stream, tarfile.open(
         fileobj=cast(BinaryIO, _ForwardReader(stream)), mode="r:"
     ) as tar:
-        tar.copybufsize = _BLOCK  # type: ignore[attr-defined]
-        tar.extractall(dest, filter=_member_filter)
+        _Extractor(tar, dest).run()

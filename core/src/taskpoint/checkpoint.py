@@ -24,12 +24,16 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
+import errno
 import itertools
 import json
 import logging
 import os
+import pickle
 import shutil
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -38,9 +42,9 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Union
+from typing import Any, BinaryIO, Literal, Union
 
-from taskpoint import archive
+from taskpoint import _uploader, archive, history
 from taskpoint._digest import (
     Digest,
     HashingReader,
@@ -53,20 +57,24 @@ from taskpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
+    CheckpointRestoreError,
     CheckpointStoreError,
     CheckpointUnsafeError,
     TaskpointWarning,
 )
+from taskpoint.history import ATTEMPTS, SaveStats
 from taskpoint.manifest import (
     FORMAT_VERSION,
     Codec,
     Manifest,
     check_format,
+    loads_record,
+    manifest_name,
     parse_manifest_name,
     parse_payload_name,
     payload_name,
 )
-from taskpoint.store import RetryPolicy, Store
+from taskpoint.store import RetryPolicy, Store, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
 
@@ -77,14 +85,12 @@ SaveInput = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 
 CHECKPOINTS = "checkpoints"
 """The folder, under a checkpoint's URL, that holds manifests and payloads."""
-ATTEMPTS = "attempts"
-"""The folder, under a checkpoint's URL, that holds one marker per claimed attempt."""
 STATUS = "status.json"
 """The object, under a checkpoint's URL, that records how the action finished."""
 BYTES_NAME = "checkpoint.bin"
+"""The file name a restored bytes payload gets."""
 BACKGROUND_NICE = 10
 """The nice value background uploads run at, below the training loop's threads."""
-"""The file name a restored bytes payload gets."""
 
 
 @dataclass(frozen=True)
@@ -93,11 +99,13 @@ class _Source:
     data: bytes | None = None
     path: Path | None = None
     snapshot: Path | None = None  # a private copy's folder, removed once uploaded
+    called: float = 0.0  # time.monotonic() when save was called
+    blocked_s: float | None = None  # how long a background save held its caller
 
 
-def _classify(data: object) -> _Source:
+def _classify(data: object, called: float) -> _Source:
     if isinstance(data, (bytes, bytearray, memoryview)):
-        return _Source("bytes", data=bytes(data))
+        return _Source("bytes", data=bytes(data), called=called)
     if isinstance(data, (str, os.PathLike)):
         path = Path(os.fspath(data))
         try:
@@ -108,9 +116,9 @@ def _classify(data: object) -> _Source:
             ) from None
         if stat.S_ISDIR(mode):
             archive.check_tree(path)
-            return _Source("directory", path=path.absolute())
+            return _Source("directory", path=path.absolute(), called=called)
         if stat.S_ISREG(mode):
-            return _Source("file", path=path.absolute())
+            return _Source("file", path=path.absolute(), called=called)
         raise ValueError(
             f"cannot checkpoint {str(path)!r}: it is neither a regular file nor a directory"
         )
@@ -121,12 +129,19 @@ def _classify(data: object) -> _Source:
 
 
 _workdirs: list[str] = []
+_workers: list[_uploader.Worker] = []
 
 
 @atexit.register
 def _remove_workdirs() -> None:
     for path in _workdirs:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@atexit.register
+def _close_workers() -> None:
+    for worker in _workers:
+        worker.close()
 
 
 class Checkpoint:
@@ -144,9 +159,14 @@ class Checkpoint:
             interpreter exit, by default.
         retry: how store calls retry transient failures.
         progress: called with the number of payload bytes moved, as saves and loads stream.
+        background_upload: where background saves upload: ``"process"`` (a separate
+            upload process, so the upload's Python work never holds the training loop's
+            GIL) or ``"thread"`` (a thread of this process). ``memory://`` stores and
+            checkpoints with a ``progress`` callback always use a thread.
 
     Raises:
-        ValueError: ``keep`` is below 1, ``attempt`` is negative or ``codec`` is unknown.
+        ValueError: ``url`` is blank, ``keep`` is below 1, ``attempt`` is negative, or
+            ``codec`` or ``background_upload`` is unknown.
         TypeError: ``url`` is not a string or path.
     """
 
@@ -161,15 +181,25 @@ class Checkpoint:
         workdir: str | os.PathLike[str] | None = None,
         retry: RetryPolicy | None = None,
         progress: Progress | None = None,
+        background_upload: str = "process",
     ) -> None:
-        if not isinstance(url, (str, os.PathLike)):
-            raise TypeError(f"url must be a str or os.PathLike; got {type(url).__name__}")
+        url = check_location("url", url)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int of at least 1; got {keep!r}")
         if attempt is not None and (not isinstance(attempt, int) or attempt < 0):
             raise ValueError(f"attempt must be a non-negative int or None; got {attempt!r}")
         self._codec: Codec = archive.check_codec(codec)
-        self._store = Store(os.fspath(url), storage_options, retry)
+        if background_upload not in ("process", "thread"):
+            raise ValueError(
+                f'background_upload must be "process" or "thread"; got {background_upload!r}'
+            )
+        self._store = Store(url, storage_options, retry)
+        self._options: dict[str, Any] = {
+            "url": url, "keep": keep, "codec": codec, "retry": retry,
+            "storage_options": dict(storage_options or {}), "background_upload": "thread",
+        }
+        self._background_upload = background_upload
+        self._worker: _uploader.Worker | None = None
         self._attempt = attempt
         self._keep = keep
         self._workdir = Path(workdir) if workdir is not None else None
@@ -179,6 +209,9 @@ class Checkpoint:
         self._loads = itertools.count()
         self._progress = progress
         self._background = _Background(self._save)
+        self._listeners: list[Callable[[SaveStats], object]] = []
+        self._intact: set[tuple[str, str]] = set()  # (manifest key, checksum) known good
+        self._resumed: tuple[Manifest, float] | None = None  # recorded once claimed
 
     @classmethod
     def at(cls, url: str | os.PathLike[str], **options: Any) -> Checkpoint:
@@ -205,7 +238,9 @@ class Checkpoint:
 
     # -- saving -----------------------------------------------------------------------
 
-    def save_sync(self, data: SaveInput, *, background: bool = False) -> None:
+    def save_sync(
+        self, data: SaveInput, *, background: bool = False, snapshot: Snapshot = "copy"
+    ) -> None:
         """Commit ``data`` as the newest checkpoint.
 
         Args:
@@ -216,34 +251,46 @@ class Checkpoint:
                 the upload runs in a background thread. Changing the file or tree afterwards
                 cannot change the checkpoint. A newer save supersedes a background save still
                 queued. Its errors are raised by the next save or by :meth:`wait`.
+            snapshot: how a background save snapshots a path. ``"copy"`` copies it;
+                ``"link"`` hard-links its files where the disk allows (copying the rest),
+                which is instant but only safe for files that are replaced or deleted,
+                never rewritten in place (what the Trainer and Lightning do with finished
+                checkpoints; ``torch.save`` over an existing path rewrites it in place).
 
         Concurrent saves on one ``Checkpoint`` run one at a time; the one started last
         is the newest once all have returned.
 
         Raises:
             TypeError: ``data`` is of another type.
+            ValueError: ``snapshot`` is neither ``"copy"`` nor ``"link"``.
             FileNotFoundError: the path does not exist.
             CheckpointUnsafeError: the directory holds a special file or a link leaving it.
             CheckpointStoreError: the store failed (this save's, or an earlier background
                 save's); earlier checkpoints are untouched.
         """
+        called = time.monotonic()
+        _check_snapshot(snapshot)
         self._raise_background_error()
-        source = _classify(data)
+        source = _classify(data, called)
         ticket = next(self._tickets)
         if background:
-            self._background.submit(_snapshot(source), ticket)
+            self._background.submit(_snapshot(source, snapshot), ticket)
         else:
             self._background.supersede(ticket)
             self._save(source, ticket)
 
-    async def save(self, data: SaveInput, *, background: bool = False) -> None:
+    async def save(
+        self, data: SaveInput, *, background: bool = False, snapshot: Snapshot = "copy"
+    ) -> None:
         """Async :meth:`save_sync`: the snapshot and upload run in worker threads."""
+        called = time.monotonic()
+        _check_snapshot(snapshot)
         self._raise_background_error()
-        source = _classify(data)
+        source = _classify(data, called)
         ticket = next(self._tickets)
         if background:
-            snapshot = await asyncio.to_thread(_snapshot, source)
-            self._background.submit(snapshot, ticket)
+            private = await asyncio.to_thread(_snapshot, source, snapshot)
+            self._background.submit(private, ticket)
         else:
             self._background.supersede(ticket)
             await asyncio.to_thread(self._save, source, ticket)
@@ -262,32 +309,109 @@ class Checkpoint:
         if error is not None:
             raise error
 
+    def on_commit(self, callback: Callable[[SaveStats], object]) -> Callable[[SaveStats], object]:
+        """Call ``callback`` with a :class:`~taskpoint.SaveStats` after each commit.
+
+        It runs in the thread that committed: the caller's for blocking saves, the upload
+        thread for background ones; what it raises is logged, never raised into a save.
+        Usable as a decorator; returns ``callback``.
+        """
+        self._listeners.append(callback)
+        return callback
+
     def _save(self, source: _Source, ticket: int) -> None:
-        started = time.monotonic()
         with self._save_lock:
             attempt = self._claim_attempt()
             seq = self._next_seq(attempt, ticket)
-            token = uuid.uuid4().hex[:8]
-            payload = payload_name(attempt, seq, token)
-            digest, name, codec = self._write_payload(source, payload)
-            manifest = Manifest(
-                kind=source.kind,  # type: ignore[arg-type]
-                name=name,
-                codec=codec,
-                size=digest.size,
-                checksum=digest.checksum,
-                payload=payload,
-                attempt=attempt,
-                seq=seq,
-                created=time.time(),
-            )
-            self._store.write_atomic(f"{CHECKPOINTS}/{manifest.key}", manifest.to_json())
-            log.info(
-                "committed %s checkpoint %s (%d bytes) in %.2fs",
-                source.kind, self._store.url_of(f"{CHECKPOINTS}/{manifest.key}"),
-                digest.size, time.monotonic() - started,
-            )
-            self._prune()
+            if source.blocked_s is not None and self._upload_in_process:
+                if self._worker is None:
+                    self._worker = _uploader.Worker()
+                    _workers.append(self._worker)
+                request = _uploader.Request(
+                    self._options, attempt, seq, source, frozenset(self._intact)
+                )
+                stats, intact = self._worker.run(request)
+                self._intact.add(intact)
+            else:
+                stats, _ = self._commit(source, attempt, seq)
+        self._notify(stats)
+
+    @property
+    def _upload_in_process(self) -> bool:
+        """Whether background saves run in the upload process (see :mod:`taskpoint._uploader`)."""
+        if self._background_upload != "process" or self._progress is not None:
+            return False  # a progress callback cannot cross processes
+        if self._store.is_memory:
+            return False  # memory:// lives in this process alone
+        try:
+            pickle.dumps(self._options)
+        except Exception:  # storage_options holding a live client object, say
+            self._background_upload = "thread"
+            return False
+        return True
+
+    def _commit(
+        self, source: _Source, attempt: int, seq: int
+    ) -> tuple[SaveStats, tuple[str, str]]:
+        """Write ``source`` as save ``seq`` of ``attempt``, commit it, prune; with the save lock
+        held (or in the upload process). Returns its stats and its ``(key, checksum)``."""
+        token = uuid.uuid4().hex[:8]
+        payload = payload_name(attempt, seq, token)
+        upload_started = time.monotonic()
+        digest, name, codec = self._write_payload(source, payload)
+        key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
+        stats = SaveStats(
+            url=self._store.url_of(key),
+            attempt=attempt,
+            seq=seq,
+            kind=source.kind,
+            size=digest.size,
+            uploaded=digest.size,
+            reused=0,
+            save_s=0.0,
+            upload_s=0.0,
+            blocked_s=0.0,
+            background=source.blocked_s is not None,
+        )
+        manifest = Manifest(
+            kind=source.kind,  # type: ignore[arg-type]
+            name=name,
+            codec=codec,
+            size=digest.size,
+            checksum=digest.checksum,
+            payload=payload,
+            attempt=attempt,
+            seq=seq,
+            created=time.time(),
+            stats=self._timed(stats, source, upload_started).to_record(),
+        )
+        self._store.write_atomic(key, manifest.to_json())
+        self._intact.add((manifest.key, manifest.checksum))
+        stats = self._timed(stats, source, upload_started)
+        log.info(
+            "committed %s checkpoint %s (%d bytes) in %.2fs",
+            source.kind, stats.url, digest.size, stats.save_s,
+        )
+        self._prune()
+        return stats, (manifest.key, manifest.checksum)
+
+    @staticmethod
+    def _timed(stats: SaveStats, source: _Source, upload_started: float) -> SaveStats:
+        now = time.monotonic()
+        save_s = now - source.called
+        return dataclasses.replace(
+            stats,
+            save_s=save_s,
+            upload_s=now - upload_started,
+            blocked_s=save_s if source.blocked_s is None else source.blocked_s,
+        )
+
+    def _notify(self, stats: SaveStats) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(stats)
+            except Exception:
+                log.exception("an on_commit listener of %s failed", self._store.url)
 
     def _write_payload(self, source: _Source, payload: str) -> tuple[Digest, str | None, Codec]:
         target = f"{CHECKPOINTS}/{payload}"
@@ -324,25 +448,41 @@ class Checkpoint:
 
     def _claim_attempt(self) -> int:
         if self._attempt is None:
-            taken = [int(n) for n in self._store.list(ATTEMPTS) if n.isdigit()]
+            taken = history.attempt_numbers(self._store)
             if taken:
-                self._check_marker(max(taken))
-            self._attempt = max(taken, default=-1) + 1
-            self._mark_attempt(self._attempt)
+                self._check_marker(taken[-1])
+            self._attempt = history.claim_attempt(self._store, taken[-1] + 1 if taken else 0)
+            if self._resumed is not None:
+                history.record_resume(self._store, self._attempt, *self._resumed)
         return self._attempt
-
-    def _mark_attempt(self, attempt: int) -> None:
-        record = {"format": FORMAT_VERSION, "started": time.time(), "pid": os.getpid()}
-        self._store.write_atomic(f"{ATTEMPTS}/{attempt:06d}", json.dumps(record).encode())
 
     def _check_marker(self, attempt: int) -> None:
         """Refuse to add an attempt to an action a newer taskpoint has written to."""
         key = f"{ATTEMPTS}/{attempt:06d}"
         try:
-            record = json.loads(self._store.read_bytes(key))
+            record = loads_record(self._store.read_bytes(key))
         except (FileNotFoundError, ValueError):
             return  # a marker is a name first; its content is informational
         check_format(record, url=self._store.url_of(key))
+
+    def mark_started(self) -> None:
+        """Record that this checkpoint's attempt started (its runner numbered it).
+
+        Best effort, like every run record (see :mod:`taskpoint.history`).
+        """
+        if self._attempt is not None:
+            history.mark_attempt(self._store, self._attempt)
+
+    def mark_ended(self, outcome: history.Outcome, error: str | None = None) -> None:
+        """Record how this checkpoint's attempt ended; nothing if it never claimed one.
+
+        Best effort, like every run record (see :mod:`taskpoint.history`).
+
+        Raises:
+            ValueError: ``outcome`` is not one of :data:`taskpoint.history.OUTCOMES`.
+        """
+        if self._attempt is not None:
+            history.record_end(self._store, self._attempt, outcome, error)
 
     def _next_seq(self, attempt: int, ticket: int) -> int:
         if self._seq_base is None:
@@ -358,32 +498,67 @@ class Checkpoint:
         self.prune(self._keep)
 
     def prune(self, keep: int) -> None:
-        """Delete all but the newest ``keep`` committed checkpoints, and stale payloads.
+        """Keep the newest ``keep`` intact checkpoints; delete what is older, and stale payloads.
 
-        ``keep=0`` deletes every checkpoint. Manifests go before their payloads, so a
-        reader never finds a manifest whose payload is gone for good.
+        What counts is the checkpoints a load could return, never names alone: the newest
+        checkpoints are verified (a checkpoint this object committed or restored is known
+        intact and not read again) until ``keep`` intact ones are found, and only
+        checkpoints older than the oldest of those are deleted. Unreadable or corrupt
+        records newer than that stay where they are (a load skips them), so they can
+        never push an intact checkpoint out. With fewer than ``keep`` intact checkpoints
+        nothing is deleted. ``keep=0`` deletes every checkpoint.
+
+        Manifests go before their payloads, so a reader never finds a manifest whose
+        payload is gone for good.
 
         Raises:
             ValueError: ``keep`` is negative.
             CheckpointStoreError: the store failed.
         """
-        if keep < 0:
-            raise ValueError(f"keep must be >= 0; got {keep!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"keep must be an int of at least 0; got {keep!r}")
         names = self._store.list(CHECKPOINTS)
-        committed = sorted(
+        manifests = sorted(
             (order, name) for name in names if (order := parse_manifest_name(name)) is not None
         )
-        if not committed:
+        cut = self._retention_cut(manifests, keep)
+        if cut is None:
             return
-        cut = max(0, len(committed) - keep)
-        kept = {order for order, _ in committed[cut:]}
-        newest = committed[-1][0]
-        for _, name in committed[:cut]:
+        doomed = [name for order, name in manifests if order < cut]
+        for name in doomed:
             self._store.remove(f"{CHECKPOINTS}/{name}")
+        remaining = {order for order, _ in manifests if order >= cut}
         for name in names:
             order = parse_payload_name(name)
-            if order is not None and order not in kept and order <= newest:
+            if order is not None and order < cut and order not in remaining:
                 self._store.remove(f"{CHECKPOINTS}/{name}")
+
+    def _retention_cut(
+        self, manifests: list[tuple[tuple[int, int], str]], keep: int
+    ) -> tuple[int, int] | None:
+        """The order of the oldest checkpoint kept; ``None`` when nothing may be deleted."""
+        if keep == 0:
+            return (sys.maxsize, sys.maxsize)
+        found = 0
+        for order, name in reversed(manifests):
+            try:
+                manifest = self._read_manifest(name)
+            except (CheckpointCorruptError, CheckpointFormatError, FileNotFoundError):
+                continue
+            if self._is_intact(manifest):
+                found += 1
+                if found == keep:
+                    return order
+        return None
+
+    def _is_intact(self, manifest: Manifest) -> bool:
+        known = (manifest.key, manifest.checksum)
+        if known in self._intact:
+            return True
+        if not self.verify(manifest):
+            return False
+        self._intact.add(known)
+        return True
 
     def delete(self) -> None:
         """Delete everything stored at this checkpoint's URL: checkpoints, markers, status.
@@ -431,7 +606,7 @@ class Checkpoint:
             CheckpointFormatError: a newer taskpoint wrote the record.
         """
         try:
-            raw = json.loads(self._store.read_bytes(STATUS))
+            raw = loads_record(self._store.read_bytes(STATUS))
         except (FileNotFoundError, ValueError):
             return None
         check_format(raw, url=self._store.url_of(STATUS))
@@ -515,7 +690,12 @@ class Checkpoint:
                 manifest = self._read_manifest(name)
                 started = time.monotonic()
                 path = self._restore(manifest)
-            except (CheckpointStoreError, CheckpointFormatError, CheckpointUnsafeError):
+            except (
+                CheckpointStoreError,
+                CheckpointFormatError,
+                CheckpointUnsafeError,
+                CheckpointRestoreError,
+            ):
                 raise
             except (CheckpointError, FileNotFoundError) as exc:
                 if name not in self._store.list(CHECKPOINTS):
@@ -526,10 +706,16 @@ class Checkpoint:
                 log.warning(message)
                 warnings.warn(message, TaskpointWarning, stacklevel=3)
                 continue
+            elapsed = time.monotonic() - started
             log.info(
                 "restored %s checkpoint %s (%d bytes) in %.2fs",
-                manifest.kind, url, manifest.size, time.monotonic() - started,
+                manifest.kind, url, manifest.size, elapsed,
             )
+            self._intact.add((manifest.key, manifest.checksum))
+            if self._attempt is not None:
+                history.record_resume(self._store, self._attempt, manifest, elapsed)
+            else:
+                self._resumed = (manifest, elapsed)  # recorded once an attempt is claimed
             return path, skipped, pruned
         return None, skipped, pruned
 
@@ -538,11 +724,15 @@ class Checkpoint:
         return await asyncio.to_thread(self.load_sync)
 
     def _restore_dir(self, manifest: Manifest) -> Path:
-        if self._workdir is None:
-            self._workdir = Path(tempfile.mkdtemp(prefix="taskpoint-restore-"))
-            _workdirs.append(str(self._workdir))
-        target = self._workdir / f"{manifest.attempt:06d}-{manifest.seq:09d}-{next(self._loads)}"
-        target.mkdir(parents=True, exist_ok=False)
+        try:
+            if self._workdir is None:
+                self._workdir = Path(tempfile.mkdtemp(prefix="taskpoint-restore-"))
+                _workdirs.append(str(self._workdir))
+            target = self._workdir / f"{manifest.attempt:06d}-{manifest.seq:09d}-{next(self._loads)}"
+            target.mkdir(parents=True, exist_ok=False)
+        except OSError as exc:
+            where = str(self._workdir or tempfile.gettempdir())
+            raise _restore_error(exc, where) from exc
         return target
 
     def _unpack(self, key: str, url: str, manifest: Manifest, path: Path) -> Digest:
@@ -555,6 +745,8 @@ class Checkpoint:
             except (CheckpointStoreError, CheckpointUnsafeError):
                 raise
             except Exception as exc:
+                if _is_local_write_error(exc, path):
+                    raise _restore_error(exc, str(path)) from exc
                 raise CheckpointCorruptError(
                     f"payload {url} cannot be decoded as a directory archive "
                     f"({type(exc).__name__}: {exc})",
@@ -581,23 +773,96 @@ class Checkpoint:
                     f"{digest.checksum}, expected {manifest.size} bytes with {manifest.checksum}",
                     url=url,
                 )
+        except CheckpointStoreError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            if exc.__cause__ is not None and _is_local_write_error(exc.__cause__, staging):
+                raise _restore_error(exc.__cause__, str(path)) from exc
+            raise
+        except FileNotFoundError:  # the payload is missing from the store
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        except OSError as exc:  # reading back what was written: the local disk's fault
+            shutil.rmtree(staging, ignore_errors=True)
+            raise _restore_error(exc, str(path)) from exc
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         return path
 
 
-def _snapshot(source: _Source) -> _Source:
-    """A private copy of ``source`` that later changes to the original cannot reach."""
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+"""Errors only a write can meet: a full disk or quota, a file over the size limit."""
+_REFUSED_ERRNOS = {
+    errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
+    errno.EMFILE, errno.ENFILE, errno.EIO,
+}
+"""Errors that are the restore directory's when they name a path inside it."""
+
+
+def _is_local_write_error(exc: BaseException, staging: Path) -> bool:
+    """Whether ``exc`` is the local disk refusing what a restore writes under ``staging``."""
+    if not isinstance(exc, OSError) or exc.errno is None:
+        return False  # decoders raise OSError without an errno for bad data
+    if exc.errno in _FULL_ERRNOS:
+        return True
+    if exc.errno not in _REFUSED_ERRNOS:
+        return False
+    base = os.path.abspath(staging)
+    for name in (exc.filename, exc.filename2):
+        if isinstance(name, str) and os.path.abspath(name).startswith(base):
+            return True
+    return False
+
+
+def _restore_error(exc: BaseException, path: str) -> CheckpointRestoreError:
+    cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    where = getattr(exc, "filename", None) or path
+    return CheckpointRestoreError(
+        f"cannot restore the checkpoint to local disk: writing {where} failed: {cause} "
+        f"({type(exc).__name__}). The checkpoint in the store is intact and untouched; "
+        "free space or fix the restore directory (workdir=), then load again",
+        path=str(where),
+    )
+
+
+Snapshot = Literal["copy", "link"]
+
+
+def _check_snapshot(snapshot: object) -> None:
+    if snapshot not in ("copy", "link"):
+        raise ValueError(f'snapshot must be "copy" or "link"; got {snapshot!r}')
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(src, dst)
+
+
+def _snapshot(source: _Source, how: Snapshot = "copy") -> _Source:
+    """A private snapshot of ``source`` that later changes to the original cannot reach.
+
+    ``how="link"`` hard-links files (see :meth:`Checkpoint.save_sync`); it is placed beside
+    the original, on its file system, so links are possible.
+    """
     if source.path is None:
-        return source
-    folder = Path(tempfile.mkdtemp(prefix="taskpoint-snapshot-"))
+        return dataclasses.replace(source, blocked_s=time.monotonic() - source.called)
+    near = str(source.path.parent) if how == "link" else None
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=".taskpoint-snapshot-", dir=near))
+    except OSError:  # a read-only parent: a copy in the temporary folder instead
+        folder, how = Path(tempfile.mkdtemp(prefix="taskpoint-snapshot-")), "copy"
     target = folder / source.path.name
+    copy = _link_or_copy if how == "link" else shutil.copy2
     if source.kind == "directory":
-        shutil.copytree(source.path, target, symlinks=True)
+        shutil.copytree(source.path, target, symlinks=True, copy_function=copy)
     else:
-        shutil.copy2(source.path, target)
-    return _Source(source.kind, path=target, snapshot=folder)
+        copy(str(source.path), str(target))
+    return _Source(
+        source.kind, path=target, snapshot=folder, called=source.called,
+        blocked_s=time.monotonic() - source.called,
+    )
 
 
 class _Background:

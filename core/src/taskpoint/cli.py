@@ -18,10 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
 
+from taskpoint import timeline
 from taskpoint._isolation import FILE_MODULE
 from taskpoint.errors import CheckpointError
 from taskpoint.inventory import ActionInfo, default_root, find_action, list_actions
+from taskpoint.timeline import age, human_size
 
 __all__ = ["main"]
 
@@ -29,27 +32,11 @@ PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 """Transfers smaller than this never show a progress bar."""
 
 
-def _human(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _age(seconds: float) -> str:
-    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= span:
-            return f"{seconds / span:.0f}{unit}"
-    return f"{seconds:.0f}s"
-
-
 @contextlib.contextmanager
 def _errors() -> Iterator[None]:
     try:
         yield
-    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+    except (CheckpointError, ValueError, FileNotFoundError, NotADirectoryError) as exc:
         raise click.ClickException(str(exc)) from exc
 
 
@@ -61,6 +48,12 @@ def _progress(total: int, label: str) -> Iterator[Callable[[int], object] | None
         return
     with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
         yield bar.update
+
+
+def _root(root: str | None) -> str:
+    """``--root``/ROOT as given, else the default; a bad root is a one-line error."""
+    with _errors():
+        return root if root is not None else default_root()
 
 
 root_option = click.option(
@@ -158,7 +151,7 @@ def run(
 @click.option("--no-verify", is_flag=True, help="Skip reading payloads to check checksums.")
 def ls_command(root: str | None, as_json: bool, no_verify: bool) -> None:
     """List tasks, runs, attempts and committed checkpoints under ROOT."""
-    root = root or default_root()
+    root = _root(root)
     with _errors():
         actions = list(list_actions(root))
         verified = {a.action: _verify(a, no_verify) for a in actions}
@@ -177,24 +170,22 @@ def ls_command(root: str | None, as_json: bool, no_verify: bool) -> None:
 
 
 def _verify(action: ActionInfo, skip: bool) -> dict[str, bool] | None:
-    if skip:
-        return None
-    checkpoint = action.checkpoint()
-    return {m.key: checkpoint.verify(m) for m in action.checkpoints}
+    return None if skip else action.verify()
 
 
 def _print_action(action: ActionInfo, verified: dict[str, bool] | None) -> None:
-    state = (action.status or {}).get("state", "unfinished")
     attempts = ",".join(map(str, action.attempts)) or "-"
-    click.echo(f"{action.action}  [{state}]  attempts: {attempts}")
+    click.echo(f"{action.action}  [{action.state}]  attempts: {attempts}")
     now = time.time()
     for m in action.checkpoints:
         check = "unverified" if verified is None else ("ok" if verified[m.key] else "CORRUPT")
         label = m.name or "(bytes)"
         click.echo(
-            f"  {m.key:<32} {m.kind:<9} {label:<24} {_human(m.size):>10}  "
-            f"{_age(now - m.created):>4} ago  {check}"
+            f"  {m.key:<32} {m.kind:<9} {label:<24} {human_size(m.size):>10}  "
+            f"{age(now - m.created):>4} ago  {check}"
         )
+    for damage in action.damaged:
+        click.echo(f"  {damage.key:<32} {damage.label}: {damage.detail}")
 
 
 def _require(root: str, action: str) -> ActionInfo:
@@ -210,16 +201,34 @@ def _require(root: str, action: str) -> ActionInfo:
 @click.argument("action")
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def show(action: str, root: str | None, as_json: bool) -> None:
-    """Show ACTION (<task>/<run id>): its state, attempts and checkpoints, verified."""
-    root = root or default_root()
+@click.option(
+    "--svg", "svg", type=click.Path(dir_okay=False, writable=True, path_type=Path), default=None,
+    metavar="FILE", help="Also write the timeline to FILE as an SVG picture.",
+)
+@click.option("--no-verify", is_flag=True, help="Skip reading payloads to check checksums.")
+def show(action: str, root: str | None, as_json: bool, svg: Path | None, no_verify: bool) -> None:
+    """Show ACTION (<task>/<run id>): its attempts, resumes and checkpoints, in time order.
+
+    Each attempt with its outcome, host and process, the checkpoint it resumed from and how
+    long the restore took; each kept checkpoint with its size, what its save cost and
+    whether its payload is intact (read through and checked against its checksum).
+    """
+    root = _root(root)
     with _errors():
         info = _require(root, action)
-        verified = _verify(info, False)
+        verified = _verify(info, no_verify)
     if as_json:
-        click.echo(json.dumps(info.to_json(verified), indent=2))
-    else:
-        _print_action(info, verified)
+        click.echo(json.dumps({**info.to_json(verified), **timeline.to_json(info, verified)},
+                              indent=2))
+        return
+    console = Console(record=svg is not None, highlight=False)
+    console.print(timeline.render(info, verified))
+    if svg is not None:
+        try:
+            console.save_svg(str(svg), title=f"taskpoint show {info.action}")
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {svg}: {exc.strerror or exc}") from exc
+        click.echo(f"wrote {svg}", err=True)
 
 
 @main.command()
@@ -228,7 +237,7 @@ def show(action: str, root: str | None, as_json: bool) -> None:
 @root_option
 def pull(action: str, dest: Path, root: str | None) -> None:
     """Restore ACTION's newest intact checkpoint to DEST (verified against its checksum)."""
-    root = root or default_root()
+    root = _root(root)
     if dest.exists():
         raise click.ClickException(f"{dest} already exists; pull into a new path")
     with _errors():
@@ -251,7 +260,7 @@ def pull(action: str, dest: Path, root: str | None) -> None:
 @click.option("--force", is_flag=True, help="Also remove an unfinished run's checkpoints.")
 def rm(action: str, root: str | None, force: bool) -> None:
     """Remove ACTION and everything it stored."""
-    root = root or default_root()
+    root = _root(root)
     with _errors():
         info = _require(root, action)
         if not info.finished and info.checkpoints and not force:
@@ -272,7 +281,7 @@ def gc(root: str | None, keep: int, force: bool) -> None:
 
     An unfinished run always keeps the checkpoint it would resume from, unless --force.
     """
-    root = root or default_root()
+    root = _root(root)
     removed = 0
     with _errors():
         for info in list_actions(root):

@@ -30,6 +30,7 @@ from pathlib import Path
 from types import FrameType
 
 from taskpoint.checkpoint import Checkpoint
+from taskpoint.store import check_location
 
 __all__ = [
     "ENV_ACTION",
@@ -40,6 +41,7 @@ __all__ = [
     "TaskContext",
     "ctx",
     "environment_context",
+    "root_from",
 ]
 
 ENV_ROOT = "TASKPOINT_ROOT"
@@ -110,6 +112,18 @@ _ENV_NAMES = (
 )
 
 
+def root_from(env: Mapping[str, str]) -> str:
+    """``TASKPOINT_ROOT`` from ``env``, else the embedded local store's absolute path.
+
+    Raises:
+        ValueError: the variable is set but blank.
+    """
+    value = env.get(ENV_ROOT)
+    if value is None:
+        return str(DEFAULT_ROOT.absolute())
+    return check_location(ENV_ROOT, value)
+
+
 def ctx() -> TaskContext | None:
     """The running task's context; outside any task, the environment contract's or ``None``."""
     current = _current.get()
@@ -163,7 +177,7 @@ def environment_context(env: Mapping[str, str]) -> TaskContext | None:
         action = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "script"
     task = check_name(ENV_ACTION, action)
     run = check_name(ENV_RUN_ID, run_id or DEFAULT_RUN_ID)
-    root = env.get(ENV_ROOT) or str(DEFAULT_ROOT.absolute())
+    root = root_from(env)
     checkpoint = Checkpoint(f"{root.rstrip('/')}/{task}/{run}", attempt=attempt)
     return TaskContext(
         task=task, run_id=run, action=f"{task}/{run}", attempt=attempt, retries=0,

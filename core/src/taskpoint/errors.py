@@ -7,6 +7,8 @@ Every failure that is taskpoint's own derives from :class:`CheckpointError`::
     ├── CheckpointCorruptError    checkpoints exist, but none passes its checksum
     ├── CheckpointUnsafeError     an archive entry would escape the restore directory
     ├── CheckpointFormatError     a manifest from a newer (or unknown) format
+    ├── CheckpointRestoreError    the local disk refused the restored files (full, too
+    │                             large, permission): the checkpoint itself is fine
     └── TaskAttemptError          a process-isolated attempt died (signal, exit code)
 
 Bad arguments raise the builtin exceptions Python users expect: ``TypeError`` for a
@@ -16,10 +18,13 @@ path that does not exist.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointFormatError",
+    "CheckpointRestoreError",
     "CheckpointStoreError",
     "CheckpointUnsafeError",
     "TaskAttemptError",
@@ -28,7 +33,21 @@ __all__ = [
 
 
 class CheckpointError(Exception):
-    """Base class of every error taskpoint raises for a checkpoint."""
+    """Base class of every error taskpoint raises for a checkpoint.
+
+    Every one pickles with its message and attributes, so it can cross processes (a
+    process-isolated attempt, the background upload process).
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
+
+
+def _rebuild(cls: type[CheckpointError], message: str, state: dict[str, Any]) -> CheckpointError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
 
 
 class CheckpointStoreError(CheckpointError):
@@ -64,6 +83,22 @@ class CheckpointUnsafeError(CheckpointError):
 
 class CheckpointFormatError(CheckpointError):
     """A manifest is from a format this version of taskpoint cannot read."""
+
+
+class CheckpointRestoreError(CheckpointError):
+    """Writing a restored checkpoint to local disk failed: the disk is full, a file is
+    larger than the process may write, or a permission was refused.
+
+    The checkpoint is not at fault: it is neither skipped nor marked bad, and nothing in
+    the store is changed. Free space or fix the restore directory, then load again.
+
+    Attributes:
+        path: the local path being written.
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class TaskAttemptError(CheckpointError):

@@ -16,8 +16,15 @@ Format 1 (``"format": 1``)::
                                       # is read too)
       "payload": "000001-000000004-3f2a9c1d.payload",  # key relative to checkpoints/
       "attempt": 1, "seq": 4,         # which attempt committed it, and its save number
-      "created": 1764412345.123       # Unix time in seconds, from the writer's clock
+      "created": 1764412345.123,      # Unix time in seconds, from the writer's clock
+      "stats": {"save_s": 0.8, "upload_s": 0.7, "uploaded": 1234, "reused": 0,
+                "blocked_s": 0.1, "background": true}   # optional: what the save cost
     }
+
+Readers ignore fields they do not know, so optional fields such as ``stats`` stay format 1.
+Records are parsed by :func:`loads_record`, which bounds what a hostile store can make a
+reader do: integers of at most 64 digits, no NaN or infinities, nesting below Python's
+recursion limit; anything else reads as not valid JSON.
 
 Manifests are named ``<attempt:06d>-<seq:09d>.manifest.json`` so that sorting names sorts
 checkpoints from oldest to newest: by attempt, then by save order within the attempt.
@@ -42,6 +49,7 @@ __all__ = [
     "KINDS",
     "Manifest",
     "check_format",
+    "loads_record",
     "manifest_name",
     "parse_manifest_name",
     "parse_payload_name",
@@ -61,6 +69,34 @@ _SUFFIX = ".manifest.json"
 _CHECKSUM_RE = re.compile(r"xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64}")
 _NAME_RE = re.compile(r"^(\d{6,})-(\d{9,})\.manifest\.json$")
 _PAYLOAD_RE = re.compile(r"^(\d{6,})-(\d{9,})-[^-/]+\.payload$")
+
+
+_MAX_DIGITS = 64
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def loads_record(data: bytes) -> object:
+    """Parse a JSON record read from a store that may be damaged or hostile.
+
+    Raises:
+        ValueError: ``data`` is not UTF-8 JSON, holds an integer of more than 64 digits,
+            NaN or an infinity, or nests too deeply to parse.
+    """
+    try:
+        return json.loads(data, parse_int=_parse_int, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8: {exc}") from None
 
 
 def check_format(record: object, *, url: str) -> None:
@@ -120,6 +156,7 @@ class Manifest:
     seq: int
     created: float
     format: int = FORMAT_VERSION
+    stats: dict[str, Any] | None = None
 
     @property
     def order(self) -> tuple[int, int]:
@@ -133,7 +170,10 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """Serialise to UTF-8 JSON."""
-        return json.dumps(asdict(self), sort_keys=True, indent=1).encode()
+        record = asdict(self)
+        if self.stats is None:
+            del record["stats"]
+        return json.dumps(record, sort_keys=True, indent=1).encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, url: str) -> Manifest:
@@ -144,8 +184,8 @@ class Manifest:
             CheckpointCorruptError: it is not a valid manifest of any known format.
         """
         try:
-            raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raw = loads_record(data)
+        except ValueError as exc:
             raise CheckpointCorruptError(f"manifest {url} is not valid JSON: {exc}", url=url) from exc
         if not isinstance(raw, dict):
             raise CheckpointCorruptError(f"manifest {url} is not a JSON object", url=url)
@@ -183,6 +223,9 @@ class Manifest:
         created = raw.get("created")
         if not isinstance(created, (int, float)) or isinstance(created, bool):
             raise bad("created")
+        stats = raw.get("stats")
+        if stats is not None and not isinstance(stats, dict):
+            raise bad("stats")
         return cls(
             kind=raw["kind"],
             name=name,
@@ -193,4 +236,5 @@ class Manifest:
             attempt=raw["attempt"],
             seq=raw["seq"],
             created=float(created),
+            stats=stats,
         )

@@ -44,13 +44,16 @@ from taskpoint import _isolation
 from taskpoint.archive import check_codec
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.context import (
-    DEFAULT_ROOT,
-    ENV_ROOT,
     ENV_RUN_ID,
+    Preempted,
     TaskContext,
     _current,
     install_sigterm_handler,
+    root_from,
 )
+from taskpoint.errors import TaskAttemptError
+from taskpoint.history import Outcome
+from taskpoint.store import check_location
 
 __all__ = ["Isolation", "TaskEnvironment", "check_name", "new_run_id"]
 
@@ -66,7 +69,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
 def check_name(what: str, value: object) -> str:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
         raise ValueError(
             f"{what} must be a non-empty string of letters, digits, '_', '.' and '-' "
             f"(it becomes part of the store path); got {value!r}"
@@ -108,7 +111,7 @@ class TaskEnvironment:
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.name = check_name("TaskEnvironment name", name)
-        self.root = os.fspath(root) if root is not None else None
+        self.root = check_location("root", root) if root is not None else None
         self.run_id = check_name("run_id", run_id) if run_id is not None else None
         self.checkpoints = checkpoints
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -122,12 +125,7 @@ class TaskEnvironment:
 
     def resolve_root(self) -> str:
         """The checkpoint root in force now: argument, ``TASKPOINT_ROOT``, or the default."""
-        if self.root is not None:
-            return self.root
-        from_env = os.environ.get(ENV_ROOT)
-        if from_env:
-            return from_env
-        return str(DEFAULT_ROOT.absolute())
+        return self.root if self.root is not None else root_from(os.environ)
 
     def resolve_run_id(self) -> str:
         """The run id for a new call: argument, ``TASKPOINT_RUN_ID``, or a fresh one."""
@@ -316,6 +314,26 @@ class Runner:
         self.settle(context, failed=False)
         return result
 
+    @staticmethod
+    def _started(context: TaskContext) -> None:
+        if context.checkpoint is not None:
+            context.checkpoint.mark_started()
+
+    @staticmethod
+    def _ended(context: TaskContext, exc: BaseException | None) -> None:
+        """Record the attempt's outcome in the run history."""
+        if context.checkpoint is None:
+            return
+        if exc is None:
+            context.checkpoint.mark_ended("succeeded")
+            return
+        outcome: Outcome = "failed"
+        if isinstance(exc, Preempted):
+            outcome = "preempted"
+        elif isinstance(exc, TaskAttemptError):
+            outcome = "crashed"
+        context.checkpoint.mark_ended(outcome, f"{type(exc).__name__}: {exc}"[:2000])
+
     def _attempt(self, context: TaskContext, args: Any, kwargs: Any) -> Any:
         log.info("%s attempt %d/%d starting", context.action, context.attempt, self.retries)
         if self.isolation == "process":
@@ -347,13 +365,16 @@ class Runner:
             run_id = self.env.resolve_run_id()
             for attempt in range(self.retries + 1):
                 context = self.context(run_id, attempt)
+                self._started(context)
                 try:
                     result = self._attempt(context, args, kwargs)
                 except BaseException as exc:
+                    self._ended(context, exc)
                     if not self._failed(context, exc):
                         self._finish(context, "failed")
                         raise
                 else:
+                    self._ended(context, None)
                     self._finish(context, "succeeded")
                     return result
                 time.sleep(self._delay(attempt + 1))
@@ -366,13 +387,16 @@ class Runner:
             run_id = self.env.resolve_run_id()
             for attempt in range(self.retries + 1):
                 context = self.context(run_id, attempt)
+                self._started(context)
                 try:
                     result = await self._attempt_async(context, args, kwargs)
                 except BaseException as exc:
+                    self._ended(context, exc)
                     if not self._failed(context, exc):
                         self._finish(context, "failed")
                         raise
                 else:
+                    self._ended(context, None)
                     self._finish(context, "succeeded")
                     return result
                 await asyncio.sleep(self._delay(attempt + 1))

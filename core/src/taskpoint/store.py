@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -45,7 +46,7 @@ from fsspec.registry import known_implementations
 from taskpoint._streams import ReadView, WriteView
 from taskpoint.errors import CheckpointError, CheckpointStoreError
 
-__all__ = ["RetryPolicy", "Store", "Transfer", "is_transient"]
+__all__ = ["RetryPolicy", "Store", "Transfer", "check_location", "is_transient"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,27 @@ def _url_to_fs(url: str, options: Mapping[str, Any]) -> tuple[fsspec.AbstractFil
         raise ImportError(f"{protocol}:// needs {module_name}: {hint}") from exc
     kwargs = {**cls._get_kwargs_from_urls(url), **options}
     return cls(**kwargs), cls._strip_protocol(url)
+
+
+def check_location(what: str, value: object) -> str:
+    """Return ``value`` if it can name a store location: a non-blank string or path.
+
+    A blank location would otherwise resolve to the working directory or, stripped of its
+    slashes, to the file-system root.
+
+    Raises:
+        TypeError: ``value`` is not a str or os.PathLike.
+        ValueError: ``value`` is empty or only whitespace (``what`` names it).
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a str or os.PathLike; got {type(value).__name__}")
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(
+            f"{what} is blank ({text!r}): give a local path or an fsspec URL such as "
+            "s3://bucket/prefix"
+        )
+    return text
 
 
 class RetryPolicy:
@@ -275,6 +297,7 @@ class Store:
         retry: RetryPolicy | None = None,
         transfer: Transfer | None = None,
     ) -> None:
+        url = check_location("the checkpoint store URL", url)
         self._url = url.rstrip("/") or url
         self._options = dict(storage_options or {})
         self._retry = retry or RetryPolicy()
@@ -426,6 +449,22 @@ class Store:
 
         return self._call("list", prefix, run)
 
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` is an object, a directory or a non-empty prefix.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        return bool(self._call("inspect", name, lambda: self.fs.exists(self._path(name))))
+
+    def is_dir(self, name: str) -> bool:
+        """Whether ``name`` is a directory (or, on object stores, a non-empty prefix).
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        return bool(self._call("inspect", name, lambda: self.fs.isdir(self._path(name))))
+
     def read_bytes(self, name: str) -> bytes:
         """The whole object ``name``. Raises FileNotFoundError when it does not exist."""
         return self._call("read", name, lambda: bytes(self.fs.cat_file(self._path(name))))
@@ -451,6 +490,44 @@ class Store:
                 self.fs.pipe_file(path, data)
 
         self._call("write", name, run)
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create ``name`` holding ``data`` unless it exists; whether this call created it.
+
+        Atomic on every store, so of two writers racing for one name exactly one wins: on a
+        local disk a complete temporary file is hard-linked into place (``link`` fails when
+        the name exists), on object stores a conditional write (S3 ``If-None-Match: *``,
+        GCS ``ifGenerationMatch=0``, Azure ``If-None-Match: *``). Readers never see a
+        partial object.
+
+        Raises:
+            CheckpointStoreError: the store failed, or it cannot write conditionally.
+        """
+
+        def run() -> bool:
+            self._makedirs(name)
+            path = self._path(name)
+            if self.is_local:
+                return _link_new(path, data)
+            if self.is_memory:
+                with _MEMORY_CREATE:
+                    if self.fs.exists(path):
+                        return False
+                    self.fs.pipe_file(path, data)
+                    return True
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            except Exception as exc:
+                if _status(exc) in (409, 412):  # taken, or a concurrent conditional write
+                    return False
+                raise
+            finally:
+                self._invalidate(name)
+            return True
+
+        return self._call("create", name, run)
 
     def write_stream(self, name: str, produce: Callable[[BinaryIO], None]) -> None:
         """Create ``name`` from what ``produce`` writes to the stream it is handed.
@@ -668,7 +745,7 @@ class Store:
                 shutil.rmtree(folder, ignore_errors=True)
             return
         fh: Any
-        if self._is_memory:
+        if self.is_memory:
             fh = self._call("open", name, lambda: io.BytesIO(self._read_memory(name)))
         else:
             fh = self._call("open", name, lambda: self.fs.open(self._path(name), "rb"))
@@ -679,7 +756,7 @@ class Store:
                 fh.close()
 
     def _download(self, name: str, local: str) -> None:
-        if self._is_memory:
+        if self.is_memory:
             with open(local, "wb") as fh:
                 fh.write(self._read_memory(name))
             return
@@ -689,7 +766,8 @@ class Store:
         self.fs.get_file(self._path(name), local, **options)
 
     @property
-    def _is_memory(self) -> bool:
+    def is_memory(self) -> bool:
+        """Whether the store is fsspec's in-process ``memory://`` filesystem."""
         return isinstance(self.fs, MemoryFileSystem)
 
     def _read_memory(self, name: str) -> bytes:
@@ -722,6 +800,38 @@ class Store:
                 self.fs.rm_file(self._path(name))
 
         self._call("delete", name, run)
+
+
+_MEMORY_CREATE = threading.Lock()
+"""Serialises exclusive creates on ``memory://``, which lives in this process alone."""
+
+
+def _link_new(path: str, data: bytes) -> bool:
+    """Put a complete file holding ``data`` at ``path`` unless something is there."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
+                raise
+            # No hard links here (some network and FUSE file systems): O_EXCL instead.
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 class _LostUpload(ConnectionError):

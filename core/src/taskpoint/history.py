@@ -1,0 +1,275 @@
+"""The run history: what each attempt did and what each save cost, kept beside the checkpoints.
+
+Records are small JSON objects under an action's ``attempts/`` folder (a public contract,
+see the README's layout section); store format 1 readers ignore the names they do not know::
+
+    attempts/<n:06d>              the claim: {"format", "started", "pid", "host"}
+    attempts/<n:06d>.resume.json  {"format", "at", "checkpoint", "restore_s", "size"}
+    attempts/<n:06d>.end.json     {"format", "ended", "outcome", "error"}
+
+``outcome`` is ``"succeeded"``, ``"failed"``, ``"preempted"`` or ``"crashed"`` (the attempt's
+process died: a signal or an exit without an outcome). What a save cost is recorded in its
+manifest's ``stats`` object and handed to :meth:`taskpoint.Checkpoint.on_commit` listeners as
+a :class:`SaveStats`.
+
+Records are informational: writing one is best effort (a failure is logged, never raised, so
+it cannot hide the task's own outcome), and a garbage record reads as unknown fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from taskpoint.errors import CheckpointError, CheckpointStoreError
+from taskpoint.manifest import FORMAT_VERSION, Manifest, loads_record
+from taskpoint.store import Store
+
+__all__ = [
+    "ATTEMPTS",
+    "OUTCOMES",
+    "AttemptRecord",
+    "SaveStats",
+    "attempt_numbers",
+    "claim_attempt",
+    "read_attempts",
+    "record_end",
+    "record_resume",
+]
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = "attempts"
+"""The folder, under a checkpoint's URL, that holds the attempt records."""
+
+Outcome = Literal["succeeded", "failed", "preempted", "crashed"]
+OUTCOMES: tuple[Outcome, ...] = ("succeeded", "failed", "preempted", "crashed")
+
+_CLAIM_RE = re.compile(r"^\d{6,}$")
+_RESUME = ".resume.json"
+_END = ".end.json"
+_MAX_CLAIM_TRIES = 1000
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What one committed save cost.
+
+    Attributes:
+        url: the committed manifest's URL.
+        attempt: the attempt that committed it.
+        seq: its save number within the attempt.
+        kind: ``"bytes"``, ``"file"`` or ``"directory"``.
+        size: stored payload bytes.
+        uploaded: bytes this save sent to the store.
+        reused: bytes the store already held and this save did not send.
+        save_s: seconds from the save call to the commit.
+        upload_s: seconds spent writing the payload and the manifest.
+        blocked_s: seconds the caller of ``save``/``save_sync`` waited: the whole save when
+            blocking, the snapshot when ``background=True``.
+        background: whether the save ran in the background.
+    """
+
+    url: str
+    attempt: int
+    seq: int
+    kind: str
+    size: int
+    uploaded: int
+    reused: int
+    save_s: float
+    upload_s: float
+    blocked_s: float
+    background: bool
+
+    def to_record(self) -> dict[str, Any]:
+        """The manifest's ``stats`` object."""
+        return {
+            "save_s": round(self.save_s, 6),
+            "upload_s": round(self.upload_s, 6),
+            "uploaded": self.uploaded,
+            "reused": self.reused,
+            "blocked_s": round(self.blocked_s, 6),
+            "background": self.background,
+        }
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One attempt as its records describe it; fields its records lack are ``None``.
+
+    Attributes:
+        attempt: the attempt number.
+        started: Unix time (seconds) of its claim.
+        pid: the process id that claimed it.
+        host: the host name that claimed it.
+        ended: Unix time (seconds) it ended.
+        outcome: how it ended (see :data:`OUTCOMES`).
+        error: the error that ended it, as text.
+        resumed_from: the manifest key of the checkpoint it loaded.
+        resumed_at: Unix time (seconds) the load finished.
+        restore_s: seconds the load took.
+        restored_size: stored bytes of the checkpoint it loaded.
+        unreadable: ``(record key, error)`` for each of its records the store could not
+            read (its fields read as unknown).
+    """
+
+    attempt: int
+    started: float | None = None
+    pid: int | None = None
+    host: str | None = None
+    ended: float | None = None
+    outcome: str | None = None
+    error: str | None = None
+    resumed_from: str | None = None
+    resumed_at: float | None = None
+    restore_s: float | None = None
+    restored_size: int | None = None
+    unreadable: tuple[tuple[str, str], ...] = ()
+
+
+def _claim_key(attempt: int) -> str:
+    return f"{ATTEMPTS}/{attempt:06d}"
+
+
+def _record(**fields: Any) -> bytes:
+    return json.dumps({"format": FORMAT_VERSION, **fields}).encode()
+
+
+def attempt_numbers(store: Store) -> list[int]:
+    """The claimed attempt numbers, ascending.
+
+    Raises:
+        CheckpointStoreError: the store failed.
+    """
+    return sorted(int(name) for name in store.list(ATTEMPTS) if _CLAIM_RE.match(name))
+
+
+def claim_attempt(store: Store, first: int) -> int:
+    """Claim the lowest free attempt number from ``first`` on, atomically.
+
+    Two processes claiming at once never get the same number: the claim is an exclusive
+    create (see :meth:`Store.create_exclusive`).
+
+    Raises:
+        CheckpointStoreError: the store failed, or no number could be claimed.
+    """
+    attempt = first
+    for _ in range(_MAX_CLAIM_TRIES):
+        record = _record(started=time.time(), pid=os.getpid(), host=socket.gethostname())
+        if store.create_exclusive(_claim_key(attempt), record):
+            return attempt
+        attempt += 1
+    raise CheckpointStoreError(
+        f"could not claim an attempt number at {store.url} after {_MAX_CLAIM_TRIES} tries",
+        url=store.url,
+    )
+
+
+def mark_attempt(store: Store, attempt: int) -> None:
+    """Record that ``attempt`` (numbered by its runner) started; best effort."""
+    record = _record(started=time.time(), pid=os.getpid(), host=socket.gethostname())
+    _best_effort(store, _claim_key(attempt), record)
+
+
+def record_resume(store: Store, attempt: int, manifest: Manifest, restore_s: float) -> None:
+    """Record that ``attempt`` resumed from ``manifest``; best effort."""
+    record = _record(
+        at=time.time(), checkpoint=manifest.key, restore_s=round(restore_s, 6), size=manifest.size
+    )
+    _best_effort(store, f"{_claim_key(attempt)}{_RESUME}", record)
+
+
+def record_end(store: Store, attempt: int, outcome: Outcome, error: str | None = None) -> None:
+    """Record how ``attempt`` ended; best effort."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
+    record = _record(ended=time.time(), outcome=outcome, error=error)
+    _best_effort(store, f"{_claim_key(attempt)}{_END}", record)
+
+
+def _best_effort(store: Store, key: str, data: bytes) -> None:
+    try:
+        store.write_atomic(key, data)
+    except CheckpointError as exc:
+        log.warning("could not write the run record %s: %s", store.url_of(key), exc)
+
+
+def read_attempts(store: Store) -> list[AttemptRecord]:
+    """Every attempt the records name, ascending; garbage or unreadable records read as
+    unknown fields (an unreadable one is named in :attr:`AttemptRecord.unreadable`).
+
+    Raises:
+        CheckpointStoreError: the store failed to list the records.
+    """
+    names = set(store.list(ATTEMPTS))
+    numbers: set[int] = set()
+    for name in names:
+        stem = name.removesuffix(_RESUME).removesuffix(_END)
+        if _CLAIM_RE.match(stem):
+            numbers.add(int(stem))
+    records = []
+    for attempt in sorted(numbers):
+        key = _claim_key(attempt)
+        unreadable: list[tuple[str, str]] = []
+        claim = _read(store, key, names, unreadable)
+        resume = _read(store, f"{key}{_RESUME}", names, unreadable)
+        end = _read(store, f"{key}{_END}", names, unreadable)
+        outcome = end.get("outcome")
+        records.append(
+            AttemptRecord(
+                attempt=attempt,
+                started=_number(claim.get("started")),
+                pid=_integer(claim.get("pid")),
+                host=_text(claim.get("host")),
+                ended=_number(end.get("ended")),
+                outcome=outcome if outcome in OUTCOMES else None,
+                error=_text(end.get("error")),
+                resumed_from=_text(resume.get("checkpoint")),
+                resumed_at=_number(resume.get("at")),
+                restore_s=_number(resume.get("restore_s")),
+                restored_size=_integer(resume.get("size")),
+                unreadable=tuple(unreadable),
+            )
+        )
+    return records
+
+
+def _read(
+    store: Store, key: str, names: set[str], unreadable: list[tuple[str, str]]
+) -> dict[str, Any]:
+    if key.rpartition("/")[2] not in names:
+        return {}
+    try:
+        raw = loads_record(store.read_bytes(key))
+    except (FileNotFoundError, ValueError):
+        return {}
+    except CheckpointStoreError as exc:  # one unreadable record (a folder, say), not the rest
+        unreadable.append((key, str(exc)))
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _number(value: object) -> float | None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _integer(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None

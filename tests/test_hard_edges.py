@@ -1,0 +1,477 @@
+"""Hard edges: hostile and damaged stores, unlucky operators, racing writers.
+
+Each test here failed before the behaviour it checks was built: a symlink chain that escapes
+the restore folder, malformed manifests raising raw exceptions, retention trusting names
+over manifests, local disk errors taken for corrupt checkpoints, two processes claiming the
+same attempt, and blank roots taken as paths.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import _servers
+import fsspec
+import pytest
+import taskpoint
+from click.testing import CliRunner
+from taskpoint import (
+    Checkpoint,
+    CheckpointRestoreError,
+    CheckpointUnsafeError,
+    TaskpointWarning,
+)
+from taskpoint._digest import Digest
+from taskpoint.cli import main
+from taskpoint.manifest import Manifest, manifest_name, payload_name
+from taskpoint.store import Store
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _plant(url: str, payload: bytes, *, attempt: int, seq: int, kind: str = "directory",
+           name: str | None = "tree", codec: str = "none") -> str:
+    """Commit ``payload`` under ``url`` as taskpoint would, with a checksum that matches."""
+    digest = Digest()
+    digest.update(payload)
+    fs, path = fsspec.core.url_to_fs(url)
+    token = payload_name(attempt, seq, "planted0")
+    fs.makedirs(f"{path}/checkpoints", exist_ok=True)
+    fs.pipe_file(f"{path}/checkpoints/{token}", payload)
+    manifest = Manifest(
+        kind=kind, name=name, codec=codec, size=len(payload),  # type: ignore[arg-type]
+        checksum=digest.checksum, payload=token, attempt=attempt, seq=seq, created=time.time(),
+    )
+    fs.pipe_file(f"{path}/checkpoints/{manifest.key}", manifest.to_json())
+    return manifest.key
+
+
+def _tar(build: Callable[[tarfile.TarFile], None]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        build(tar)
+    return buf.getvalue()
+
+
+def _entry(tar: tarfile.TarFile, name: str, kind: bytes, link: str = "",
+           data: bytes | None = None) -> None:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = link
+    if data is not None:
+        info.size = len(data)
+    tar.addfile(info, io.BytesIO(data) if data is not None else None)
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under ``root`` with its size and modification time, links not followed."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath, name)
+            st = path.lstat()
+            found[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+@pytest.fixture
+def accept_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python's tar filters replaced by ones that accept every entry as it is."""
+    def accept(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo:
+        return member
+
+    for name in ("data_filter", "tar_filter", "fully_trusted_filter"):
+        monkeypatch.setattr(tarfile, name, accept, raising=False)
+
+
+# -- 1. symlink chains and other archive tricks ----------------------------------------------
+
+
+def _cve_2025_4517(tar: tarfile.TarFile) -> None:
+    """Symlinks through nested long names whose resolved path outgrows PATH_MAX, which makes
+    ``os.path.realpath`` (and the ``data`` filter built on it) stop checking, then a link
+    and a file written through it, outside the tree."""
+    comp = "d" * 247
+    steps = "abcdefghijklmnop"
+    path = ""
+    for step in steps:
+        _entry(tar, os.path.join(path, comp), tarfile.DIRTYPE)
+        _entry(tar, os.path.join(path, step), tarfile.SYMTYPE, comp)
+        path = os.path.join(path, comp)
+    long_link = os.path.join(*steps, "l" * 254)
+    _entry(tar, long_link, tarfile.SYMTYPE, os.path.join(*[".."] * len(steps)))
+    _entry(tar, "escape", tarfile.SYMTYPE, long_link + "/" + "../" * 2 + "outside")
+    _entry(tar, "escape/pwned", tarfile.REGTYPE, data=b"pwned")
+
+
+ATTACKS: dict[str, Callable[[tarfile.TarFile], None]] = {
+    "cve-2025-4517 chain": _cve_2025_4517,
+    "file through a link": lambda tar: (
+        _entry(tar, "up", tarfile.SYMTYPE, ".."),
+        _entry(tar, "up/outside/pwned", tarfile.REGTYPE, data=b"pwned"),
+    ),
+    "link then a file of the same name": lambda tar: (
+        _entry(tar, "f", tarfile.SYMTYPE, "../outside/pwned"),
+        _entry(tar, "f", tarfile.REGTYPE, data=b"pwned"),
+    ),
+    "link resolved through a later link": lambda tar: (
+        _entry(tar, "x", tarfile.DIRTYPE),
+        _entry(tar, "a", tarfile.SYMTYPE, "b/outside"),
+        _entry(tar, "b", tarfile.SYMTYPE, "x/../.."),
+    ),
+    "hard link to a link": lambda tar: (
+        _entry(tar, "s", tarfile.SYMTYPE, "../outside/pwned"),
+        _entry(tar, "h", tarfile.LNKTYPE, "s"),
+    ),
+    "link loop": lambda tar: (
+        _entry(tar, "a", tarfile.SYMTYPE, "b"),
+        _entry(tar, "b", tarfile.SYMTYPE, "a"),
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_archive_tricks_are_refused_whatever_the_tar_filter(
+    attack: str, tmp_path: Path, accept_everything: None
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"mine")
+    store = tmp_path / "store"
+    _plant(str(store), _tar(ATTACKS[attack]), attempt=0, seq=0)
+    before = _tree(tmp_path)
+
+    with pytest.raises(CheckpointUnsafeError, match="refusing archive entry"):
+        Checkpoint(store, workdir=tmp_path / "restore").load_sync()
+
+    after = {k: v for k, v in _tree(tmp_path).items() if not k.startswith("restore")}
+    assert after == before  # nothing written or changed outside the restore folder
+    assert not (outside / "pwned").exists()
+    restored = tmp_path / "restore"
+    for path in restored.rglob("*") if restored.exists() else ():
+        if path.is_symlink():  # no link that leaves the folder is left behind
+            target = os.path.normpath(os.path.join(path.parent, os.readlink(path)))
+            assert target.startswith(str(restored)), path
+
+
+def test_links_inside_the_tree_still_round_trip(tmp_path: Path, accept_everything: None) -> None:
+    """The checks refuse escapes only: chains of links that stay inside restore as saved."""
+    tree = tmp_path / "tree"
+    (tree / "deep" / "er").mkdir(parents=True)
+    (tree / "deep" / "er" / "file").write_bytes(b"x" * 3000)
+    os.symlink("deep/er", tree / "short")
+    os.symlink("short/file", tree / "via-short")
+    os.symlink("../../via-short", tree / "deep" / "er" / "back")
+    os.link(tree / "deep" / "er" / "file", tree / "hard")
+    ckpt = Checkpoint(tmp_path / "store", workdir=tmp_path / "restore")
+    ckpt.save_sync(tree)
+    restored = ckpt.load_sync()
+    assert restored is not None
+    assert (restored / "deep" / "er" / "back").read_bytes() == b"x" * 3000
+    assert os.readlink(restored / "via-short") == "short/file"
+    assert (restored / "hard").stat().st_ino == (restored / "deep" / "er" / "file").stat().st_ino
+
+
+# -- 2. malformed manifests -------------------------------------------------------------------
+
+GARBAGE_MANIFESTS = {
+    "5000-digit integer": lambda good: good.replace(b'"size": ', b'"size": ' + b"9" * 5000 + b"0 * "),
+    "deep nesting": lambda good: b"[" * 100_000 + b"]" * 100_000,
+    "nested object": lambda good: b'{"format": 1, "kind": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b"}",
+    "NaN created": lambda good: good.replace(b'"created": ', b'"created": NaN, "x": '),
+    "not UTF-8": lambda good: b"\xff\xfe" + good,
+    "a number": lambda good: b"12",
+    "stats not an object": lambda good: good[:-1] + b', "stats": [1]}',
+}
+
+
+@pytest.mark.parametrize("case", sorted(GARBAGE_MANIFESTS))
+def test_malformed_newest_manifest_counts_as_corrupt_and_falls_back(
+    case: str, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    ckpt = Checkpoint(store, attempt=0, keep=2)
+    ckpt.save_sync(b"good")
+    good = (store / "checkpoints" / manifest_name(0, 0)).read_bytes()
+    (store / "checkpoints" / manifest_name(5, 0)).write_bytes(GARBAGE_MANIFESTS[case](good))
+
+    with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
+        restored = Checkpoint(store).load_sync()
+    assert restored is not None and restored.read_bytes() == b"good"
+    assert [m.key for m in Checkpoint(store).committed()] == [manifest_name(0, 0)]
+
+
+def test_garbage_records_never_break_history_or_claims(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    (store / "attempts").mkdir(parents=True)
+    (store / "attempts" / "000000").write_bytes(b"[" * 100_000)
+    (store / "attempts" / "000000.end.json").write_bytes(b'{"ended": 1' + b"0" * 5000 + b"}")
+    (store / "status.json").write_bytes(b"[" * 100_000)
+    ckpt = Checkpoint(store)
+    assert ckpt.status() is None
+    ckpt.save_sync(b"state")
+    assert ckpt.attempt == 1
+    records = taskpoint.history.read_attempts(Store(str(store)))
+    assert [(r.attempt, r.ended) for r in records] == [(0, None), (1, None)]
+
+
+# -- 3. retention keeps what a load would return ----------------------------------------------
+
+
+def _corrupt_payload(store: Path, key: str) -> None:
+    manifest = json.loads((store / "checkpoints" / key).read_text())
+    payload = store / "checkpoints" / manifest["payload"]
+    data = bytearray(payload.read_bytes())
+    data[0] ^= 0xFF
+    payload.write_bytes(bytes(data))
+
+
+def test_gc_keeps_the_intact_checkpoint_an_unfinished_run_resumes_from(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    store = root / "train" / "run-1"
+    ckpt = Checkpoint(store, attempt=0, keep=5)
+    for step in range(3):
+        ckpt.save_sync(f"step {step}".encode())
+    _corrupt_payload(store, manifest_name(0, 2))
+
+    result = CliRunner().invoke(main, ["gc", str(root), "--keep", "1"])
+    assert result.exit_code == 0, result.output
+
+    with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
+        restored = Checkpoint(store).load_sync()
+    assert restored is not None and restored.read_bytes() == b"step 1"
+    names = sorted(os.listdir(store / "checkpoints"))
+    assert manifest_name(0, 0) not in names  # older than the one kept: pruned
+
+
+@pytest.mark.parametrize("forgery", ["unparseable", "payload missing", "payload corrupt"])
+def test_a_far_future_record_never_makes_saves_prune_good_checkpoints(
+    forgery: str, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    Checkpoint(store, attempt=0).save_sync(b"last good")
+    future = store / "checkpoints" / manifest_name(999_999, 0)
+    if forgery == "unparseable":
+        future.write_bytes(b"not json")
+    else:
+        _plant(str(store), b"forged", attempt=999_999, seq=0, kind="bytes", name=None)
+        key = json.loads(future.read_text())["payload"]
+        if forgery == "payload missing":
+            (store / "checkpoints" / key).unlink()
+        else:
+            (store / "checkpoints" / key).write_bytes(b"FORGED")
+
+    with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
+        assert Checkpoint(store).load_sync().read_bytes() == b"last good"  # type: ignore[union-attr]
+    writer = Checkpoint(store, attempt=1)
+    writer.save_sync(b"newer")  # keep=1: prunes, but never its own commit
+    writer.save_sync(b"newest")
+    with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
+        restored = Checkpoint(store).load_sync()
+    assert restored is not None and restored.read_bytes() == b"newest"
+    listing = os.listdir(store / "checkpoints")
+    assert manifest_name(0, 0) not in listing and manifest_name(1, 0) not in listing
+
+
+def test_fewer_intact_than_keep_deletes_nothing(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    ckpt = Checkpoint(store, attempt=0, keep=10)
+    for step in range(3):
+        ckpt.save_sync(f"{step}".encode())
+    _corrupt_payload(store, manifest_name(0, 2))
+    before = sorted(os.listdir(store / "checkpoints"))
+    Checkpoint(store).prune(3)  # two intact ones only
+    assert sorted(os.listdir(store / "checkpoints")) == before
+
+
+# -- 5. local disk errors during a restore ----------------------------------------------------
+
+
+def _store_listing(store: Path) -> list[str]:
+    return sorted(str(p.relative_to(store)) for p in store.rglob("*"))
+
+
+def test_restore_into_an_unusable_folder_stops_the_load(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    ckpt = Checkpoint(store, attempt=0, keep=2)
+    ckpt.save_sync(b"older")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "weights").write_bytes(b"w" * 1000)
+    ckpt.save_sync(tree)
+    before = _store_listing(store)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the restore folder should go")
+
+    with pytest.raises(CheckpointRestoreError, match="local disk") as caught:
+        Checkpoint(store, workdir=blocker / "restore").load_sync()
+    assert str(blocker) in caught.value.path
+    assert _store_listing(store) == before  # nothing marked bad, nothing pruned
+    restored = Checkpoint(store, workdir=tmp_path / "ok").load_sync()
+    assert restored is not None and (restored / "weights").read_bytes() == b"w" * 1000
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a real disk that fills up."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        _servers.required(f"cannot mount a tmpfs here: {done.stderr.strip()}",
+                          "the disk-full restore test must run (CI runs as root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_a_full_disk_stops_the_load_and_keeps_every_checkpoint(
+    kind: str, tmp_path: Path, small_disk: Path
+) -> None:
+    store = tmp_path / "store"
+    ckpt = Checkpoint(store, attempt=0, keep=2)
+    ckpt.save_sync(b"small and older")
+    big = tmp_path / "big"
+    if kind == "file":
+        big.write_bytes(os.urandom(3 * 2**20))
+    else:
+        big.mkdir()
+        (big / "shard").write_bytes(os.urandom(3 * 2**20))
+    ckpt.save_sync(big)
+    before = _store_listing(store)
+
+    with pytest.raises(CheckpointRestoreError, match="No space left on device"):
+        Checkpoint(store, workdir=small_disk).load_sync()
+    assert _store_listing(store) == before
+    assert list(small_disk.iterdir()) == []  # the partial restore is cleaned up
+    # The next attempt, with room, resumes from the newest, and its save prunes nothing good.
+    resumed = Checkpoint(store, attempt=1, keep=2, workdir=tmp_path / "roomy")
+    assert resumed.load_sync() is not None
+    resumed.save_sync(b"after")
+    assert len(Checkpoint(store).committed()) == 2
+
+
+def test_a_file_over_the_size_limit_stops_the_load(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    ckpt = Checkpoint(store, attempt=0, keep=2)
+    ckpt.save_sync(b"older")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "shard").write_bytes(os.urandom(2 * 2**20))
+    ckpt.save_sync(tree)
+    before = _store_listing(store)
+    script = textwrap.dedent(f"""
+        import resource, signal, sys
+        import taskpoint
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+        try:
+            taskpoint.Checkpoint({str(store)!r}, workdir={str(tmp_path / 'restore')!r}).load_sync()
+        except taskpoint.CheckpointRestoreError as exc:
+            print("restore error:", exc)
+            sys.exit(3)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "File too large" in done.stdout
+    assert _store_listing(store) == before
+
+
+# -- 6. attempt claims are atomic on every store ----------------------------------------------
+
+
+def test_exclusive_create_has_one_winner(store_url: str) -> None:
+    store = Store(store_url)
+    results: list[bool] = []
+    barrier = threading.Barrier(6)
+
+    def create(i: int) -> None:
+        barrier.wait()
+        results.append(Store(store_url).create_exclusive("attempts/000000", f"{i}".encode()))
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == [False] * 5 + [True]
+    assert store.create_exclusive("attempts/000000", b"again") is False
+    assert store.read_bytes("attempts/000000") in {f"{i}".encode() for i in range(6)}
+
+
+def test_concurrent_binds_never_share_an_attempt(store_url: str) -> None:
+    attempts: list[int | None] = []
+    barrier = threading.Barrier(5)
+
+    def bind_and_save() -> None:
+        ckpt = Checkpoint.at(store_url, keep=10)
+        barrier.wait()
+        ckpt.save_sync(b"state")
+        attempts.append(ckpt.attempt)
+
+    threads = [threading.Thread(target=bind_and_save) for _ in range(5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(a for a in attempts if a is not None) == [0, 1, 2, 3, 4]
+
+
+def test_processes_binding_at_once_never_share_an_attempt(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    go = tmp_path / "go"
+    script = textwrap.dedent(f"""
+        import os, time, taskpoint
+        ckpt = taskpoint.Checkpoint.at({str(store)!r}, keep=10)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.001)
+        ckpt.save_sync(b"x")
+        print(ckpt.attempt)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+             for _ in range(6)]
+    time.sleep(1.5)  # every process is waiting at the line
+    go.touch()
+    claimed = sorted(int(p.communicate(timeout=60)[0]) for p in procs)
+    assert claimed == list(range(6))
+
+
+# -- 8. blank roots ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\t\n"])
+def test_blank_roots_are_refused(blank: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="blank"):
+        Checkpoint(blank)
+    with pytest.raises(ValueError, match="root is blank"):
+        taskpoint.TaskEnvironment(name="env", root=blank)
+    monkeypatch.setenv("TASKPOINT_ROOT", blank)
+    monkeypatch.setenv("TASKPOINT_ACTION", "job")
+    with pytest.raises(ValueError, match="TASKPOINT_ROOT is blank"):
+        taskpoint.ctx()
+    env = taskpoint.TaskEnvironment(name="env")
+    with pytest.raises(ValueError, match="TASKPOINT_ROOT is blank"):
+        env.resolve_root()
+    result = CliRunner().invoke(main, ["ls"])
+    assert result.exit_code != 0 and "TASKPOINT_ROOT is blank" in result.output
+
+
+@pytest.mark.parametrize("name", ["run-a\n", "run\n\n", "a/b", "..", ""])
+def test_names_must_match_whole(name: str) -> None:
+    """A trailing newline passed a ``$``-anchored check; names are matched whole."""
+    with pytest.raises(ValueError, match="run_id must be"):
+        taskpoint.TaskEnvironment(name="env", run_id=name)
