@@ -12,10 +12,13 @@ snapshot later writes cannot change, starts uploading it and returns::
         log_metrics(stats.metrics())
     mirror.wait()                              # at the end of training
 
-On a :class:`~taskpoint.Checkpoint` (anything with ``wait``) the snapshot and upload are
-``save_sync(folder, background=True)``'s; on another checkpoint object (Flyte's) the mirror
-takes the snapshot and calls ``save_sync`` from its own upload thread. ``blocking=True``
-uploads in :meth:`FolderMirror.save` itself. At most one upload is in flight, and none is
+The snapshot hard-links the folder's files where the disk allows (copying the rest): the
+framework must replace or delete files, never rewrite one in place, while an upload runs.
+On a :class:`~taskpoint.Checkpoint` the snapshot and upload are
+``save_sync(folder, background=True, snapshot="link")``'s (on another object with a
+``wait`` method, ``save_sync(folder, background=True)``'s); on another checkpoint object
+(Flyte's) the mirror takes the same snapshot and calls ``save_sync`` from its own upload
+thread. ``blocking=True`` uploads in :meth:`FolderMirror.save` itself. At most one upload is in flight, and none is
 ever queued behind it, so every save is uploaded, in order.
 """
 
@@ -28,10 +31,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from taskpoint._types import CheckpointLike
-from taskpoint.checkpoint import _classify, _discard, _lower_priority, _snapshot, _Source
+from taskpoint.checkpoint import (
+    Checkpoint,
+    _classify,
+    _discard,
+    _lower_priority,
+    _snapshot,
+    _Source,
+)
+from taskpoint.history import SaveStats
 
 __all__ = ["FolderMirror", "MirrorStats", "combined_metrics"]
 
@@ -101,7 +111,7 @@ class _Save:
     started: float
     blocked_s: float | None = None
     upload_s: float | None = None
-    commit: Any = None  # the checkpoint's SaveStats, when it reports them
+    commit: SaveStats | None = None  # what the checkpoint reported, if it does
     committed: bool = False
     reported: bool = False
 
@@ -170,10 +180,12 @@ class FolderMirror:
                 with self._cond:
                     record.upload_s = upload_s
                     record.committed = True
-            elif self._native is not None:
+            elif isinstance(self._checkpoint, Checkpoint):
+                self._checkpoint.save_sync(folder, background=True, snapshot="link")
+            elif self._native is not None:  # another object with taskpoint's wait()
                 self._checkpoint.save_sync(folder, background=True)  # type: ignore[call-arg]
             else:
-                source = _snapshot(_classify(folder))
+                source = _snapshot(_classify(folder, started), "link")
                 # The caller's context variables go along: another system's checkpoint
                 # (Flyte's) may find its task context through them.
                 context = contextvars.copy_context()
@@ -298,7 +310,7 @@ class FolderMirror:
         finally:
             _discard(source)
 
-    def _on_commit(self, stats: Any) -> None:
+    def _on_commit(self, stats: SaveStats) -> None:
         with self._cond:
             record = self._current
             if record is None or record.committed:
@@ -312,14 +324,13 @@ class FolderMirror:
         if record.reported or not record.committed or record.blocked_s is None:
             return
         commit = record.commit
-        upload_s = getattr(commit, "upload_s", None) if commit is not None else None
         self._reports.append(
             MirrorStats(
                 step=record.step,
                 blocked_s=record.blocked_s,
-                upload_s=upload_s if upload_s is not None else record.upload_s,
-                uploaded_bytes=getattr(commit, "uploaded", None),
-                stored_bytes=getattr(commit, "size", None),
+                upload_s=commit.upload_s if commit is not None else record.upload_s,
+                uploaded_bytes=commit.uploaded if commit is not None else None,
+                stored_bytes=commit.size if commit is not None else None,
                 background=record.background,
             )
         )
