@@ -75,7 +75,9 @@ class MirrorStats:
 
     def metrics(self) -> dict[str, float]:
         """The figures known, as ``taskpoint/<name>`` metrics."""
-        return combined_metrics([self])
+        out = combined_metrics([self])
+        del out[f"{PREFIX}saves"]
+        return out
 
 
 def combined_metrics(stats: Sequence[MirrorStats]) -> dict[str, float]:
