@@ -1,4 +1,4 @@
-"""``FolderMirror``: upload a finished local folder without stopping training for the store.
+r"""``FolderMirror``: upload a finished local folder without stopping training for the store.
 
 For the framework adapters (``taskpoint_hf``, ``taskpoint_lightning``), whose frameworks
 write a checkpoint folder and then never rewrite a finished checkpoint in it, only delete
@@ -20,17 +20,25 @@ On a :class:`~taskpoint.Checkpoint` the snapshot and upload are
 (Flyte's) the mirror takes the same snapshot and calls ``save_sync`` from its own upload
 thread. ``blocking=True`` uploads in :meth:`FolderMirror.save` itself. At most one upload is in flight, and none is
 ever queued behind it, so every save is uploaded, in order.
+
+Every mirror (and whatever else an adapter passes to :func:`track`) is known to
+:func:`settle_uploads`, which the adapters' restore functions call first: a retry in the
+same process never loads the store while the failed attempt's last upload still runs. At
+interpreter exit the uploads in flight are waited for, up to :data:`EXIT_WAIT_S` seconds.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import (
@@ -43,12 +51,113 @@ from taskpoint.checkpoint import (
 )
 from taskpoint.history import SaveStats
 
-__all__ = ["FolderMirror", "MirrorStats", "combined_metrics"]
+__all__ = [
+    "EXIT_WAIT_S", "FolderMirror", "MirrorStats", "UploadThread", "combined_metrics",
+    "settle_uploads", "track",
+]
 
 log = logging.getLogger(__name__)
 
 PREFIX = "taskpoint/"
 """The prefix of every metric name the adapters log."""
+EXIT_WAIT_S = 60.0
+"""How long interpreter exit waits for the uploads in flight."""
+
+
+class _Waitable(Protocol):
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+_tracked: weakref.WeakSet[_Waitable] = weakref.WeakSet()
+
+
+def track(uploads: _Waitable) -> None:
+    """Make :func:`settle_uploads` (and interpreter exit) wait for ``uploads``."""
+    _tracked.add(uploads)
+
+
+def settle_uploads(timeout: float | None = None) -> None:
+    """Wait for every tracked upload still running in this process.
+
+    Their errors are logged, not raised: they belong to attempts that have ended (the store
+    keeps the checkpoint before each failed upload).
+
+    Args:
+        timeout: at most this many seconds per upload (``None``: no limit).
+    """
+    for uploads in list(_tracked):
+        try:
+            if not uploads.wait(timeout):
+                log.warning("an upload still runs after %ss; not waiting for it", timeout)
+        except Exception as exc:
+            log.warning("an upload of an earlier attempt failed: %s: %s", type(exc).__name__, exc)
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    settle_uploads(EXIT_WAIT_S)
+
+
+class UploadThread:
+    """One job at a time in a daemon thread, at a lower CPU priority, with the context
+    variables of the caller of :meth:`start` (another system's checkpoint, Flyte's, may
+    find its task context through them). A job's error is raised by the next :meth:`wait`.
+
+    Args:
+        name: the thread's name.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, job: Callable[[], object]) -> None:
+        """Run ``job`` in the thread; the previous job must have been waited for.
+
+        Raises:
+            RuntimeError: the previous job has not been waited for.
+        """
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError(f"{self._name}: the previous job was not waited for")
+            context = contextvars.copy_context()
+            self._thread = threading.Thread(
+                target=context.run, args=(self._run, job), name=self._name, daemon=True
+            )
+            self._thread.start()
+
+    def _run(self, job: Callable[[], object]) -> None:
+        _lower_priority()
+        try:
+            job()
+        except BaseException as exc:  # raised by the next wait()
+            log.warning("%s failed: %s: %s", self._name, type(exc).__name__, exc)
+            with self._lock:
+                self._error = exc
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job has finished.
+
+        Returns:
+            ``True`` once no job runs; ``False`` when ``timeout`` ran out first.
+
+        Raises:
+            BaseException: what the job raised (raised once).
+        """
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                return False
+        with self._lock:
+            self._thread = None
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return True
 
 
 @dataclass(frozen=True)
@@ -141,13 +250,13 @@ class FolderMirror:
         self._cond = threading.Condition()
         self._current: _Save | None = None
         self._reports: list[MirrorStats] = []
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._worker = UploadThread("taskpoint-mirror-upload")
         self._waiter: tuple[threading.Thread, list[BaseException]] | None = None
         on_commit = getattr(checkpoint, "on_commit", None)
         self._reports_commits = callable(on_commit)
         if callable(on_commit):
             on_commit(self._on_commit)
+        track(self)
 
     @property
     def blocking(self) -> bool:
@@ -188,16 +297,7 @@ class FolderMirror:
                 self._checkpoint.save_sync(folder, background=True)  # type: ignore[call-arg]
             else:
                 source = _snapshot(_classify(folder, started), "link")
-                # The caller's context variables go along: another system's checkpoint
-                # (Flyte's) may find its task context through them.
-                context = contextvars.copy_context()
-                thread = threading.Thread(
-                    target=context.run, args=(self._upload, record, source),
-                    name="taskpoint-mirror-upload", daemon=True,
-                )
-                with self._cond:
-                    self._thread = thread
-                thread.start()
+                self._worker.start(lambda: self._upload(record, source))
         except BaseException:
             with self._cond:
                 self._current = None
@@ -225,7 +325,10 @@ class FolderMirror:
         if record is None:
             return True
         try:
-            done = self._wait_native(timeout) if self._native is not None else self._join(timeout)
+            done = (
+                self._wait_native(timeout) if self._native is not None
+                else self._worker.wait(timeout)
+            )
         except BaseException:
             with self._cond:
                 self._current = None
@@ -279,38 +382,18 @@ class FolderMirror:
         except BaseException as exc:  # handed to the thread that waits
             box.append(exc)
 
-    def _join(self, timeout: float | None) -> bool:
-        with self._cond:
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                return False
-        with self._cond:
-            self._thread = None
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-        return True
-
     def _upload(self, record: _Save, source: _Source) -> None:
-        _lower_priority()
         started = time.monotonic()
         try:
             assert source.path is not None
             self._checkpoint.save_sync(source.path)
-        except BaseException as exc:  # raised by the next save or wait()
-            log.warning("background upload to %r failed: %s", self._checkpoint, exc)
-            with self._cond:
-                self._error = exc
-        else:
-            with self._cond:
-                record.upload_s = time.monotonic() - started
-                if not self._reports_commits:
-                    record.committed = True
-                self._report(record)
         finally:
             _discard(source)
+        with self._cond:
+            record.upload_s = time.monotonic() - started
+            if not self._reports_commits:
+                record.committed = True
+            self._report(record)
 
     def _on_commit(self, stats: SaveStats) -> None:
         with self._cond:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from taskpoint import CheckpointLike
+from taskpoint._mirror import settle_uploads
 from taskpoint_hf import TaskpointTrainerCallback, checkpoint_step, restore_last_checkpoint
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import (
@@ -99,6 +100,9 @@ class StopAt(TrainerCallback):
 
     ``event`` is ``"step_end"`` (before that step's save) or ``"save"`` (after
     ``checkpoint-<step>`` is written, before any later callback such as the upload).
+
+    It first waits for the uploads still in flight, so the stop lands between two uploads
+    (uploads run in the background; ``test_background`` stops a run during one).
     """
 
     def __init__(self, step: int, *, how: str = "raise", event: str = "step_end") -> None:
@@ -107,6 +111,7 @@ class StopAt(TrainerCallback):
     def _stop(self, state: TrainerState) -> None:
         if state.global_step != self.step:
             return
+        settle_uploads()
         if self.how == "exit":
             os._exit(KILLED_EXIT)
         raise Interrupt(f"simulated failure at step {state.global_step}")

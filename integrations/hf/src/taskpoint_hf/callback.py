@@ -62,7 +62,12 @@ class TaskpointTrainerCallback(TrainerCallback):
     waits for it first. An upload that failed raises its error at the next ``on_save`` or
     at ``on_train_end``, which also waits for the upload in flight. On SIGTERM inside a
     taskpoint task (``taskpoint.ctx().on_preempt``) the attempt ends once the upload in
-    flight is done, or after ``preempt_timeout`` seconds.
+    flight is done, or after ``preempt_timeout`` seconds. The Trainer has no hook for an
+    exception out of training: an upload still in flight then finishes in the background,
+    and :func:`~taskpoint_hf.restore_last_checkpoint` (a retry in the same process) or the
+    interpreter's exit (for up to a minute) waits for it. Where an orchestrator collects
+    the attempt's checkpoint as soon as the task function returns (Flyte's local retries
+    copy it then), call :meth:`wait` in a ``finally`` around ``trainer.train()``.
 
     A just-in-time checkpoint (``enable_jit_checkpoint``), which the Trainer writes on
     SIGTERM without calling ``on_save``, is uploaded in ``on_train_end``.
