@@ -126,8 +126,14 @@ def _fsspec_registry_restored() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``@pytest.mark.gpu`` tests, with the reason, where CUDA is missing."""
+    """Skip ``@pytest.mark.gpu`` tests, with the reason, where CUDA is missing; with
+    ``TASKPOINT_REQUIRE_GPU=1`` (the GPU workflow) that is an error instead."""
     if any("gpu" in item.keywords for item in items) and not _cuda_available():
+        if os.environ.get("TASKPOINT_REQUIRE_GPU") == "1":
+            raise pytest.UsageError(
+                "TASKPOINT_REQUIRE_GPU=1 but torch.cuda.is_available() is False: the gpu "
+                "tests would be skipped"
+            )
         skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
         for item in items:
             if "gpu" in item.keywords:

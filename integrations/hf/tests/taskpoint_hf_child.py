@@ -2,6 +2,7 @@
 
     python taskpoint_hf_child.py --store URL --work DIR --recipes classifier,sft
         [--reference] [--stop RECIPE:STEP:EVENT] [--set KEY=INT ...]
+        [--slow-upload MARKER:SECONDS]
 
 Runs each recipe in order against the checkpoint ``URL/<recipe>`` (a new attempt per
 process), writing ``DIR/results/<recipe>-rank<R>.pt`` when it finishes; a recipe whose
@@ -10,7 +11,9 @@ process stopped. ``--stop`` makes the process die (``os._exit(137)``) at that st
 (``step_end`` or ``save``) unless a result exists; under torchrun only the highest rank
 dies, as one failing worker would. ``--reference`` first runs each recipe uninterrupted,
 without any checkpoint. Each rank logs every checkpoint save and load it makes to
-``DIR/calls-rank<R>.jsonl``.
+``DIR/calls-rank<R>.jsonl``. ``--slow-upload`` saves to a plain ``taskpoint.Checkpoint``
+instead (background uploads through ``save_sync(background=True)``; ``--store`` must be a
+``file://`` URL), whose second upload creates the file ``MARKER``, then stalls for ``SECONDS``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--stop", default=None)
     parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--slow-upload", default=None)
     opts = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -57,9 +61,15 @@ def main() -> None:
         stop = None
         if name == stop_recipe and rank == world - 1:
             stop = kit.StopAt(int(stop_step), how="exit", event=stop_event)
-        checkpoint = kit.RecordingCheckpoint(
-            taskpoint.Checkpoint(f"{opts.store}/{name}"), opts.work / f"calls-rank{rank}.jsonl", rank
-        )
+        if opts.slow_upload:
+            url = f"{opts.store}/{name}"
+            slow = kit.SlowUpload(url.removeprefix("file://"), *opts.slow_upload.split(":"))
+            checkpoint = taskpoint.Checkpoint(url, progress=slow)
+        else:
+            checkpoint = kit.RecordingCheckpoint(
+                taskpoint.Checkpoint(f"{opts.store}/{name}"), opts.work / f"calls-rank{rank}.jsonl",
+                rank,
+            )
         result = kit.RECIPES[name](checkpoint, opts.work / name, stop=stop, **overrides)
         print(f"rank {rank}: {name} resumed from {result.resumed_from}", flush=True)
         torch.save(result.to_dict(), done)

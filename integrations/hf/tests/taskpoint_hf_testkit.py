@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from taskpoint import CheckpointLike
+from taskpoint._mirror import settle_uploads
 from taskpoint_hf import TaskpointTrainerCallback, checkpoint_step, restore_last_checkpoint
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import (
@@ -98,6 +100,9 @@ class StopAt(TrainerCallback):
 
     ``event`` is ``"step_end"`` (before that step's save) or ``"save"`` (after
     ``checkpoint-<step>`` is written, before any later callback such as the upload).
+
+    It first waits for the uploads still in flight, so the stop lands between two uploads
+    (uploads run in the background; ``test_background`` stops a run during one).
     """
 
     def __init__(self, step: int, *, how: str = "raise", event: str = "step_end") -> None:
@@ -106,6 +111,7 @@ class StopAt(TrainerCallback):
     def _stop(self, state: TrainerState) -> None:
         if state.global_step != self.step:
             return
+        settle_uploads()
         if self.how == "exit":
             os._exit(KILLED_EXIT)
         raise Interrupt(f"simulated failure at step {state.global_step}")
@@ -121,6 +127,23 @@ class StopAt(TrainerCallback):
     ) -> None:
         if self.event == "save":
             self._stop(state)
+
+
+class SlowUpload:
+    """A ``progress=`` callback for a checkpoint stored in the local folder ``store``: the
+    first upload that starts once the store holds a committed checkpoint (the second save's)
+    creates the file ``marker``, then stalls for ``seconds``."""
+
+    def __init__(self, store: str | os.PathLike[str], marker: str | os.PathLike[str], seconds: str | float) -> None:
+        self.store, self.marker, self.seconds = Path(store), Path(marker), float(seconds)
+        self._done = False
+
+    def __call__(self, moved: int) -> None:
+        if self._done or not any((self.store / "checkpoints").glob("*.manifest.json")):
+            return
+        self._done = True
+        self.marker.write_text(str(time.time()))
+        time.sleep(self.seconds)
 
 
 @dataclass
@@ -162,7 +185,10 @@ def assert_same_run(got: Result, want: Result) -> None:
 def _result(trainer: Trainer, resumed: Path | None) -> Result:
     losses = [(int(h["step"]), float(h["loss"])) for h in trainer.state.log_history if "loss" in h]
     weights = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
-    return Result(trainer.state.global_step, losses, weights, str(resumed) if resumed else None)
+    extra = {"log_history": [dict(entry) for entry in trainer.state.log_history]}
+    return Result(
+        trainer.state.global_step, losses, weights, str(resumed) if resumed else None, extra
+    )
 
 
 def _classifier_args(out_dir: Path, **overrides: Any) -> TrainingArguments:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,8 @@ class TinyModule(L.LightningModule):
 
     ``fail_at`` holds global steps at which ``training_step`` raises once each (the set
     is shared across attempts, so a retry passes the same step); ``kill_at`` makes the
-    process die there with ``os._exit(137)``.
+    process die there with ``os._exit(137)``, after calling ``before_kill`` if set (the
+    scripts wait there for the mirror in flight, so the kill lands between two mirrors).
     """
 
     def __init__(self, fail_at: set[int] | None = None, kill_at: int | None = None) -> None:
@@ -51,6 +52,7 @@ class TinyModule(L.LightningModule):
         )
         self.fail_at = fail_at if fail_at is not None else set()
         self.kill_at = kill_at
+        self.before_kill: Callable[[], object] | None = None
         self.started_at: tuple[int, int] | None = None
 
     def on_train_start(self) -> None:
@@ -58,6 +60,8 @@ class TinyModule(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.kill_at is not None and self.global_step == self.kill_at:
+            if self.before_kill is not None:
+                self.before_kill()
             os._exit(137)
         if self.global_step in self.fail_at:
             self.fail_at.discard(self.global_step)
@@ -239,6 +243,25 @@ class SlowCheckpointIO(TorchCheckpointIO):
             fh.flush()
             time.sleep(self.pause)
             fh.write(data[len(data) // 2 :])
+
+
+class SlowUpload:
+    """A ``progress=`` callback for a checkpoint stored in the local folder ``store``: the
+    first upload that starts once the store holds a committed checkpoint (the second
+    mirror's) creates the file ``marker``, then stalls for ``seconds``."""
+
+    def __init__(
+        self, store: str | os.PathLike[str], marker: str | os.PathLike[str], seconds: str | float
+    ) -> None:
+        self.store, self.marker, self.seconds = Path(store), Path(marker), float(seconds)
+        self._done = False
+
+    def __call__(self, moved: int) -> None:
+        if self._done or not any((self.store / "checkpoints").glob("*.manifest.json")):
+            return
+        self._done = True
+        self.marker.write_text(str(time.time()))
+        time.sleep(self.seconds)
 
 
 def checkpoint_like(obj: object) -> CheckpointLike:

@@ -1,8 +1,11 @@
 """A child process for the tests: trains TinyModule against a store, resuming from it.
 
 Usage: python train_script.py STORE_URL WORKDIR OUT [--mode step|epoch] [--kill-at N]
-[--devices N] [--log FILE]. Dies with os._exit(137) at global step N when asked; writes
-the final weights to OUT (global rank zero) and prints ``STARTED <epoch> <step>``.
+[--devices N] [--log FILE] [--slow-upload MARKER:SECONDS]. Dies with os._exit(137) at
+global step N when asked, once the mirror in flight has committed; writes the final
+weights to OUT (global rank zero) and prints ``STARTED <epoch> <step>``. ``--slow-upload``
+mirrors to a plain ``taskpoint.Checkpoint`` (``STORE_URL`` a ``file://`` URL) whose second
+upload creates the file MARKER, then stalls for SECONDS.
 """
 
 from __future__ import annotations
@@ -29,14 +32,20 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--log", default=None)
+    parser.add_argument("--slow-upload", default=None)
     args = parser.parse_args()
 
-    ckpt = lib.RecordingCheckpoint(Checkpoint(args.store), args.log)
+    if args.slow_upload:
+        slow = lib.SlowUpload(args.store.removeprefix("file://"), *args.slow_upload.split(":"))
+        ckpt = Checkpoint(args.store, progress=slow)
+    else:
+        ckpt = lib.RecordingCheckpoint(Checkpoint(args.store), args.log)
     dirpath = args.workdir / "ckpts"
     L.seed_everything(0)
     model = lib.TinyModule(kill_at=args.kill_at)
     every = {"every_n_epochs": 1} if args.mode == "epoch" else {"every_n_train_steps": 3}
     mc = TaskpointModelCheckpoint(ckpt, dirpath=dirpath, save_last=True, **every)
+    model.before_kill = mc.wait  # mirrors upload in the background: die between two
     extra = {"devices": args.devices, "strategy": "ddp"} if args.devices > 1 else {}
     trainer = lib.trainer([mc], default_root_dir=args.workdir, **extra)
     loader = lib.loader("shuffle" if args.devices > 1 else "resumable")

@@ -112,3 +112,11 @@ def test_torchrun_failures_on_one_rank_stop_every_rank(killed_job: Path) -> None
     assert r1["rank1-load-fails"] == "RuntimeError: download failed (simulated)"
     assert r0["rank1-load-fails"].startswith("StateError: cannot restore the state: rank 1 failed")
     assert r0["good-restore"] == r1["good-restore"] == "ok"
+
+    assert r0["bg-store-fails"] == r1["bg-store-fails"] == "ok"  # returned before the upload
+    assert r0["bg-next-save"] == "RuntimeError: store unavailable (simulated)"
+    assert r1["bg-next-save"].startswith("StateError: cannot save the state: rank 0 failed")
+    assert "store unavailable" in r1["bg-next-save"]
+    assert r0["bg-good-save"] == r1["bg-good-save"] == "ok"
+    assert r0["bg-wait"] == r1["bg-wait"] == "ok"
+    assert r0["bg-restored-epoch"] == r1["bg-restored-epoch"] == "5"

@@ -1,4 +1,5 @@
-"""CUDA: checkpoints move between devices, and every device's RNG state comes back."""
+"""CUDA: checkpoints move between devices, every device's RNG state comes back, and a
+background save copies the state to pinned memory when it is called."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import taskpoint
 import torch
 from taskpoint_pytorch import TaskpointState
+from taskpoint_pytorch.state import _cpu_copy
 from torch import nn
 
 pytestmark = pytest.mark.gpu
@@ -66,6 +68,50 @@ def test_every_cuda_device_rng_state_is_restored(store_url: str) -> None:
     expected = [torch.rand(5, device=device) for device in devices]
     for device in devices:
         torch.rand(11, device=device)
+    TaskpointState(nn.Linear(1, 1).cuda()).restore_sync(checkpoint)
+    for device, want in zip(devices, expected, strict=True):
+        assert torch.equal(torch.rand(5, device=device), want), device
+
+
+def test_a_background_save_copies_to_pinned_memory_at_the_call(store_url: str) -> None:
+    model, opt = _trained("cuda")
+    copied = _cpu_copy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    tensors = [*copied["model"].values()] + [
+        v for entry in copied["optimizer"]["state"].values() for v in entry.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    assert tensors and all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
+
+    saved = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    checkpoint = taskpoint.Checkpoint(store_url)
+    state = TaskpointState(model, opt, blocking=False)
+    state.save_sync(checkpoint, epoch=1)
+    for _ in range(3):  # the training tensors change in place while the save uploads
+        opt.zero_grad()
+        model(torch.randn(5, 4, device="cuda")).pow(2).mean().backward()
+        opt.step()
+    assert state.wait()
+
+    fresh = nn.Linear(4, 3).cuda()
+    resume = TaskpointState(fresh, torch.optim.Adam(fresh.parameters(), lr=0.01)).restore_sync(
+        checkpoint
+    )
+    assert resume is not None and resume.epoch == 1
+    for key, value in saved.items():
+        assert torch.equal(fresh.state_dict()[key].cpu(), value), key
+
+
+def test_a_background_save_keeps_the_cuda_rng_state_of_the_call(store_url: str) -> None:
+    torch.cuda.manual_seed_all(0)
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    for device in devices:
+        torch.rand(7, device=device)
+    checkpoint = taskpoint.Checkpoint(store_url)
+    state = TaskpointState(nn.Linear(1, 1).cuda(), blocking=False)
+    state.save_sync(checkpoint)
+    expected = [torch.rand(5, device=device) for device in devices]  # while it uploads
+    assert state.wait()
+
     TaskpointState(nn.Linear(1, 1).cuda()).restore_sync(checkpoint)
     for device, want in zip(devices, expected, strict=True):
         assert torch.equal(torch.rand(5, device=device), want), device

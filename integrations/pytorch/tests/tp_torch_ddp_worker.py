@@ -147,6 +147,13 @@ def errors(rank: int, out: Path) -> None:
     failing_load = FailingCheckpoint(shared.inner, events) if rank == 1 else shared
     attempt("rank1-load-fails", lambda: state.restore_sync(failing_load))
     attempt("good-restore", lambda: print(rank, state.restore_sync(shared)))
+    # Background saves: a failed upload on rank 0 fails every rank's next save.
+    attempt("bg-store-fails", lambda: state.save_sync(failing, epoch=3, background=True))
+    attempt("bg-next-save", lambda: state.save_sync(shared, epoch=4, background=True))
+    attempt("bg-good-save", lambda: state.save_sync(shared, epoch=5, background=True))
+    attempt("bg-wait", lambda: state.wait())
+    resumed = state.restore_sync(shared)
+    outcomes["bg-restored-epoch"] = str(resumed.epoch if resumed else None)
     (out / f"errors-rank{rank}.json").write_text(json.dumps(outcomes))
 
 

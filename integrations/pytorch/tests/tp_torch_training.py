@@ -81,8 +81,10 @@ def run(
     epochs: int = EPOCHS,
     before_step: Callable[[int], None] | None = None,
     on_resume: Callable[[Any], None] | None = None,
+    background: bool = False,
 ) -> dict[str, Any]:
-    """Train to ``epochs``, resuming from and saving to ``checkpoint`` each epoch when given."""
+    """Train to ``epochs``, resuming from and saving to ``checkpoint`` each epoch when given
+    (in the background with ``background``: the last save is waited for at the end)."""
     resume = state.restore_sync(checkpoint) if state is not None and checkpoint is not None else None
     if on_resume is not None:
         on_resume(resume)
@@ -96,7 +98,12 @@ def run(
             history.append(train_step(parts, xb, yb))
         parts.scheduler.step()
         if state is not None and checkpoint is not None:
-            state.save_sync(checkpoint, epoch=epoch + 1, step=step, extra={"history": history})
+            state.save_sync(
+                checkpoint, epoch=epoch + 1, step=step, extra={"history": history},
+                background=background,
+            )
+    if state is not None and background:
+        state.wait()
     return snapshot(parts, history)
 
 

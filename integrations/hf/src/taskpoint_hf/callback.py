@@ -10,6 +10,10 @@ Example::
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[TaskpointTrainerCallback(ckpt, args.output_dir)])
     trainer.train(resume_from_checkpoint=restore_last_checkpoint(ckpt, args))
+
+Each upload runs in the background: training goes on while the store is written, and the
+cost of each save is logged with the Trainer's own metrics (``taskpoint/blocked_s``,
+``taskpoint/upload_s``, ``taskpoint/uploaded_bytes``, ``taskpoint/stored_bytes``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+import taskpoint
 from taskpoint import CheckpointLike
+from taskpoint._mirror import FolderMirror, combined_metrics
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from taskpoint_hf import _distributed
@@ -41,16 +47,39 @@ def _written_dir(args: TrainingArguments) -> Path:
 class TaskpointTrainerCallback(TrainerCallback):
     """Save the Trainer's ``output_dir`` to a taskpoint checkpoint after each ``checkpoint-N``.
 
-    The upload happens in ``on_save``, which the Trainer (and TRL's trainers built on it,
+    The save happens in ``on_save``, which the Trainer (and TRL's trainers built on it,
     such as ``SFTTrainer``) calls once ``checkpoint-N`` is completely written and the
     ``save_total_limit`` rotation has deleted old ones, so the store holds exactly the
     checkpoints the Trainer kept. In a distributed job every rank first waits until all
     ranks have written their part (each writes its own RNG state, sharded strategies their
-    shards), then only world process zero uploads. Works with ``save_strategy`` ``"steps"``
+    shards), then only world process zero saves. Works with ``save_strategy`` ``"steps"``
     and ``"epoch"``, full models and PEFT adapters alike.
+
+    By default the upload runs in the background: world process zero takes a snapshot of
+    ``output_dir`` (hard links where the disk allows, a copy otherwise; the Trainer never
+    rewrites a finished ``checkpoint-N``), starts uploading it and returns, and every rank
+    trains on. At most one upload is in flight: a save while the previous upload still runs
+    waits for it first. An upload that failed raises its error at the next ``on_save`` or
+    at ``on_train_end``, which also waits for the upload in flight. On SIGTERM inside a
+    taskpoint task (``taskpoint.ctx().on_preempt``) the attempt ends once the upload in
+    flight is done, or after ``preempt_timeout`` seconds. The Trainer has no hook for an
+    exception out of training: an upload still in flight then finishes in the background,
+    and :func:`~taskpoint_hf.restore_last_checkpoint` (a retry in the same process) or the
+    interpreter's exit (for up to a minute) waits for it. Where an orchestrator collects
+    the attempt's checkpoint as soon as the task function returns (Flyte's local retries
+    copy it then), call :meth:`wait` in a ``finally`` around ``trainer.train()``.
 
     A just-in-time checkpoint (``enable_jit_checkpoint``), which the Trainer writes on
     SIGTERM without calling ``on_save``, is uploaded in ``on_train_end``.
+
+    Each save's cost is added to the Trainer's logs (``on_log``, so ``state.log_history``,
+    the console and the callbacks after this one see it) at the next log after its upload
+    committed: ``taskpoint/blocked_s`` (how long training waited), ``taskpoint/upload_s``,
+    ``taskpoint/uploaded_bytes``, ``taskpoint/stored_bytes`` (the last two where the
+    checkpoint reports them, as :class:`taskpoint.Checkpoint` does) and ``taskpoint/saves``
+    (how many saves the figures add up). The Trainer calls its reporting integrations
+    (``report_to``) before the callbacks you pass; for them to log these figures too, pass
+    ``report_to="none"`` and list their callbacks after this one.
 
     Resume with :func:`~taskpoint_hf.restore_last_checkpoint`.
 
@@ -59,14 +88,24 @@ class TaskpointTrainerCallback(TrainerCallback):
             :class:`~taskpoint.CheckpointLike` such as Flyte's checkpoint).
         output_dir: the Trainer's ``output_dir``; ``None`` takes ``args.output_dir`` when
             training begins.
+        blocking: upload inside ``on_save``, every rank waiting until it has committed
+            (the behaviour before background uploads).
+        preempt_timeout: how many seconds a SIGTERM waits for the upload in flight;
+            ``None`` waits as long as it takes.
 
     Raises:
         TypeError: ``checkpoint`` lacks the checkpoint methods, or ``output_dir`` is not a
             path.
+        ValueError: ``preempt_timeout`` is negative.
     """
 
     def __init__(
-        self, checkpoint: CheckpointLike, output_dir: str | os.PathLike[str] | None = None
+        self,
+        checkpoint: CheckpointLike,
+        output_dir: str | os.PathLike[str] | None = None,
+        *,
+        blocking: bool = False,
+        preempt_timeout: float | None = 60.0,
     ) -> None:
         if not isinstance(checkpoint, CheckpointLike):
             raise TypeError(
@@ -78,17 +117,41 @@ class TaskpointTrainerCallback(TrainerCallback):
                 "output_dir must be a str or os.PathLike naming the Trainer's output_dir, or "
                 f"None to use args.output_dir; got {type(output_dir).__name__}"
             )
+        if preempt_timeout is not None and not preempt_timeout >= 0:
+            raise ValueError(
+                f"preempt_timeout must be a number of seconds >= 0 or None; got {preempt_timeout!r}"
+            )
         self._checkpoint = checkpoint
         self._output_dir = Path(os.fspath(output_dir)) if output_dir is not None else None
         self._mirrored_step: int | None = None
+        self._uploads = FolderMirror(checkpoint, blocking=blocking)
+        self._preempt_timeout = preempt_timeout
+        self._preempt_contexts: list[taskpoint.TaskContext] = []
 
     def __repr__(self) -> str:
-        return f"TaskpointTrainerCallback({self._checkpoint!r}, output_dir={self._output_dir!r})"
+        return (
+            f"TaskpointTrainerCallback({self._checkpoint!r}, output_dir={self._output_dir!r}, "
+            f"blocking={self._uploads.blocking})"
+        )
 
     @property
     def output_dir(self) -> Path | None:
         """The directory mirrored (``None`` until training begins when none was given)."""
         return self._output_dir
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the upload in flight (if any) has committed.
+
+        Args:
+            timeout: give up after this many seconds (``None``: no limit).
+
+        Returns:
+            ``True`` once no upload runs; ``False`` if ``timeout`` ran out first.
+
+        Raises:
+            taskpoint.CheckpointError: the upload failed.
+        """
+        return self._uploads.wait(timeout)
 
     def _folder(self, args: TrainingArguments) -> Path:
         if self._output_dir is None:
@@ -115,6 +178,8 @@ class TaskpointTrainerCallback(TrainerCallback):
             )
         newest = _scan(folder).complete
         self._mirrored_step = _step(newest[-1]) if newest else None
+        if state.is_world_process_zero:
+            self._wait_on_preempt()
         if (
             state.is_world_process_zero
             and args.save_total_limit is None
@@ -129,26 +194,89 @@ class TaskpointTrainerCallback(TrainerCallback):
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Upload ``output_dir`` once every rank has finished writing ``checkpoint-N``."""
+        """Save ``output_dir`` once every rank has finished writing ``checkpoint-N``.
+
+        Raises:
+            taskpoint.CheckpointError: the previous background upload failed (on world
+                process zero; the store keeps the checkpoint before it).
+        """
         self._mirror(args, state, state.global_step)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Add the figures of the saves committed since the last log to ``logs``."""
+        if logs is None or not state.is_world_process_zero:
+            return
+        metrics = self._take_metrics()
+        if not metrics:
+            return
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)  # the Trainer's copy of these logs
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Upload a newer complete checkpoint that no ``on_save`` announced (a JIT one)."""
+        """Upload a newer complete checkpoint that no ``on_save`` announced (a JIT one), and
+        wait for the upload in flight.
+
+        Raises:
+            taskpoint.CheckpointError: an upload failed (on world process zero).
+        """
         newest = _scan(self._folder(args)).complete if state.is_world_process_zero else []
         step = _step(newest[-1]) if newest else None
         behind = step is not None and (self._mirrored_step is None or step > self._mirrored_step)
         if any(_distributed.all_gather_object(behind)):
             self._mirror(args, state, step)
+        if state.is_world_process_zero:
+            self._uploads.wait()
+            metrics = self._take_metrics()
+            if metrics:  # no log follows on_train_end: keep them in the log history
+                state.log_history.append({**metrics, "step": state.global_step})
 
     def _mirror(self, args: TrainingArguments, state: TrainerState, step: int | None) -> None:
         _distributed.barrier()  # every rank has written its files into checkpoint-N
+        if not self._uploads.blocking:
+            if state.is_world_process_zero:
+                self._save(args, step)
+            return
         try:
             if state.is_world_process_zero:
-                folder = self._folder(args)
-                log.info("saving %s (step %s) to %r", folder, step, self._checkpoint)
-                self._checkpoint.save_sync(folder)
-                self._mirrored_step = step
+                self._save(args, step)
         finally:
             _distributed.barrier()  # nobody writes the next checkpoint during the upload
+
+    def _save(self, args: TrainingArguments, step: int | None) -> None:
+        folder = self._folder(args)
+        log.info("saving %s (step %s) to %r", folder, step, self._checkpoint)
+        self._uploads.save(folder, step=step)
+        self._mirrored_step = step
+
+    def _take_metrics(self) -> dict[str, float]:
+        return combined_metrics(self._uploads.take_stats())
+
+    def _wait_on_preempt(self) -> None:
+        """Inside a taskpoint task, make SIGTERM wait for the upload in flight (once per
+        task context)."""
+        context = taskpoint.ctx()
+        if context is None or any(c is context for c in self._preempt_contexts):
+            return
+        self._preempt_contexts.append(context)
+        context.on_preempt(self._on_preempt)
+
+    def _on_preempt(self) -> None:
+        try:
+            if not self._uploads.wait(self._preempt_timeout):
+                log.warning(
+                    "SIGTERM: the upload to %r still runs after %ss; ending the attempt "
+                    "without it (the store keeps the checkpoint before)",
+                    self._checkpoint, self._preempt_timeout,
+                )
+        except Exception as exc:  # the attempt ends with Preempted either way
+            log.warning("SIGTERM: the upload to %r failed: %s", self._checkpoint, exc)

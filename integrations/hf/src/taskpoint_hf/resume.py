@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from taskpoint import CheckpointError, CheckpointLike, TaskpointWarning
+from taskpoint._mirror import settle_uploads
 
 from taskpoint_hf import _distributed
 
@@ -178,6 +179,9 @@ def restore_last_checkpoint(checkpoint: CheckpointLike, output_dir: OutputDir) -
     modification times one second apart in step order, all in the past, so the Trainer's
     ``save_total_limit`` rotation (which orders by modification time) keeps the newest.
 
+    Uploads this process still runs (a failed attempt's, retried in the same process) are
+    waited for first, so the newest checkpoint is found.
+
     In a distributed job one process restores (the main process of each node when
     ``save_on_each_node`` is set, else global rank 0) while the others wait; every rank
     gets the same checkpoint back.
@@ -203,6 +207,7 @@ def restore_last_checkpoint(checkpoint: CheckpointLike, output_dir: OutputDir) -
             f"save/save_sync/load/load_sync); got {type(checkpoint).__name__}"
         )
     folder, per_node, ranks = _target(output_dir)
+    settle_uploads()  # a failed attempt's upload, when retried in this process
     restores = ranks.local_rank == 0 if per_node else ranks.rank == 0
     outcome: tuple[str, int | str | None] | None = None
     failure: BaseException | None = None

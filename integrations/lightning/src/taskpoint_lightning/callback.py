@@ -10,6 +10,10 @@ Example::
     mc = TaskpointModelCheckpoint(ckpt, dirpath="ckpts", save_last=True)
     trainer = L.Trainer(max_epochs=10, callbacks=[mc])
     trainer.fit(model, ckpt_path=resume_ckpt_path(ckpt, dirpath="ckpts"))
+
+Each mirror uploads in the background while training goes on; what each cost is logged to
+the Trainer's loggers as ``taskpoint/blocked_s``, ``taskpoint/upload_s``,
+``taskpoint/uploaded_bytes`` and ``taskpoint/stored_bytes``.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import taskpoint
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from taskpoint import CheckpointLike, TaskpointWarning
+from taskpoint._mirror import FolderMirror
 
-from taskpoint_lightning._mirror import flush_async_io, unfinished_files
+from taskpoint_lightning._mirror import flush_async_io, unfinished_files, unshare
 from taskpoint_lightning._rng import capture_rng, pick_rng, restore_rng
 from taskpoint_lightning.resume import filled_by_resume
 
@@ -73,9 +79,24 @@ class _TaskpointMirror:
     last_model_path: str
     _last_checkpoint_saved: str
 
-    def __init__(self, checkpoint: CheckpointLike, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        checkpoint: CheckpointLike,
+        *args: Any,
+        blocking: bool = False,
+        preempt_timeout: float | None = 60.0,
+        **kwargs: Any,
+    ) -> None:
         self._taskpoint = _check_checkpoint(checkpoint, type(self).__name__)
+        if preempt_timeout is not None and not preempt_timeout >= 0:
+            raise ValueError(
+                f"{type(self).__name__}: preempt_timeout must be a number of seconds >= 0 or "
+                f"None; got {preempt_timeout!r}"
+            )
         super().__init__(*args, **kwargs)
+        self._uploads = FolderMirror(checkpoint, blocking=blocking)
+        self._preempt_timeout = preempt_timeout
+        self._preempt_contexts: list[taskpoint.TaskContext] = []
         self._unmirrored = False
         self._trainer_ref: weakref.ReferenceType[pl.Trainer] | None = None
         self._rng_for_train_start: dict[str, Any] | None = None
@@ -84,6 +105,20 @@ class _TaskpointMirror:
     def checkpoint(self) -> CheckpointLike:
         """The store checkpoint that ``dirpath`` is mirrored to."""
         return self._taskpoint
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the mirror in flight (if any) has committed.
+
+        Args:
+            timeout: give up after this many seconds (``None``: no limit).
+
+        Returns:
+            ``True`` once no upload runs; ``False`` if ``timeout`` ran out first.
+
+        Raises:
+            taskpoint.CheckpointError: the upload failed.
+        """
+        return self._uploads.wait(timeout)
 
     # -- setup ------------------------------------------------------------------------
 
@@ -100,10 +135,16 @@ class _TaskpointMirror:
                 "holds the durable copy)"
             )
         self._trainer_ref = weakref.ref(trainer)
+        if trainer.is_global_zero:
+            self._wait_on_preempt()
 
     # -- saving: note each change Lightning makes to dirpath ----------------------------
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if trainer.is_global_zero:
+            # torch.save rewrites an existing file (last.ckpt) in place; a snapshot still
+            # uploading may hold a hard link to it, so give the new content a new file.
+            unshare(filepath)
         super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
         self._unmirrored = True
 
@@ -138,6 +179,7 @@ class _TaskpointMirror:
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)  # type: ignore[misc]
         self._mirror(trainer)
+        self._finish(trainer)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -145,6 +187,14 @@ class _TaskpointMirror:
         super().on_exception(trainer, pl_module, exception)  # type: ignore[misc]
         try:
             self._mirror(trainer)
+            # A SIGTERM (Lightning's SIGTERMException, taskpoint's Preempted) or another
+            # failure: the attempt ends once the upload in flight is done.
+            if trainer.is_global_zero and not self._uploads.wait(self._preempt_timeout):
+                log.warning(
+                    "the mirror of %s to %s still runs after %ss; %s ends the attempt without "
+                    "it (the store keeps the mirror before)", self.dirpath,
+                    _describe(self._taskpoint), self._preempt_timeout, type(exception).__name__,
+                )
         except Exception as exc:  # never hide the exception that stopped training
             log.warning(
                 "could not mirror %s to %s while handling %s: %s: %s", self.dirpath,
@@ -156,9 +206,47 @@ class _TaskpointMirror:
         if stage == "fit":
             # Lightning has shut its checkpoint plugins down by now: every write is done.
             self._mirror(trainer, final=True)
+            self._finish(trainer)
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        """Wait for the mirror in flight (raising its error) and log what is left."""
+        if trainer.is_global_zero:
+            self._uploads.wait()
+            self._log_stats(trainer)
+
+    def _log_stats(self, trainer: pl.Trainer) -> None:
+        """Log the figures of the mirrors committed since the last call (global rank 0)."""
+        for stats in self._uploads.take_stats():
+            metrics = stats.metrics()
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _wait_on_preempt(self) -> None:
+        """Inside a taskpoint task, make its SIGTERM handler wait for the mirror in flight
+        (once per task context). Installed before Lightning's own handler, which then
+        calls it."""
+        context = taskpoint.ctx()
+        if context is None or any(c is context for c in self._preempt_contexts):
+            return
+        self._preempt_contexts.append(context)
+        context.on_preempt(self._on_preempt)
+
+    def _on_preempt(self) -> None:
+        try:
+            if not self._uploads.wait(self._preempt_timeout):
+                log.warning(
+                    "SIGTERM: the mirror to %s still runs after %ss; ending the attempt "
+                    "without it (the store keeps the mirror before)",
+                    _describe(self._taskpoint), self._preempt_timeout,
+                )
+        except Exception as exc:  # the attempt ends with Preempted either way
+            log.warning("SIGTERM: the mirror to %s failed: %s", _describe(self._taskpoint), exc)
 
     def _mirror(self, trainer: pl.Trainer, *, final: bool = False) -> None:
-        """Save ``dirpath`` to the store if Lightning changed it since the last mirror."""
+        """Start saving ``dirpath`` to the store if Lightning changed it since the last
+        mirror; log the figures of mirrors committed since the last hook."""
+        if trainer.is_global_zero:
+            self._log_stats(trainer)
         if not self._unmirrored:
             return
         if not trainer.is_global_zero or self.dirpath is None:
@@ -180,11 +268,12 @@ class _TaskpointMirror:
                 log.info("%s; trying again after the next save", message)
             return
         started = time.monotonic()
-        self._taskpoint.save_sync(root)
+        self._uploads.save(root, step=trainer.global_step)
         self._unmirrored = False
         log.info(
-            "mirrored %s to %s at step %d in %.2fs",
-            root, _describe(self._taskpoint), trainer.global_step, time.monotonic() - started,
+            "%s %s to %s at step %d in %.2fs",
+            "mirrored" if self._uploads.blocking else "started mirroring", root,
+            _describe(self._taskpoint), trainer.global_step, time.monotonic() - started,
         )
 
     # -- random state ------------------------------------------------------------------
@@ -259,6 +348,22 @@ class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
     Each time Lightning has finished a save (the file written, ``save_last`` written or
     linked, top-k pruning done), global rank zero saves the whole ``dirpath`` to the store
     as one checkpoint, so the store never holds a deleted or partially written file.
+
+    By default the upload runs in the background: rank zero takes a snapshot of
+    ``dirpath`` (hard links where the disk allows, a copy otherwise), starts uploading it
+    and training goes on. A file Lightning writes again (``last.ckpt``) is written as a
+    new file, so the snapshot keeps the old one. At most one upload is in flight: a mirror
+    while the previous upload still runs waits for it first. A failed upload raises its
+    error at the next mirror or when training ends (``on_train_end``, ``teardown``), which
+    also waits for the upload in flight; when training stops on an exception (a SIGTERM
+    included: Lightning's, or taskpoint's ``on_preempt`` inside a task) the attempt ends
+    once the upload in flight is done, or after ``preempt_timeout`` seconds.
+
+    What each mirror cost is logged to the Trainer's loggers (``trainer.loggers``) at the
+    next hook after it committed: ``taskpoint/blocked_s`` (how long training waited),
+    ``taskpoint/upload_s``, and where the checkpoint reports them (a
+    :class:`taskpoint.Checkpoint` does) ``taskpoint/uploaded_bytes`` and
+    ``taskpoint/stored_bytes``.
     Saves from ``every_n_train_steps`` (mid-epoch), ``every_n_epochs``,
     ``train_time_interval``, validation and ``save_on_exception`` are all mirrored. Writes
     queued by Lightning's ``AsyncCheckpointIO`` are waited for first.
@@ -276,13 +381,18 @@ class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
         checkpoint: where to mirror: a :class:`taskpoint.Checkpoint`,
             ``taskpoint.ctx().checkpoint`` or any :class:`taskpoint.CheckpointLike`.
         *args: ``ModelCheckpoint``'s positional arguments (``dirpath``, ``filename``, ...).
+        blocking: upload inside the hook that saved, training waiting until it has
+            committed (the behaviour before background uploads).
+        preempt_timeout: how many seconds an exception or SIGTERM waits for the upload in
+            flight; ``None`` waits as long as it takes.
         **kwargs: ``ModelCheckpoint``'s keyword arguments: ``dirpath``, ``filename``,
             ``monitor``, ``save_last`` (``True`` or ``"link"``), ``save_top_k``,
             ``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval``, ...
 
     Raises:
         TypeError: ``checkpoint`` is not checkpoint-like (``None`` included).
-        ValueError: at setup, ``dirpath`` is not a local folder.
+        ValueError: ``preempt_timeout`` is negative; at setup, ``dirpath`` is not a local
+            folder.
         taskpoint.CheckpointError: a mirror failed (after the store's own retries); the
             training stops and a retry resumes from the previous mirror. A mirror failing
             while Lightning handles another exception is logged instead, so that

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from taskpoint import CheckpointLike, latest_checkpoint
+from taskpoint._mirror import settle_uploads
 
 __all__ = ["resume_ckpt_path"]
 
@@ -72,9 +73,13 @@ def resume_ckpt_path(
         (newest by modification time, which the store keeps); ``None`` when nothing was
         mirrored yet (the first attempt) or the mirror holds no ``.ckpt`` file.
 
+    Mirrors this process still uploads (a failed attempt's, retried in the same process)
+    are waited for first, so the newest one is found.
+
     Raises:
         taskpoint.CheckpointError: the store could not be read.
     """
+    settle_uploads()
     restored = checkpoint.load_sync()
     if restored is None:
         return None

@@ -20,14 +20,26 @@ Under ``torch.distributed`` every rank calls ``save``/``restore``: the RNG state
 ranks are gathered, global rank 0 alone writes and commits, and no rank returns from
 ``save`` before the commit (or its failure) is known. On restore every rank loads the same
 committed bundle and they check they agree; each rank gets its own RNG state back.
+
+``save_sync(..., background=True)`` (or ``TaskpointState(..., blocking=False)``) copies the
+state off the training tensors (to pinned CPU memory from CUDA) and returns; serialising and
+uploading run in a background thread, one save at a time::
+
+    state = TaskpointState(model, optimizer, blocking=False)
+    for epoch in range(start, epochs):
+        train_one_epoch(...)
+        state.save_sync(checkpoint, epoch=epoch + 1)   # returns once the copy is taken
+    state.wait()                                       # the last upload has committed
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,7 +47,8 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
 import torch
-from taskpoint import CheckpointLike
+from taskpoint import Checkpoint, CheckpointLike
+from taskpoint._mirror import UploadThread, settle_uploads, track
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
@@ -172,6 +185,7 @@ class _Staged:
     error: BaseException | None = None
     folder: Path | None = None
     path: Path | None = None
+    bundle: dict[str, Any] | None = None  # a background save's private copy
 
     def cleanup(self) -> None:
         if self.folder is not None:
@@ -197,6 +211,12 @@ class TaskpointState:
         rng: save and restore the global RNGs (Python ``random``, NumPy's legacy global
             generator, torch CPU, every initialised CUDA device). Without them a resumed run
             draws different shuffles, dropout masks and augmentations than an uninterrupted one.
+        blocking: whether ``save``/``save_sync`` wait for the commit by default (each call's
+            ``background=`` overrides it). A background save copies the state (to pinned
+            CPU memory from CUDA, with non-blocking copies and one stream sync per device),
+            returns, and serialises and uploads it in a thread; the next save waits for it
+            only while it still runs. Its error is raised by the next save or
+            :meth:`wait`. Restoring first waits for uploads still in flight.
 
     Raises:
         TypeError: an object of the wrong kind.
@@ -212,6 +232,7 @@ class TaskpointState:
         *,
         generators: Mapping[str, torch.Generator] | None = None,
         rng: bool = True,
+        blocking: bool = True,
     ) -> None:
         self._models = _named("model", "model", model, _is_a(nn.Module, "a torch.nn.Module"))
         self._optimizers = _named(
@@ -231,6 +252,9 @@ class TaskpointState:
             "generators", "generator", generators, _is_a(torch.Generator, "a torch.Generator")
         )
         self._rng = bool(rng)
+        self._blocking = bool(blocking)
+        self._uploads = UploadThread("taskpoint-state-upload")
+        track(self._uploads)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{kind}={sorted(names)}" for kind, names in self.layout().items())
@@ -259,6 +283,7 @@ class TaskpointState:
         epoch: int = 0,
         step: int = 0,
         extra: Mapping[str, Any] | None = None,
+        background: bool | None = None,
     ) -> None:
         """Commit the current state to ``checkpoint``, blocking until it is durable.
 
@@ -269,17 +294,25 @@ class TaskpointState:
             step: your step counter (e.g. optimizer steps done so far).
             extra: more state to keep: tensors, numbers, strings, bytes, None, and lists,
                 tuples and dicts of them (str keys at the top).
+            background: copy the state and return; serialise and upload it in a background
+                thread (``None``: the opposite of the state's ``blocking``). A save while the
+                previous background save still runs waits for it first.
 
         Under ``torch.distributed`` every rank must call this; only global rank 0 writes,
-        and every rank returns once the commit is done.
+        and every rank returns once the commit is done (a background save: once rank 0
+        has copied the state; a failed upload then fails every rank's next save).
 
         Raises:
             TypeError: ``checkpoint`` is not checkpoint-like, or a value (in ``extra``, a
                 model's extra state, ...) would not load with ``weights_only=True``.
             ValueError: a negative or non-int counter.
-            taskpoint.CheckpointError: the store failed (on rank 0), or
-                :class:`StateError` on the other ranks when rank 0 failed.
+            taskpoint.CheckpointError: the store failed (on rank 0; this save's, or a
+                background save's before it), or :class:`StateError` on the other ranks
+                when rank 0 failed.
         """
+        if self._in_background(background):
+            self._save_background(checkpoint, epoch, step, extra)
+            return
         staged = self._stage(checkpoint, epoch, step, extra)
         try:
             if staged.path is not None:
@@ -298,9 +331,14 @@ class TaskpointState:
         epoch: int = 0,
         step: int = 0,
         extra: Mapping[str, Any] | None = None,
+        background: bool | None = None,
     ) -> None:
         """Async :meth:`save_sync`: the upload is awaited; serialisation, and under
-        ``torch.distributed`` the collectives, run on the calling thread."""
+        ``torch.distributed`` the collectives, run on the calling thread. A background save
+        returns once the copy is taken, as :meth:`save_sync`'s does."""
+        if self._in_background(background):
+            self._save_background(checkpoint, epoch, step, extra)
+            return
         staged = self._stage(checkpoint, epoch, step, extra)
         try:
             if staged.path is not None:
@@ -312,14 +350,54 @@ class TaskpointState:
         finally:
             staged.cleanup()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the background save in flight (if any) has committed.
+
+        Local to the calling process: under ``torch.distributed`` only rank 0 has uploads.
+
+        Args:
+            timeout: give up after this many seconds (``None``: no limit).
+
+        Returns:
+            ``True`` once no upload runs; ``False`` if ``timeout`` ran out first.
+
+        Raises:
+            taskpoint.CheckpointError: the background save failed (raised once).
+        """
+        return self._uploads.wait(timeout)
+
+    def _in_background(self, background: bool | None) -> bool:
+        return not self._blocking if background is None else bool(background)
+
+    def _save_background(
+        self, checkpoint: CheckpointLike, epoch: int, step: int, extra: Mapping[str, Any] | None
+    ) -> None:
+        staged = self._stage(checkpoint, epoch, step, extra, copy=True)
+        self._settle(staged)  # every rank raises if rank 0 could not build the bundle
+        if staged.bundle is not None:
+            bundle = staged.bundle
+            self._uploads.start(lambda: _write_and_save(checkpoint, bundle))
+
     def _stage(
-        self, checkpoint: object, epoch: int, step: int, extra: Mapping[str, Any] | None
+        self,
+        checkpoint: object,
+        epoch: int,
+        step: int,
+        extra: Mapping[str, Any] | None,
+        *,
+        copy: bool = False,
     ) -> _Staged:
-        """Gather every rank's RNG state; on rank 0 write the bundle to a local file."""
+        """Gather every rank's RNG state; on rank 0 write the bundle to a local file (or,
+        with ``copy``, keep a private copy of it for a background save).
+
+        Rank 0 first waits for its background save in flight: its failure fails the save
+        on every rank."""
         rank, world = rank_and_size()
         local_error: Exception | None = None
         rng_state: dict[str, Any] | None = None
         try:
+            if rank == 0:
+                self._uploads.wait()
             _check_checkpoint(checkpoint)
             epoch = _check_counter("epoch", epoch)
             step = _check_counter("step", step)
@@ -337,6 +415,9 @@ class TaskpointState:
             bundle = self._bundle(epoch, step, extra_state, [r for r, _ in gathered], world)
             for key, value in bundle.items():
                 check_weights_only(value, key)
+            if copy:
+                staged.bundle = _cpu_copy(bundle)
+                return staged
             staged.folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
             staged.path = staged.folder / STATE_FILE
             torch.save(bundle, staged.path)
@@ -414,6 +495,7 @@ class TaskpointState:
             StateError: ranks restored different checkpoints, or another rank failed.
             taskpoint.CheckpointError: the store failed or holds no intact checkpoint.
         """
+        settle_uploads()  # a background save still uploading (an earlier attempt's too)
         try:
             _check_checkpoint(checkpoint)
             bundle = self._read(checkpoint.load_sync(), map_location)
@@ -425,6 +507,7 @@ class TaskpointState:
         self, checkpoint: CheckpointLike, *, map_location: MapLocation = None
     ) -> ResumePoint | None:
         """Async :meth:`restore_sync`: the download is awaited."""
+        settle_uploads()
         try:
             _check_checkpoint(checkpoint)
             bundle = self._read(await checkpoint.load(), map_location)
@@ -580,6 +663,63 @@ class TaskpointState:
                     )
             if mine is not None:
                 restore_rng(mine)
+
+
+def _cpu_copy(value: Any) -> Any:
+    """A copy of ``value`` whose tensors are private CPU tensors, taken now.
+
+    CUDA tensors go to pinned memory with non-blocking copies, then each device's current
+    stream is synchronised once; a tensor appearing twice is copied once.
+    """
+    devices: set[torch.device] = set()
+    seen: dict[int, torch.Tensor] = {}
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            if id(item) in seen:
+                return seen[id(item)]
+            tensor = item.detach()
+            if tensor.device.type == "cuda" and tensor.layout == torch.strided:
+                out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                out.copy_(tensor, non_blocking=True)
+                devices.add(tensor.device)
+            elif tensor.device.type == "cpu":
+                out = tensor.clone()
+            else:
+                out = tensor.to("cpu")
+            seen[id(item)] = out
+            return out
+        if isinstance(item, dict):
+            mapped = type(item)()
+            for key, child in item.items():
+                mapped[key] = walk(child)
+            return mapped
+        if isinstance(item, (list, tuple, set)):
+            return type(item)(walk(child) for child in item)
+        return copy.deepcopy(item)  # primitives (kept as they are) or a registered safe type
+
+    copied = walk(value)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    return copied
+
+
+def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
+    """A background save's work: serialise ``bundle`` and commit it."""
+    folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
+    try:
+        path = folder / STATE_FILE
+        torch.save(bundle, path)
+        log.debug("serialised state bundle (%d bytes) in %s", path.stat().st_size,
+                  threading.current_thread().name)
+        if isinstance(checkpoint, Checkpoint):
+            # Its upload process (or thread) sends it, off this process's GIL.
+            checkpoint.save_sync(path, background=True, snapshot="link")
+            checkpoint.wait()
+        else:
+            checkpoint.save_sync(path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _check_checkpoint(checkpoint: object) -> None:

@@ -1,0 +1,422 @@
+r"""``FolderMirror``: upload a finished local folder without stopping training for the store.
+
+For the framework adapters (``taskpoint_hf``, ``taskpoint_lightning``), whose frameworks
+write a checkpoint folder and then never rewrite a finished checkpoint in it, only delete
+old ones. Once the folder is complete the adapter calls :meth:`FolderMirror.save`, which
+waits for the previous upload only if it is still running (raising its error), takes a
+snapshot later writes cannot change, starts uploading it and returns::
+
+    mirror = FolderMirror(checkpoint)          # any CheckpointLike
+    mirror.save(output_dir, step=step)         # in the framework's save hook
+    for stats in mirror.take_stats():          # at a later hook, in the training thread
+        log_metrics(stats.metrics())
+    mirror.wait()                              # at the end of training
+
+The snapshot hard-links the folder's files where the disk allows (copying the rest): the
+framework must replace or delete files, never rewrite one in place, while an upload runs.
+On a :class:`~taskpoint.Checkpoint` the snapshot and upload are
+``save_sync(folder, background=True, snapshot="link")``'s (on another object with a
+``wait`` method, ``save_sync(folder, background=True)``'s); on another checkpoint object
+(Flyte's) the mirror takes the same snapshot and calls ``save_sync`` from its own upload
+thread. ``blocking=True`` uploads in :meth:`FolderMirror.save` itself. At most one upload is in flight, and none is
+ever queued behind it, so every save is uploaded, in order.
+
+Every mirror (and whatever else an adapter passes to :func:`track`) is known to
+:func:`settle_uploads`, which the adapters' restore functions call first: a retry in the
+same process never loads the store while the failed attempt's last upload still runs. At
+interpreter exit the uploads in flight are waited for, up to :data:`EXIT_WAIT_S` seconds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from taskpoint._types import CheckpointLike
+from taskpoint.checkpoint import (
+    Checkpoint,
+    _classify,
+    _discard,
+    _lower_priority,
+    _snapshot,
+    _Source,
+)
+from taskpoint.history import SaveStats
+
+__all__ = [
+    "EXIT_WAIT_S", "FolderMirror", "MirrorStats", "UploadThread", "combined_metrics",
+    "settle_uploads", "track",
+]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "taskpoint/"
+"""The prefix of every metric name the adapters log."""
+EXIT_WAIT_S = 60.0
+"""How long interpreter exit waits for the uploads in flight."""
+
+
+class _Waitable(Protocol):
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+_tracked: weakref.WeakSet[_Waitable] = weakref.WeakSet()
+
+
+def track(uploads: _Waitable) -> None:
+    """Make :func:`settle_uploads` (and interpreter exit) wait for ``uploads``."""
+    _tracked.add(uploads)
+
+
+def settle_uploads(timeout: float | None = None) -> None:
+    """Wait for every tracked upload still running in this process.
+
+    Their errors are logged, not raised: they belong to attempts that have ended (the store
+    keeps the checkpoint before each failed upload).
+
+    Args:
+        timeout: at most this many seconds per upload (``None``: no limit).
+    """
+    for uploads in list(_tracked):
+        try:
+            if not uploads.wait(timeout):
+                log.warning("an upload still runs after %ss; not waiting for it", timeout)
+        except Exception as exc:
+            log.warning("an upload of an earlier attempt failed: %s: %s", type(exc).__name__, exc)
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    settle_uploads(EXIT_WAIT_S)
+
+
+class UploadThread:
+    """One job at a time in a daemon thread, at a lower CPU priority, with the context
+    variables of the caller of :meth:`start` (another system's checkpoint, Flyte's, may
+    find its task context through them). A job's error is raised by the next :meth:`wait`.
+
+    Args:
+        name: the thread's name.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, job: Callable[[], object]) -> None:
+        """Run ``job`` in the thread; the previous job must have been waited for.
+
+        Raises:
+            RuntimeError: the previous job has not been waited for.
+        """
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError(f"{self._name}: the previous job was not waited for")
+            context = contextvars.copy_context()
+            self._thread = threading.Thread(
+                target=context.run, args=(self._run, job), name=self._name, daemon=True
+            )
+            self._thread.start()
+
+    def _run(self, job: Callable[[], object]) -> None:
+        _lower_priority()
+        try:
+            job()
+        except BaseException as exc:  # raised by the next wait()
+            log.warning("%s failed: %s: %s", self._name, type(exc).__name__, exc)
+            with self._lock:
+                self._error = exc
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job has finished.
+
+        Returns:
+            ``True`` once no job runs; ``False`` when ``timeout`` ran out first.
+
+        Raises:
+            BaseException: what the job raised (raised once).
+        """
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                return False
+        with self._lock:
+            self._thread = None
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return True
+
+
+@dataclass(frozen=True)
+class MirrorStats:
+    """What one mirrored save cost.
+
+    Attributes:
+        step: the training step the adapter saved at, when it gave one.
+        blocked_s: how long the save hook held training up (waiting for the previous
+            upload, the snapshot; the whole upload when blocking).
+        upload_s: payload and manifest write time; the whole ``save_sync`` call when the
+            checkpoint reports no figures of its own. ``None`` when unknown.
+        uploaded_bytes: bytes sent to the store, when the checkpoint reports them.
+        stored_bytes: the stored payload's size, when the checkpoint reports it.
+        background: whether the upload ran while training went on.
+    """
+
+    step: int | None
+    blocked_s: float
+    upload_s: float | None
+    uploaded_bytes: int | None
+    stored_bytes: int | None
+    background: bool
+
+    def metrics(self) -> dict[str, float]:
+        """The figures known, as ``taskpoint/<name>`` metrics."""
+        out = combined_metrics([self])
+        del out[f"{PREFIX}saves"]
+        return out
+
+
+def combined_metrics(stats: Sequence[MirrorStats]) -> dict[str, float]:
+    """``taskpoint/*`` metrics for ``stats`` (one or more saves reported together).
+
+    Times and uploaded bytes are summed; ``stored_bytes`` is the newest save's;
+    ``taskpoint/saves`` says how many saves the figures cover. Empty for no saves.
+    """
+    if not stats:
+        return {}
+    out: dict[str, float] = {
+        f"{PREFIX}blocked_s": sum(s.blocked_s for s in stats),
+        f"{PREFIX}saves": float(len(stats)),
+    }
+    upload = [s.upload_s for s in stats if s.upload_s is not None]
+    if upload:
+        out[f"{PREFIX}upload_s"] = sum(upload)
+    uploaded = [s.uploaded_bytes for s in stats if s.uploaded_bytes is not None]
+    if uploaded:
+        out[f"{PREFIX}uploaded_bytes"] = float(sum(uploaded))
+    stored = [s.stored_bytes for s in stats if s.stored_bytes is not None]
+    if stored:
+        out[f"{PREFIX}stored_bytes"] = float(stored[-1])
+    return out
+
+
+@dataclass
+class _Save:
+    """One mirrored save, until its figures are all known."""
+
+    step: int | None
+    background: bool
+    started: float
+    blocked_s: float | None = None
+    upload_s: float | None = None
+    commit: SaveStats | None = None  # what the checkpoint reported, if it does
+    committed: bool = False
+    reported: bool = False
+
+
+class FolderMirror:
+    """Mirror a local folder to ``checkpoint``, one background upload at a time.
+
+    Args:
+        checkpoint: a :class:`~taskpoint.Checkpoint` or any :class:`~taskpoint.CheckpointLike`.
+            Its ``wait`` (if any) is used for background saves and ``on_commit`` (if any)
+            for the upload figures; without them the mirror uploads from its own thread
+            and measures what it can.
+        blocking: upload inside :meth:`save`, as a plain ``save_sync`` call.
+
+    Meant for a checkpoint the mirror has to itself: the figures of each commit the
+    checkpoint reports are taken as those of the save in flight.
+    """
+
+    def __init__(self, checkpoint: CheckpointLike, *, blocking: bool = False) -> None:
+        self._checkpoint = checkpoint
+        self._blocking = blocking
+        self._native: Callable[[], None] | None = getattr(checkpoint, "wait", None)
+        if not callable(self._native):
+            self._native = None
+        self._cond = threading.Condition()
+        self._current: _Save | None = None
+        self._reports: list[MirrorStats] = []
+        self._worker = UploadThread("taskpoint-mirror-upload")
+        self._waiter: tuple[threading.Thread, list[BaseException]] | None = None
+        on_commit = getattr(checkpoint, "on_commit", None)
+        self._reports_commits = callable(on_commit)
+        if callable(on_commit):
+            on_commit(self._on_commit)
+        track(self)
+
+    @property
+    def blocking(self) -> bool:
+        """Whether :meth:`save` uploads before it returns."""
+        return self._blocking
+
+    @property
+    def uploading(self) -> bool:
+        """Whether an upload may still be running (until :meth:`wait` returns)."""
+        with self._cond:
+            return self._current is not None
+
+    def save(self, folder: str | Path, *, step: int | None = None) -> None:
+        """Start mirroring ``folder``, as it is now, and return.
+
+        Waits first for the previous upload if it is still running.
+
+        Raises:
+            CheckpointError: the previous upload failed (this folder is not saved then;
+                the store keeps the checkpoint before), or, when blocking, this one did.
+            FileNotFoundError: ``folder`` does not exist.
+        """
+        started = time.monotonic()
+        self.wait()
+        record = _Save(step, background=not self._blocking, started=started)
+        with self._cond:
+            self._current = record
+        try:
+            if self._blocking:
+                self._checkpoint.save_sync(folder)
+                upload_s = time.monotonic() - started
+                with self._cond:
+                    record.upload_s = upload_s
+                    record.committed = True
+            elif isinstance(self._checkpoint, Checkpoint):
+                self._checkpoint.save_sync(folder, background=True, snapshot="link")
+            elif self._native is not None:  # another object with taskpoint's wait()
+                self._checkpoint.save_sync(folder, background=True)  # type: ignore[call-arg]
+            else:
+                source = _snapshot(_classify(folder, started), "link")
+                self._worker.start(lambda: self._upload(record, source))
+        except BaseException:
+            with self._cond:
+                self._current = None
+            raise
+        with self._cond:
+            record.blocked_s = time.monotonic() - started
+            self._report(record)
+            if self._blocking:
+                self._current = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the upload in flight has committed.
+
+        Args:
+            timeout: give up after this many seconds (``None``: no limit).
+
+        Returns:
+            ``True`` once no upload is running; ``False`` when ``timeout`` ran out first.
+
+        Raises:
+            CheckpointError: what the upload raised (raised once).
+        """
+        with self._cond:
+            record = self._current
+        if record is None:
+            return True
+        try:
+            done = (
+                self._wait_native(timeout) if self._native is not None
+                else self._worker.wait(timeout)
+            )
+        except BaseException:
+            with self._cond:
+                self._current = None
+            raise
+        if not done:
+            return False
+        with self._cond:
+            if not record.committed:
+                record.committed = True  # the checkpoint reported no figures for it
+            self._report(record)
+            self._current = None
+        return True
+
+    def take_stats(self) -> list[MirrorStats]:
+        """The figures of the saves committed since the last call, oldest first."""
+        with self._cond:
+            reports, self._reports = self._reports, []
+        return reports
+
+    # -- internals --------------------------------------------------------------------
+
+    def _wait_native(self, timeout: float | None) -> bool:
+        """``checkpoint.wait()``, given up after ``timeout`` seconds.
+
+        ``wait`` takes no timeout, so it runs in a helper thread; one that outlives its
+        timeout is joined again by the next call, so the error it catches is not lost.
+        """
+        with self._cond:
+            if self._waiter is None:
+                box: list[BaseException] = []
+                waiter = threading.Thread(
+                    target=self._run_wait, args=(box,), name="taskpoint-mirror-wait",
+                    daemon=True,
+                )
+                self._waiter = (waiter, box)
+                waiter.start()
+            waiter, box = self._waiter
+        waiter.join(timeout)
+        if waiter.is_alive():
+            return False
+        with self._cond:
+            self._waiter = None
+        if box:
+            raise box[0]
+        return True
+
+    def _run_wait(self, box: list[BaseException]) -> None:
+        try:
+            assert self._native is not None
+            self._native()
+        except BaseException as exc:  # handed to the thread that waits
+            box.append(exc)
+
+    def _upload(self, record: _Save, source: _Source) -> None:
+        started = time.monotonic()
+        try:
+            assert source.path is not None
+            self._checkpoint.save_sync(source.path)
+        finally:
+            _discard(source)
+        with self._cond:
+            record.upload_s = time.monotonic() - started
+            if not self._reports_commits:
+                record.committed = True
+            self._report(record)
+
+    def _on_commit(self, stats: SaveStats) -> None:
+        with self._cond:
+            record = self._current
+            if record is None or record.committed:
+                return  # a commit that is not the mirror's
+            record.commit = stats
+            record.committed = True
+            self._report(record)
+
+    def _report(self, record: _Save) -> None:
+        """Queue ``record``'s figures once they are all known (with ``_cond`` held)."""
+        if record.reported or not record.committed or record.blocked_s is None:
+            return
+        commit = record.commit
+        self._reports.append(
+            MirrorStats(
+                step=record.step,
+                blocked_s=record.blocked_s,
+                upload_s=commit.upload_s if commit is not None else record.upload_s,
+                uploaded_bytes=commit.uploaded if commit is not None else None,
+                stored_bytes=commit.size if commit is not None else None,
+                background=record.background,
+            )
+        )
+        record.reported = True

@@ -1,0 +1,260 @@
+"""Background uploads: training goes on while the store is written; the cost is logged.
+
+Uploads are made slow on purpose with a real ``taskpoint.Checkpoint`` whose ``progress=``
+callback (called as payload bytes stream) holds them while a gate is closed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import taskpoint_hf_testkit as kit
+from taskpoint import Checkpoint, CheckpointLike, CheckpointStoreError
+from taskpoint_hf import TaskpointTrainerCallback, last_complete_checkpoint, restore_last_checkpoint
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+CHILD = Path(__file__).with_name("taskpoint_hf_child.py")
+
+
+class Gate:
+    """A ``progress=`` callback that holds every upload while the gate is closed."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self.held = threading.Event()  # an upload has reached the closed gate
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open_in(self, seconds: float) -> None:
+        threading.Timer(seconds, self._open.set).start()
+
+    def __call__(self, moved: int) -> None:
+        if not self._open.is_set():
+            self.held.set()
+            assert self._open.wait(timeout=60), "the test never opened the gate"
+
+
+class At(TrainerCallback):
+    """Calls ``actions["<event>_<step>"]()`` at that event (``save`` or ``step``) and keeps
+    what it returned in ``seen``."""
+
+    def __init__(self, **actions: Callable[[], Any]) -> None:
+        self.actions = actions
+        self.seen: dict[str, Any] = {}
+
+    def _at(self, event: str, state: TrainerState) -> None:
+        key = f"{event}_{state.global_step}"
+        if key in self.actions:
+            self.seen[key] = self.actions[key]()
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._at("save", state)
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._at("step", state)
+
+
+def _figures(result: kit.Result) -> list[dict[str, float]]:
+    """The ``taskpoint/*`` metrics of the run's log history, oldest first."""
+    found = []
+    for entry in result.extra["log_history"]:
+        mine = {k: v for k, v in entry.items() if k.startswith("taskpoint/")}
+        if mine:
+            found.append(mine)
+    return found
+
+
+def test_a_save_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_path: Path) -> None:
+    gate = Gate()
+    checkpoint = Checkpoint(f"file://{tmp_path / 'store'}", keep=5, progress=gate)
+
+    def committed() -> int:
+        return len(checkpoint.committed())
+
+    def open_soon() -> int:
+        gate.open_in(1.0)
+        return committed()
+
+    at = At(save_3=gate.close, step_4=committed, step_5=open_soon)
+    callback = TaskpointTrainerCallback(checkpoint)
+    result = kit.run_classifier(None, tmp_path / "out", callbacks=[at, callback], max_steps=6)
+
+    # Steps 4 and 5 trained while checkpoint-3's upload was held at the gate.
+    assert gate.held.is_set()
+    assert at.seen == {"save_3": None, "step_4": 0, "step_5": 0}
+    # The save at step 6 waited for that upload, then both committed, in order.
+    assert [(m.attempt, m.seq) for m in checkpoint.committed()] == [(0, 1), (0, 0)]
+    restored = checkpoint.load_sync()
+    assert restored is not None
+    assert last_complete_checkpoint(restored) == restored / "checkpoint-6"
+    figures = _figures(result)
+    assert sum(f["taskpoint/saves"] for f in figures) == 2
+    assert max(f["taskpoint/blocked_s"] for f in figures) >= 0.5  # step 6 waited for step 3
+
+
+def test_logged_figures_are_plausible(tmp_path: Path) -> None:
+    gate = Gate()
+    store = tmp_path / "store"
+    checkpoint = Checkpoint(f"file://{store}", keep=5, progress=gate)
+    stats: list[Any] = []
+    checkpoint.on_commit(stats.append)
+    at = At(save_3=gate.close, step_4=lambda: gate.open_in(1.0))
+    callback = TaskpointTrainerCallback(checkpoint)
+    result = kit.run_classifier(
+        None, tmp_path / "out", callbacks=[at, callback], max_steps=6, save_steps=3
+    )
+
+    first, *rest = _figures(result)
+    assert first["taskpoint/saves"] == 1  # checkpoint-3's figures, at the first log after it
+    assert 0 <= first["taskpoint/blocked_s"] < first["taskpoint/upload_s"]
+    assert first["taskpoint/upload_s"] >= 0.5  # held at the gate
+    assert first["taskpoint/uploaded_bytes"] == first["taskpoint/stored_bytes"] == stats[0].size
+    payloads = sorted((store / "checkpoints").glob("*.payload"))
+    assert payloads[0].stat().st_size == stats[0].size
+    assert sum(f["taskpoint/saves"] for f in rest) == 1
+    assert all(isinstance(v, float) for f in rest for v in f.values())
+
+
+@pytest.mark.parametrize(("max_steps", "where"), [(9, "next save"), (6, "train end")])
+def test_a_failed_upload_is_raised_and_the_previous_checkpoint_still_loads(
+    tmp_path: Path, max_steps: int, where: str
+) -> None:
+    parent = tmp_path / "parent"
+    checkpoint = Checkpoint(f"file://{parent / 'store'}", keep=5)
+    callback = TaskpointTrainerCallback(checkpoint)
+    saves: list[int] = []
+
+    def break_store() -> None:
+        callback.wait()  # checkpoint-3 is committed
+        parent.rename(tmp_path / "parent.moved")
+        parent.write_text("a file where the store's folder was")
+
+    at = At(step_4=break_store, save_6=lambda: saves.append(6), save_9=lambda: saves.append(9))
+    with pytest.raises(CheckpointStoreError, match="Not a directory"):
+        kit.run_classifier(
+            None, tmp_path / "out", callbacks=[at, callback], max_steps=max_steps
+        )
+    assert saves == ([6, 9] if where == "next save" else [6])
+
+    parent.unlink()
+    (tmp_path / "parent.moved").rename(parent)
+    resumed = restore_last_checkpoint(Checkpoint(f"file://{parent / 'store'}"), tmp_path / "again")
+    assert resumed == tmp_path / "again" / "checkpoint-3"
+
+
+class FailingSecondSave:
+    """Another system's checkpoint (no ``wait``, no ``on_commit``): its second save fails."""
+
+    def __init__(self, inner: CheckpointLike) -> None:
+        self.inner, self.calls = inner, 0
+
+    def save_sync(self, data: Any, /) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            raise OSError("the other store is down")
+        self.inner.save_sync(data)
+
+    async def save(self, data: Any, /) -> None:
+        self.save_sync(data)
+
+    def load_sync(self) -> Path | None:
+        return self.inner.load_sync()
+
+    async def load(self) -> Path | None:
+        return self.inner.load_sync()
+
+
+def test_another_checkpoint_type_uploads_from_the_adapters_thread(tmp_path: Path) -> None:
+    other = FailingSecondSave(Checkpoint(f"file://{tmp_path / 'store'}"))
+    callback = TaskpointTrainerCallback(other, tmp_path / "out")
+    threads: list[str] = []
+    real = other.save_sync
+
+    def recording(data: Any, /) -> None:
+        threads.append(threading.current_thread().name)
+        assert Path(data).name == "out" and Path(data) != tmp_path / "out"  # a snapshot
+        real(data)
+
+    other.save_sync = recording  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="the other store is down"):
+        kit.run_classifier(None, tmp_path / "out", callbacks=[callback], max_steps=9)
+    assert threads == ["taskpoint-mirror-upload"] * 2  # raised at the save at step 9
+    restored = other.load_sync()
+    assert restored is not None and last_complete_checkpoint(restored) == restored / "checkpoint-3"
+
+
+def test_blocking_keeps_the_synchronous_upload(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    checkpoint = Checkpoint(f"file://{store}", keep=10)
+    callback = TaskpointTrainerCallback(checkpoint, blocking=True)
+
+    def committed() -> int:
+        return len(checkpoint.committed())
+
+    at = At(save_3=committed, save_6=committed, save_9=committed)
+    result = kit.run_classifier(None, tmp_path / "out", callbacks=[callback, at], max_steps=9)
+    assert at.seen == {"save_3": 1, "save_6": 2, "save_9": 3}  # committed inside on_save
+    figures = _figures(result)
+    assert sum(f["taskpoint/saves"] for f in figures) == 3
+    for f in figures:
+        assert f["taskpoint/blocked_s"] >= f["taskpoint/upload_s"] > 0
+
+
+def test_bad_preempt_timeout_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="preempt_timeout"):
+        TaskpointTrainerCallback(Checkpoint(f"file://{tmp_path}"), preempt_timeout=-1)
+
+
+@pytest.mark.slow
+def test_sigterm_during_an_upload_ends_the_attempt_after_it(tmp_path: Path) -> None:
+    store, work = f"file://{tmp_path / 'store'}", tmp_path / "work"
+    marker = tmp_path / "uploading"
+    env = {
+        **os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+        "TASKPOINT_ACTION": "hf-sigterm", "TASKPOINT_ROOT": str(tmp_path / "runtime"),
+    }
+    command = [
+        sys.executable, str(CHILD), "--store", store, "--work", str(work), "--recipes",
+        "classifier", "--slow-upload", f"{marker}:3", "--set", "max_steps=24",
+    ]
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert child.poll() is None, child.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "checkpoint-6's upload never started"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    waited = time.monotonic() - signalled
+    assert child.returncode == 1, stderr[-3000:]
+    assert "Preempted" in stderr
+    assert waited >= 2.0, "the attempt ended before the upload it had in flight"
+    restored = Checkpoint(f"{store}/classifier").load_sync()
+    assert restored is not None
+    assert last_complete_checkpoint(restored) == restored / "checkpoint-6"
+
+    resumed = subprocess.run(
+        [*command[:-4], "--set", "max_steps=24"], env=env, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"classifier resumed from {work / 'classifier' / 'checkpoint-6'}" in resumed.stdout

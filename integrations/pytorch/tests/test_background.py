@@ -1,0 +1,202 @@
+"""Background saves: ``save_sync`` copies the state off the training tensors and returns;
+serialising and uploading run in a thread, one save at a time.
+
+Uploads are made slow on purpose with a real ``taskpoint.Checkpoint`` whose ``progress=``
+callback (called as payload bytes stream) holds them while a gate is closed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import taskpoint
+import torch
+from taskpoint_pytorch import ResumePoint, TaskpointState
+from taskpoint_pytorch.state import _cpu_copy
+from torch import nn
+
+
+class Gate:
+    """A ``progress=`` callback that holds every upload while the gate is closed."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self.held = threading.Event()
+
+    def close(self) -> None:
+        self._open.clear()
+        self.held.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def open_in(self, seconds: float) -> None:
+        threading.Timer(seconds, self._open.set).start()
+
+    def __call__(self, moved: int) -> None:
+        if not self._open.is_set():
+            self.held.set()
+            assert self._open.wait(timeout=60), "the test never opened the gate"
+
+
+def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _step(model, opt)
+    return model, opt
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.randn(5, 4)).pow(2).mean().backward()
+    opt.step()
+
+
+def test_a_background_save_returns_at_once_with_the_state_as_it_was(tmp_path: Path) -> None:
+    gate = Gate()
+    checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", progress=gate)
+    model, opt = _trained()
+    state = TaskpointState(model, opt)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    gate.close()
+    started = time.monotonic()
+    state.save_sync(checkpoint, epoch=1, step=1, background=True)
+    assert time.monotonic() - started < 5
+    assert gate.held.wait(timeout=30)  # the upload runs, held at the gate
+    assert checkpoint.committed() == []
+    _step(model, opt)  # the training tensors change in place while it uploads
+    gate.open()
+    assert state.wait()
+
+    fresh = nn.Linear(4, 3)
+    resume = TaskpointState(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1)).restore_sync(
+        checkpoint
+    )
+    assert resume == ResumePoint(epoch=1, step=1)
+    for key, value in saved.items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_a_save_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_path: Path) -> None:
+    gate = Gate()
+    checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", keep=5, progress=gate)
+    commits: list[taskpoint.SaveStats] = []
+    checkpoint.on_commit(commits.append)
+    model, opt = _trained()
+    state = TaskpointState(model, opt, blocking=False)
+    gate.close()
+    state.save_sync(checkpoint, epoch=1)
+    assert gate.held.wait(timeout=30)
+    gate.open_in(1.0)
+    started = time.monotonic()
+    state.save_sync(checkpoint, epoch=2)  # waits for the first upload, then starts its own
+    assert time.monotonic() - started >= 0.5
+    assert len(commits) == 1
+    state.wait()
+    assert [(s.attempt, s.seq) for s in commits] == [(0, 0), (0, 1)]
+    resume = TaskpointState(*_trained()).restore_sync(checkpoint)
+    assert resume is not None and resume.epoch == 2
+
+
+def test_a_failed_upload_is_raised_by_the_next_save_and_the_previous_one_loads(
+    tmp_path: Path,
+) -> None:
+    parent = tmp_path / "parent"
+    checkpoint = taskpoint.Checkpoint(f"file://{parent / 'store'}")
+    model, opt = _trained()
+    state = TaskpointState(model, opt, blocking=False)
+    state.save_sync(checkpoint, epoch=1)
+    state.wait()
+    parent.rename(tmp_path / "parent.moved")
+    parent.write_text("a file where the store's folder was")
+    state.save_sync(checkpoint, epoch=2)  # returns; its upload fails in the background
+    with pytest.raises(taskpoint.CheckpointStoreError, match="Not a directory"):
+        state.save_sync(checkpoint, epoch=3)
+    state.save_sync(checkpoint, epoch=4)  # raised once; this one fails in the background too
+    with pytest.raises(taskpoint.CheckpointStoreError):
+        state.wait()
+
+    parent.unlink()
+    (tmp_path / "parent.moved").rename(parent)
+    resume = TaskpointState(*_trained()).restore_sync(
+        taskpoint.Checkpoint(f"file://{parent / 'store'}")
+    )
+    assert resume is not None and resume.epoch == 1
+
+
+def test_bad_values_are_refused_at_the_call_not_in_the_background(tmp_path: Path) -> None:
+    checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}")
+    state = TaskpointState(nn.Linear(2, 1), blocking=False)
+    with pytest.raises(TypeError, match=r"extra\['when'\]"):
+        state.save_sync(checkpoint, extra={"when": object()})
+    assert state.wait() and checkpoint.committed() == []
+
+
+@pytest.mark.parametrize(
+    ("blocking", "background", "waits"),
+    [(True, None, True), (False, False, True), (False, None, False), (True, True, False)],
+)
+def test_blocking_is_the_default_and_each_call_can_override_it(
+    tmp_path: Path, blocking: bool, background: bool | None, waits: bool
+) -> None:
+    gate = Gate()
+    checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", progress=gate)
+    state = TaskpointState(nn.Linear(2, 1), blocking=blocking)
+    gate.close()
+    gate.open_in(0.5)
+    started = time.monotonic()
+    state.save_sync(checkpoint, background=background)
+    took = time.monotonic() - started
+    assert (len(checkpoint.committed()) == 1) is waits
+    assert (took >= 0.4) is waits
+    state.wait()
+    assert len(checkpoint.committed()) == 1
+
+
+def test_the_copy_is_private_and_keeps_shared_tensors_shared() -> None:
+    weight = torch.ones(3)
+    value = {"a": weight, "b": [weight, (weight, 2)], "c": {"n": 1, "s": "x"}}
+    copied = _cpu_copy(value)
+    weight.add_(1)
+    assert torch.equal(copied["a"], torch.ones(3))
+    assert copied["a"] is copied["b"][0] is copied["b"][1][0]
+    assert copied["b"][1][1] == 2 and copied["c"] == {"n": 1, "s": "x"}
+    assert isinstance(copied["b"][1], tuple)
+
+
+@pytest.mark.parametrize("failures", [(5,), (6, 14)], ids=lambda f: "fail-" + "-".join(map(str, f)))
+def test_background_saves_resume_bitwise_equal(
+    lib: ModuleType, tmp_path: Path, failures: tuple[int, ...]
+) -> None:
+    """In-process retries: each restore waits for the failed attempt's upload in flight."""
+    reference = lib.run(lib.build())
+    env = taskpoint.TaskEnvironment(name="background", root=f"file://{tmp_path / 'store'}")
+    pending = set(failures)
+    starts: list[int] = []
+
+    def before_step(step: int) -> None:
+        if step in pending:
+            pending.discard(step)
+            raise RuntimeError(f"simulated failure before step {step}")
+
+    def on_resume(resume: Any) -> None:
+        starts.append(resume.epoch if resume else 0)
+
+    @env.task(retries=len(failures), backoff=0)
+    def train() -> dict[str, Any]:
+        parts = lib.build()
+        return lib.run(
+            parts, parts.state(), taskpoint.ctx().checkpoint, before_step=before_step,
+            on_resume=on_resume, background=True,
+        )
+
+    result = train()
+    assert starts == [0] + [(step - 1) // lib.STEPS_PER_EPOCH for step in failures]
+    assert lib.bitwise_differences(result, reference) == []
