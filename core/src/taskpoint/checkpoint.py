@@ -1095,6 +1095,17 @@ def _discard(source: _Source) -> None:
         shutil.rmtree(source.snapshot, ignore_errors=True)
 
 
+def commit_request(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
+    """Commit a background save in the upload process (see :mod:`taskpoint._uploader`).
+
+    Returns:
+        The save's stats and its ``(manifest key, checksum)``, for the parent to record.
+    """
+    checkpoint = Checkpoint(**request.options, attempt=request.attempt)
+    checkpoint._intact |= request.intact
+    return checkpoint._commit(request.source, request.attempt, request.seq)
+
+
 def latest_checkpoint(
     root: str | os.PathLike[str] | None,
     glob_pattern: str = "**/last.ckpt",

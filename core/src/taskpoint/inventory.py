@@ -22,7 +22,7 @@ from taskpoint.context import ENV_ROOT, root_from
 from taskpoint.errors import CheckpointError, CheckpointFormatError, CheckpointStoreError
 from taskpoint.history import ATTEMPTS, AttemptRecord, attempt_numbers, read_attempts
 from taskpoint.manifest import Manifest, check_format, loads_record, parse_manifest_name
-from taskpoint.runtime import check_name
+from taskpoint.names import check_name
 from taskpoint.store import Store
 
 __all__ = [
@@ -321,7 +321,7 @@ def _actions(root: str, options: dict[str, Any]) -> Iterator[ActionInfo]:
 def parse_action(action: str) -> tuple[str, str]:
     """Split ``"<task>/<run id>"`` into its task and run id, checked as the API checks them.
 
-    Both parts must be names :func:`taskpoint.runtime.check_name` accepts, so an action can
+    Both parts must be names :func:`taskpoint.names.check_name` accepts, so an action can
     never reach outside its root: no ``..`` or ``.``, no absolute path, no empty part, no
     backslash.
 
