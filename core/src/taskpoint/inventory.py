@@ -17,11 +17,17 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from taskpoint.checkpoint import CHECKPOINTS, STATUS, Checkpoint
+from taskpoint.checkpoint import STATUS, Checkpoint
 from taskpoint.context import ENV_ROOT, root_from
 from taskpoint.errors import CheckpointError, CheckpointFormatError, CheckpointStoreError
 from taskpoint.history import ATTEMPTS, AttemptRecord, attempt_numbers, read_attempts
-from taskpoint.manifest import Manifest, check_format, loads_record, parse_manifest_name
+from taskpoint.manifest import (
+    CHECKPOINTS,
+    Manifest,
+    check_format,
+    loads_record,
+    parse_manifest_name,
+)
 from taskpoint.names import check_name
 from taskpoint.store import Store
 
