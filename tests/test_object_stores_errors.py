@@ -9,7 +9,8 @@ from __future__ import annotations
 import errno
 
 import pytest
-from taskpoint.store import Transfer, is_transient
+from taskpoint.store import is_transient
+from taskpoint.transfer import Transfer
 
 
 def botocore_errors() -> list[tuple[BaseException, bool]]:

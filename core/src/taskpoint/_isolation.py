@@ -9,7 +9,6 @@ outcome is a failed attempt. SIGTERM sent to the parent is forwarded to the chil
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import importlib.util
 import os
@@ -29,15 +28,14 @@ from taskpoint.errors import TaskAttemptError
 
 if TYPE_CHECKING:
     from taskpoint.context import TaskContext
-    from taskpoint.runtime import Runner
 
-__all__ = ["run_attempt"]
+__all__ = ["FILE_MODULE", "Outcome", "Spec", "import_task_module", "report_error", "run_attempt"]
 
 FILE_MODULE = "__taskpoint_task_module__"
 
 
 @dataclass(frozen=True)
-class _Spec:
+class Spec:
     module: str
     module_file: str | None
     qualname: str
@@ -52,7 +50,7 @@ class _Spec:
 
 
 @dataclass(frozen=True)
-class _Outcome:
+class Outcome:
     ok: bool
     value: Any = None
     error: BaseException | None = None
@@ -74,16 +72,36 @@ def _locate(func: Any) -> tuple[str, str | None, str]:
     return func.__module__, module_file, qualname
 
 
-def run_attempt(runner: Runner, context: TaskContext, args: Any, kwargs: Any) -> Any:
-    """Run one attempt of ``runner``'s task in a child process and return its result.
+def run_attempt(
+    func: Any,
+    task: str,
+    env: dict[str, Any],
+    retries: int,
+    backoff: float,
+    context: TaskContext,
+    args: Any,
+    kwargs: Any,
+) -> Any:
+    """Run one attempt of the task ``func`` in a child process and return its result.
+
+    Args:
+        func: the task's function, importable from its module.
+        task: the task's name, for messages.
+        env: the child's ``TaskEnvironment`` arguments (``name``, ``root``, ``run_id``,
+            ``checkpoints``, ``keep``, ``codec``, ``storage_options``).
+        retries: the task's retry count, passed on to the child's runner.
+        backoff: the task's backoff, passed on to the child's runner.
+        context: this attempt's context.
+        args: the task's positional arguments.
+        kwargs: the task's keyword arguments.
 
     Raises:
         TypeError: the arguments cannot be pickled, or the task is not importable.
         TaskAttemptError: the child died without an outcome.
         Exception: whatever the task raised in the child (with its traceback as a note).
     """
-    module, module_file, qualname = _locate(runner.func)
-    spec = _Spec(
+    module, module_file, qualname = _locate(func)
+    spec = Spec(
         module=module,
         module_file=module_file,
         qualname=qualname,
@@ -92,23 +110,15 @@ def run_attempt(runner: Runner, context: TaskContext, args: Any, kwargs: Any) ->
         args=tuple(args),
         kwargs=dict(kwargs),
         context={"run_id": context.run_id, "attempt": context.attempt},
-        env={
-            "name": runner.env.name,
-            "root": runner.env.resolve_root(),
-            "run_id": context.run_id,
-            "checkpoints": runner.env.checkpoints,
-            "keep": runner.env.keep,
-            "codec": runner.env.codec,
-            "storage_options": runner.env.storage_options,
-        },
-        retries=runner.retries,
-        backoff=runner.backoff,
+        env=dict(env),
+        retries=retries,
+        backoff=backoff,
     )
     try:
         blob = pickle.dumps(spec)
     except Exception as exc:
         raise TypeError(
-            f"arguments of process-isolated task {runner.task!r} must be picklable: {exc}"
+            f"arguments of process-isolated task {task!r} must be picklable: {exc}"
         ) from exc
     with tempfile.TemporaryDirectory(prefix="taskpoint-attempt-") as tmp:
         spec_path, outcome_path = Path(tmp, "spec.pkl"), Path(tmp, "outcome.pkl")
@@ -175,7 +185,7 @@ def _run_child(spec_path: Path, outcome_path: Path) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _read_outcome(path: Path) -> _Outcome | None:
+def _read_outcome(path: Path) -> Outcome | None:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -184,13 +194,13 @@ def _read_outcome(path: Path) -> _Outcome | None:
         outcome = pickle.loads(data)
     except Exception:
         return None
-    return outcome if isinstance(outcome, _Outcome) else None
+    return outcome if isinstance(outcome, Outcome) else None
 
 
 # -- the child ------------------------------------------------------------------------
 
 
-def _import_module(spec: _Spec) -> ModuleType:
+def import_task_module(spec: Spec) -> ModuleType:
     if spec.module not in ("__main__", FILE_MODULE):
         try:
             return importlib.import_module(spec.module)
@@ -210,58 +220,9 @@ def _import_module(spec: _Spec) -> ModuleType:
     return module
 
 
-def child_main(spec_path: str, outcome_path: str) -> int:
-    from taskpoint.context import _current, install_sigterm_handler
-    from taskpoint.runtime import TaskEnvironment
-
-    spec: _Spec = pickle.loads(Path(spec_path).read_bytes())
-    os.chdir(spec.cwd)
-    for entry in reversed(spec.sys_path):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    try:
-        target: Any = _import_module(spec)
-        for part in spec.qualname.split("."):
-            target = getattr(target, part)
-        runner = target.__taskpoint_runner__
-        env = TaskEnvironment(
-            spec.env["name"],
-            root=spec.env["root"],
-            run_id=spec.env["run_id"],
-            checkpoints=spec.env["checkpoints"],
-            keep=spec.env["keep"],
-            codec=spec.env["codec"],
-            storage_options=spec.env["storage_options"],
-        )
-        runner = runner.with_options(retries=spec.retries, isolation="inline")
-        runner.env = env
-        context = runner.context(spec.context["run_id"], spec.context["attempt"])
-        token = _current.set(context)
-        install_sigterm_handler()
-        try:
-            value = runner.func(*spec.args, **spec.kwargs)
-            if asyncio.iscoroutine(value):
-                value = asyncio.run(value)
-        except BaseException:
-            runner.settle(context, failed=True)
-            raise
-        finally:
-            _current.reset(token)
-        runner.settle(context, failed=False)
-    except BaseException as exc:  # reported to the parent, which decides on retries
-        return _report_error(outcome_path, exc)
-    try:
-        data = pickle.dumps(_Outcome(ok=True, value=value))
-    except Exception as exc:
-        error = TypeError(f"the task's return value cannot be pickled: {exc}")
-        return _report_error(outcome_path, error, fatal=True)
-    Path(outcome_path).write_bytes(data)
-    return 0
-
-
-def _report_error(outcome_path: str, exc: BaseException, fatal: bool = False) -> int:
+def report_error(outcome_path: str, exc: BaseException, fatal: bool = False) -> int:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    outcome = _Outcome(
+    outcome = Outcome(
         ok=False, error=exc, error_type=type(exc).__name__, message=str(exc),
         traceback=text, fatal=fatal,
     )
@@ -269,7 +230,7 @@ def _report_error(outcome_path: str, exc: BaseException, fatal: bool = False) ->
         data = pickle.dumps(outcome)
         pickle.loads(data)
     except Exception:
-        outcome = _Outcome(
+        outcome = Outcome(
             ok=False, error_type=type(exc).__name__, message=str(exc), traceback=text,
             fatal=fatal,
         )

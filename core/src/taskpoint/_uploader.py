@@ -25,6 +25,7 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -33,7 +34,12 @@ from taskpoint.errors import CheckpointError
 __all__ = ["Request", "Worker", "WorkerDied"]
 
 _HEADER = struct.Struct("<Q")
-_CHILD = "from taskpoint._uploader import main; raise SystemExit(main())"
+_CHILD = (
+    "from taskpoint._uploader import main; from taskpoint.checkpoint import commit_request; "
+    "raise SystemExit(main(commit_request))"
+)
+"""The child's program. It names the handler only here, as text: this module sits below
+:mod:`taskpoint.checkpoint` and never imports it."""
 NICE = 10
 """The nice value of the upload process, below the training loop."""
 
@@ -149,8 +155,13 @@ def _describe(code: int | None) -> str:
     return f"exit status {code}"
 
 
-def main() -> int:
-    """The child's loop: commit each request, answer ``(ok, value)``; exit at end of input."""
+def main(handle: Callable[[Request], Any]) -> int:
+    """The child's loop: ``handle`` each request, answer ``(ok, value)``; exit at end of input.
+
+    Args:
+        handle: commits one request and returns what the parent's :meth:`Worker.run`
+            returns (:func:`taskpoint.checkpoint.commit_request`).
+    """
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints go to standard error, never into a reply
     requests = sys.stdin.buffer
@@ -158,8 +169,6 @@ def main() -> int:
         signal.signal(signum, signal.SIG_IGN)
     with contextlib.suppress(OSError):
         os.nice(NICE)
-    from taskpoint.checkpoint import Checkpoint
-
     _send(replies, (True, "ready"))
     while True:
         try:
@@ -167,11 +176,7 @@ def main() -> int:
         except EOFError:
             return 0
         try:
-            checkpoint = Checkpoint(**request.options, attempt=request.attempt)
-            checkpoint._intact |= request.intact
-            result: tuple[bool, Any] = (
-                True, checkpoint._commit(request.source, request.attempt, request.seq)
-            )
+            result: tuple[bool, Any] = (True, handle(request))
         except Exception as exc:  # sent back and raised in the parent
             result = (False, exc)
         try:

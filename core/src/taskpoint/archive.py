@@ -40,8 +40,10 @@ __all__ = [
     "check_codec",
     "check_tree",
     "gzip_bytes",
+    "import_zstandard",
     "pack_directory",
     "unpack_directory",
+    "walk_tree",
     "worth_compressing",
 ]
 
@@ -60,11 +62,16 @@ def check_codec(codec: str) -> Codec:
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {', '.join(CODECS)}; got {codec!r}")
     if codec == "zstd":
-        _zstandard()
+        import_zstandard()
     return codec
 
 
-def _zstandard() -> Any:
+def import_zstandard() -> Any:
+    """The ``zstandard`` module, imported on first use (it is an optional dependency).
+
+    Raises:
+        ImportError: ``zstandard`` is not installed; the message says how to install it.
+    """
     try:
         import zstandard
     except ImportError as exc:
@@ -86,7 +93,7 @@ def _compressing(out: BinaryIO, codec: Codec) -> Iterator[BinaryIO]:
     if codec == "gzip":
         writer: Any = _GzipMembersWriter(out, _threads())
     else:
-        writer = _zstandard().ZstdCompressor(level=_ZSTD_LEVEL, threads=-1).stream_writer(
+        writer = import_zstandard().ZstdCompressor(level=_ZSTD_LEVEL, threads=-1).stream_writer(
             out, closefd=False
         )
     try:
@@ -107,7 +114,7 @@ def _decompressing(src: BinaryIO, codec: Codec) -> Iterator[BinaryIO]:
             src, "rb", threads=1, block_size=_BLOCK
         )
     else:
-        reader = _zstandard().ZstdDecompressor().stream_reader(src, closefd=False)
+        reader = import_zstandard().ZstdDecompressor().stream_reader(src, closefd=False)
     try:
         yield cast(BinaryIO, reader)
         # Read past the tar end-of-archive blocks so the codec checks its trailer
@@ -202,7 +209,7 @@ class _GzipMembersWriter:
             self._pool.shutdown(wait=True)
 
 
-def _entries(root: Path) -> Iterator[Path]:
+def walk_tree(root: Path) -> Iterator[Path]:
     """Every path below ``root``, parents before children, in a stable order."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
@@ -233,7 +240,7 @@ def _check_entry(root: Path, path: Path) -> None:
 def check_tree(root: Path) -> None:
     """Raise CheckpointUnsafeError if the tree under ``root`` cannot be archived safely."""
     root = Path(os.path.abspath(root))
-    for path in _entries(root):
+    for path in walk_tree(root):
         _check_entry(root, path)
 
 
@@ -252,7 +259,7 @@ def pack_directory(root: Path, out: BinaryIO, codec: Codec = "gzip") -> None:
     ) as tar:
         # The 16 KiB default copy size makes tar's stream buffering quadratic.
         tar.copybufsize = _BLOCK  # type: ignore[attr-defined]
-        for path in _entries(root):
+        for path in walk_tree(root):
             info = tar.gettarinfo(str(path), arcname=path.relative_to(root).as_posix())
             info.uid = info.gid = 0
             info.uname = info.gname = ""

@@ -30,6 +30,7 @@ from pathlib import Path
 from types import FrameType
 
 from taskpoint.checkpoint import Checkpoint
+from taskpoint.names import check_name
 from taskpoint.store import check_location
 
 __all__ = [
@@ -155,8 +156,6 @@ def environment_context(env: Mapping[str, str]) -> TaskContext | None:
     Raises:
         ValueError: a variable holds a value that cannot be used (named in the message).
     """
-    from taskpoint.runtime import check_name
-
     run_id: str | None = env.get(ENV_RUN_ID) or None
     attempt = _int(env, ENV_ATTEMPT)
     action = env.get(ENV_ACTION) or None

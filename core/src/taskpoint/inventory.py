@@ -17,12 +17,18 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from taskpoint.checkpoint import CHECKPOINTS, STATUS, Checkpoint
+from taskpoint.checkpoint import STATUS, Checkpoint
 from taskpoint.context import ENV_ROOT, root_from
 from taskpoint.errors import CheckpointError, CheckpointFormatError, CheckpointStoreError
 from taskpoint.history import ATTEMPTS, AttemptRecord, attempt_numbers, read_attempts
-from taskpoint.manifest import Manifest, check_format, loads_record, parse_manifest_name
-from taskpoint.runtime import check_name
+from taskpoint.manifest import (
+    CHECKPOINTS,
+    Manifest,
+    check_format,
+    loads_record,
+    parse_manifest_name,
+)
+from taskpoint.names import check_name
 from taskpoint.store import Store
 
 __all__ = [
@@ -321,7 +327,7 @@ def _actions(root: str, options: dict[str, Any]) -> Iterator[ActionInfo]:
 def parse_action(action: str) -> tuple[str, str]:
     """Split ``"<task>/<run id>"`` into its task and run id, checked as the API checks them.
 
-    Both parts must be names :func:`taskpoint.runtime.check_name` accepts, so an action can
+    Both parts must be names :func:`taskpoint.names.check_name` accepts, so an action can
     never reach outside its root: no ``..`` or ``.``, no absolute path, no empty part, no
     backslash.
 

@@ -70,6 +70,7 @@ from taskpoint.errors import CheckpointCorruptError, CheckpointFormatError
 
 __all__ = [
     "BLOB_CODECS",
+    "CHECKPOINTS",
     "CODECS",
     "FORMAT_VERSION",
     "KINDS",
@@ -85,6 +86,8 @@ __all__ = [
     "payload_name",
 ]
 
+CHECKPOINTS = "checkpoints"
+"""The folder, under a checkpoint's URL, that holds manifests and format-1 payloads."""
 FORMAT_VERSION = 2
 """The store format (manifests, attempt markers, status record) this version writes, and the
 newest it reads. Bytes and single files are still committed with format 1 manifests."""

@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -62,10 +63,17 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from taskpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointStoreError
-from taskpoint.manifest import FORMAT_VERSION, Manifest, loads_record
+from taskpoint.manifest import (
+    CHECKPOINTS,
+    FORMAT_VERSION,
+    Manifest,
+    loads_record,
+    parse_manifest_name,
+    parse_payload_name,
+)
 from taskpoint.store import Store
 
-__all__ = ["GC_LOCK", "LEASES", "OBJECTS", "Collected", "Lease", "collect"]
+__all__ = ["GC_LOCK", "LEASES", "OBJECTS", "Collected", "Lease", "collect", "prune_manifests"]
 
 log = logging.getLogger(__name__)
 
@@ -293,3 +301,59 @@ def _release(store: Store, token: str) -> None:
         return
     if isinstance(raw, dict) and raw.get("token") == token:
         store.remove(GC_LOCK)
+
+
+# -- pruning manifests ----------------------------------------------------------------
+
+
+def prune_manifests(store: Store, keep: int, intact: Callable[[str], bool]) -> int:
+    """Delete checkpoints older than the newest ``keep`` intact ones; how many manifests went.
+
+    What counts is the checkpoints a load could return, never names alone: manifests are
+    tried newest first with ``intact`` until ``keep`` intact ones are found, and only
+    checkpoints older than the oldest of those are deleted. With fewer than ``keep`` intact
+    checkpoints nothing is deleted; ``keep=0`` deletes every checkpoint. Manifests go before
+    their payloads, so a reader never finds a manifest whose payload is gone for good;
+    format-1 payloads without a manifest (interrupted saves) older than the cut go too.
+    Format-2 content objects are :func:`collect`'s.
+
+    Args:
+        store: the checkpoint location.
+        keep: how many intact checkpoints to keep; at least 0.
+        intact: whether the manifest called ``name`` (under ``checkpoints/``) reads and
+            its payload is intact.
+
+    Raises:
+        CheckpointStoreError: the store failed.
+    """
+    names = store.list(CHECKPOINTS)
+    manifests = sorted(
+        (order, name) for name in names if (order := parse_manifest_name(name)) is not None
+    )
+    cut = _retention_cut(manifests, keep, intact)
+    if cut is None:
+        return 0
+    doomed = [name for order, name in manifests if order < cut]
+    for name in doomed:
+        store.remove(f"{CHECKPOINTS}/{name}")
+    remaining = {order for order, _ in manifests if order >= cut}
+    for name in names:
+        order = parse_payload_name(name)
+        if order is not None and order < cut and order not in remaining:
+            store.remove(f"{CHECKPOINTS}/{name}")
+    return len(doomed)
+
+
+def _retention_cut(
+    manifests: list[tuple[tuple[int, int], str]], keep: int, intact: Callable[[str], bool]
+) -> tuple[int, int] | None:
+    """The order of the oldest checkpoint kept; ``None`` when nothing may be deleted."""
+    if keep == 0:
+        return (sys.maxsize, sys.maxsize)
+    found = 0
+    for order, name in reversed(manifests):
+        if intact(name):
+            found += 1
+            if found == keep:
+                return order
+    return None

@@ -33,7 +33,6 @@ import functools
 import inspect
 import logging
 import os
-import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -53,9 +52,10 @@ from taskpoint.context import (
 )
 from taskpoint.errors import TaskAttemptError
 from taskpoint.history import Outcome
+from taskpoint.names import check_name
 from taskpoint.store import check_location
 
-__all__ = ["Isolation", "TaskEnvironment", "check_name", "new_run_id"]
+__all__ = ["Isolation", "TaskEnvironment", "new_run_id"]
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +64,6 @@ R = TypeVar("R")
 
 Isolation = Literal["inline", "process"]
 ISOLATIONS: tuple[Isolation, ...] = ("inline", "process")
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-
-
-def check_name(what: str, value: object) -> str:
-    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
-        raise ValueError(
-            f"{what} must be a non-empty string of letters, digits, '_', '.' and '-' "
-            f"(it becomes part of the store path); got {value!r}"
-        )
-    return value
-
 
 def new_run_id() -> str:
     """A fresh run id: UTC time to the second plus random hex, so ids sort by start."""
@@ -337,7 +325,15 @@ class Runner:
     def _attempt(self, context: TaskContext, args: Any, kwargs: Any) -> Any:
         log.info("%s attempt %d/%d starting", context.action, context.attempt, self.retries)
         if self.isolation == "process":
-            return _isolation.run_attempt(self, context, args, kwargs)
+            env = self.env
+            options = {
+                "name": env.name, "root": env.resolve_root(), "run_id": context.run_id,
+                "checkpoints": env.checkpoints, "keep": env.keep, "codec": env.codec,
+                "storage_options": env.storage_options,
+            }
+            return _isolation.run_attempt(
+                self.func, self.task, options, self.retries, self.backoff, context, args, kwargs
+            )
         return self._attempt_inline(context, args, kwargs)
 
     async def _attempt_async(self, context: TaskContext, args: Any, kwargs: Any) -> Any:

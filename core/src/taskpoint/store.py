@@ -1,6 +1,7 @@
 """The store: one checkpoint location on any fsspec filesystem.
 
-This is the only module that talks to fsspec. It resolves a URL to a filesystem lazily (so
+This module, with :mod:`taskpoint.transfer` that it delegates large objects to, is the only
+one that talks to fsspec. It resolves a URL to a filesystem lazily (so
 constructing a checkpoint does no I/O), retries transient failures with exponential backoff,
 and translates every other failure into :class:`~taskpoint.CheckpointStoreError` naming
 the URL. ``FileNotFoundError`` passes through unchanged: callers decide what "missing" means.
@@ -10,7 +11,7 @@ through a temporary file and ``os.replace``, on object stores through a single P
 
 On object stores (S3, GCS, Azure Blob) a payload is first spooled to a local temporary
 file, then uploaded with the backend's multipart (S3), resumable (GCS) or block (Azure)
-upload, parts in parallel where the backend can (see :class:`Transfer`). A transient failure
+upload, parts in parallel where the backend can (see :mod:`taskpoint.transfer`). A transient failure
 repeats the upload from the spool, not the producer. After a successful upload,
 multipart uploads left behind under the same folder by interrupted saves (S3 in-progress
 uploads, Azure uncommitted blocks) are aborted, so they are neither billed nor visible.
@@ -21,7 +22,6 @@ taken for "no checkpoint yet".
 from __future__ import annotations
 
 import asyncio
-import builtins
 import contextlib
 import errno
 import importlib
@@ -35,7 +35,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
 import fsspec
@@ -43,10 +42,12 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import known_implementations
 
-from taskpoint._streams import ReadView, WriteView
+from taskpoint import transfer as _transfer
+from taskpoint._streams import ReadView
 from taskpoint.errors import CheckpointError, CheckpointStoreError
+from taskpoint.transfer import Transfer
 
-__all__ = ["RetryPolicy", "Store", "Transfer", "check_location", "is_transient"]
+__all__ = ["RetryPolicy", "Store", "check_location", "is_transient"]
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,6 @@ _DENIED = re.compile(
     r"Invalid Credentials)\b",
     re.IGNORECASE,
 )
-_MIN_S3_PART = 5 * 2**20
-_S3_MAX_PARTS = 10_000
-_GCS_CHUNK = 256 * 2**10
 _BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 
 
@@ -216,66 +214,6 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a whole number; got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1; got {raw!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """How payloads move to and from object stores.
-
-    Args:
-        part_size: bytes per multipart part (S3: at least 5 MiB, and larger where an object
-            would need more than S3's 10,000 parts; GCS: rounded to 256 KiB; Azure: block
-            size and the largest single PUT). Objects of two parts or more upload in parts.
-        concurrency: parts moved at once (S3 and Azure; GCS uploads sequentially).
-
-    A transfer holds about ``part_size * concurrency`` bytes in memory, twice that while
-    the backend copies or signs them. The defaults come from ``TASKPOINT_PART_SIZE`` and
-    ``TASKPOINT_TRANSFER_CONCURRENCY`` when set (see :meth:`from_env`), else 8 MiB and 8:
-    about 128 MiB in flight, and S3 objects up to 78 GiB before parts grow.
-    """
-
-    part_size: int = 8 * 2**20
-    concurrency: int = 8
-
-    def __post_init__(self) -> None:
-        if self.part_size < 1:
-            raise ValueError(f"part_size must be at least 1 byte; got {self.part_size!r}")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1; got {self.concurrency!r}")
-
-    def s3_part_size(self, size: int | None = None) -> int:
-        """The part size for an S3 object of ``size`` bytes: :attr:`part_size`, raised to
-        S3's 5 MiB minimum and to the smallest size that fits the object in 10,000 parts."""
-        part = max(self.part_size, _MIN_S3_PART)
-        if size is not None and size > part * _S3_MAX_PARTS:
-            part = -(-size // _S3_MAX_PARTS)
-        return part
-
-    @classmethod
-    def from_env(cls) -> Transfer:
-        """The settings from ``TASKPOINT_PART_SIZE`` / ``TASKPOINT_TRANSFER_CONCURRENCY``.
-
-        Raises:
-            ValueError: a variable is set to something other than a positive integer.
-        """
-        default = cls()
-        return cls(
-            part_size=_env_int("TASKPOINT_PART_SIZE", default.part_size),
-            concurrency=_env_int("TASKPOINT_TRANSFER_CONCURRENCY", default.concurrency),
-        )
-
-
 class Store:
     """A prefix (``url``) on a filesystem, with retrying, error-translating operations.
 
@@ -342,7 +280,7 @@ class Store:
                     url=self._url,
                 ) from exc
             self._fs, self._base = fs, base.rstrip("/")
-            self._tune(fs)
+            _transfer.tune_backend(fs, self._transfer, self._retry.attempts - 1, self._retry.delay)
         return self._fs
 
     @property
@@ -576,7 +514,7 @@ class Store:
 
             self._call("write", name, run)
             return
-        spool = _Spool(self._transfer.part_size)
+        spool = _transfer.Spool(self._transfer.part_size)
         try:
             produce(spool)  # type: ignore[arg-type]
             spool.finish()
@@ -585,7 +523,7 @@ class Store:
             spool.discard()
         self._abort_interrupted_uploads(name)
 
-    def _upload(self, spool: _Spool, name: str) -> None:
+    def _upload(self, spool: _transfer.Spool, name: str) -> None:
         if spool.path is None:
             self._lost_upload_is_transient(lambda: self.fs.pipe_file(self._path(name), spool.data))
         else:
@@ -594,7 +532,7 @@ class Store:
     def _put(self, local: str, name: str) -> None:
         path = self._path(name)
         self._lost_upload_is_transient(
-            lambda: self.fs.put_file(local, path, **self._part_options(os.path.getsize(local))),
+            lambda: _transfer.put(self.fs, self._protocols, self._transfer, local, path),
             local,
         )
         self._invalidate(name)
@@ -612,122 +550,20 @@ class Store:
             if not self.is_object_store or (local is not None and not os.path.exists(local)):
                 raise
             self._check_bucket(exc)
-            raise _LostUpload(f"the store lost the upload in progress: {exc}") from exc
-
-    def _part_options(self, size: int | None = None) -> dict[str, Any]:
-        """The backend's transfer keywords for an object of ``size`` bytes (if known)."""
-        protocols = self._protocols
-        part, concurrency = self._transfer.part_size, self._transfer.concurrency
-        if protocols & {"s3", "s3a"}:
-            return {"chunksize": self._transfer.s3_part_size(size), "max_concurrency": concurrency}
-        if protocols & {"gs", "gcs"}:
-            return {"chunksize": max(_GCS_CHUNK, part - part % _GCS_CHUNK)}
-        if protocols & {"az", "abfs", "abfss"}:
-            return {"max_concurrency": concurrency}
-        return {}
-
-    def _tune(self, fs: fsspec.AbstractFileSystem) -> None:
-        """Fit the backend to this store's transfer and retry settings where it allows.
-
-        Azure's SDK takes its block size and retry policy only when its client is built,
-        which adlfs does without passing them on: they are set on the built client.
-        """
-        if type(fs).__name__ != "AzureBlobFileSystem":
-            return
-        clients = getattr(fs, "service_client", None)
-        for client in clients if isinstance(clients, list) else [clients]:
-            config = getattr(client, "_config", None)
-            if config is None:
-                continue
-            part = self._transfer.part_size
-            for attr in ("max_single_put_size", "max_block_size"):
-                if hasattr(config, attr):
-                    setattr(config, attr, part)
-            policy = getattr(config, "retry_policy", None)
-            if policy is None or not hasattr(policy, "get_backoff_time"):
-                continue
-            retries = self._retry.attempts - 1
-            for attr in ("total_retries", "connect_retries", "read_retries", "status_retries"):
-                if hasattr(policy, attr):
-                    setattr(policy, attr, retries)
-            policy.get_backoff_time = _backoff(self._retry)
+            raise _transfer.LostUpload(f"the store lost the upload in progress: {exc}") from exc
 
     def _abort_interrupted_uploads(self, name: str, *, everything: bool = False) -> None:
-        """Abort unfinished multipart uploads next to ``name`` that sort at or before it.
-
-        Names in a folder are ordered oldest first, so those uploads belong to saves that
-        were interrupted or superseded; later names may be another writer's, in flight.
-        With ``everything``, every unfinished upload under ``name`` (a prefix) goes.
-        Best effort: a failure is logged, never raised.
-        """
+        """Abort unfinished multipart uploads next to ``name`` that sort at or before it;
+        with ``everything``, all of those under the prefix ``name``. Best effort (see
+        :func:`taskpoint.transfer.abort_interrupted_uploads`)."""
         if everything:
             folder, last = name, None
         else:
             folder, _, last = name.rpartition("/")
         prefix = self._path(folder).rstrip("/") + "/"
-        try:
-            protocols = self._protocols
-            if protocols & {"s3", "s3a"}:
-                aborted = self._abort_s3_uploads(prefix, last)
-            elif protocols & {"az", "abfs", "abfss"}:
-                aborted = self._abort_azure_blocks(prefix, last)
-            else:
-                return  # GCS: resumable sessions cannot be listed; they expire in a week
-        except Exception as exc:
-            log.warning(
-                "could not clean up interrupted uploads under %s: %s: %s",
-                self.url_of(folder), type(exc).__name__, exc,
-            )
-            return
-        for key in aborted:
-            log.info("aborted interrupted upload %s", key)
-
-    @staticmethod
-    def _stale(rest: str, last: str | None) -> bool:
-        return last is None or ("/" not in rest and rest <= last)
-
-    def _abort_s3_uploads(self, prefix: str, last: str | None) -> builtins.list[str]:
-        fs: Any = self.fs
-        bucket, _, key_prefix = prefix.partition("/")
-        listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key_prefix)
-        aborted = []
-        for upload in listing.get("Uploads", []):
-            key = upload["Key"]
-            if self._stale(key[len(key_prefix):], last):
-                fs.call_s3(
-                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"]
-                )
-                aborted.append(f"{bucket}/{key}")
-        return aborted
-
-    def _abort_azure_blocks(self, prefix: str, last: str | None) -> builtins.list[str]:
-        from fsspec.asyn import sync
-
-        fs: Any = self.fs
-        container, _, blob_prefix = prefix.partition("/")
-
-        async def run() -> builtins.list[str]:
-            client = fs.service_client.get_container_client(container)
-            every = {
-                blob.name
-                async for blob in client.list_blobs(
-                    name_starts_with=blob_prefix, include=["uncommittedblobs"]
-                )
-            }
-            committed = {
-                blob.name async for blob in client.list_blobs(name_starts_with=blob_prefix)
-            }
-            aborted = []
-            for blob in sorted(every - committed):
-                if self._stale(blob[len(blob_prefix):], last):
-                    # Uncommitted blocks go when a block list is committed; then delete.
-                    blob_client = client.get_blob_client(blob)
-                    await blob_client.commit_block_list([])
-                    await blob_client.delete_blob()
-                    aborted.append(f"{container}/{blob}")
-            return aborted
-
-        return builtins.list(sync(fs.loop, run))
+        _transfer.abort_interrupted_uploads(
+            self.fs, self._protocols, prefix, last, self.url_of(folder)
+        )
 
     def put_file(self, local: str, name: str) -> None:
         """Upload the local file ``local`` to ``name``.
@@ -787,10 +623,7 @@ class Store:
             with open(local, "wb") as fh:
                 fh.write(self._read_memory(name))
             return
-        options = self._part_options()
-        if self._protocols & {"gs", "gcs"}:
-            options = {}
-        self.fs.get_file(self._path(name), local, **options)
+        _transfer.get(self.fs, self._protocols, self._transfer, self._path(name), local)
 
     @property
     def is_memory(self) -> bool:
@@ -859,62 +692,6 @@ def _link_new(path: str, data: bytes) -> bool:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-
-
-class _LostUpload(ConnectionError):
-    """An object store no longer knows an upload it had begun: worth starting over."""
-
-
-def _backoff(retry: RetryPolicy) -> Callable[[dict[str, Any]], float]:
-    """Azure's ``get_backoff_time`` following ``retry`` (its count starts at 1)."""
-
-    def backoff(settings: dict[str, Any]) -> float:
-        return retry.delay(max(0, int(settings.get("count", 1)) - 1))
-
-    return backoff
-
-
-class _Spool(WriteView):
-    """A write-only stream kept in memory up to ``limit`` bytes, then in a temporary file."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._memory: io.BytesIO | None = io.BytesIO()
-        self._file: BinaryIO | None = None
-        self.path: str | None = None
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        if self._memory is not None:
-            if self._memory.tell() + len(data) <= self._limit:
-                return self._memory.write(data)
-            fd, self.path = tempfile.mkstemp(prefix="taskpoint-upload-")
-            self._file = os.fdopen(fd, "wb")
-            self._file.write(self._memory.getbuffer())
-            self._memory = None
-        assert self._file is not None
-        return self._file.write(data)
-
-    @property
-    def data(self) -> bytes:
-        """The spooled bytes, while they are in memory."""
-        assert self._memory is not None
-        return self._memory.getvalue()
-
-    def finish(self) -> None:
-        """Flush what was written to the file, if any."""
-        if self._file is not None:
-            self._file.close()
-
-    def discard(self) -> None:
-        if self._file is not None:
-            with contextlib.suppress(OSError):
-                self._file.close()
-        if self.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-
-    def flush(self) -> None:
-        """Nothing to do: :meth:`Store.write_stream` finishes the spool."""
 
 
 class _GuardedReader(ReadView):

@@ -154,7 +154,7 @@ def _encode(data: bytes | memoryview, codec: Codec) -> bytes:
     if codec == "gzip":
         return archive.gzip_bytes(data)
     if codec == "zstd":
-        return bytes(archive._zstandard().ZstdCompressor(level=3).compress(data))
+        return bytes(archive.import_zstandard().ZstdCompressor(level=3).compress(data))
     return bytes(data)
 
 
@@ -164,7 +164,7 @@ def _decode(data: bytes | memoryview, codec: str) -> bytes:
 
         return bytes(igzip.decompress(data))  # type: ignore[no-untyped-call]
     if codec == "zstd":
-        return bytes(archive._zstandard().ZstdDecompressor().decompress(data))
+        return bytes(archive.import_zstandard().ZstdDecompressor().decompress(data))
     return bytes(data)
 
 
@@ -274,7 +274,7 @@ def _chunker() -> Any:
 
 
 def _walk(root: Path) -> Iterator[tuple[str, os.stat_result, Path]]:
-    for path in archive._entries(root):
+    for path in archive.walk_tree(root):
         yield path.relative_to(root).as_posix(), path.lstat(), path
 
 

@@ -1,0 +1,412 @@
+"""The save path: what a save takes, its snapshot, writing it, the commit, background saves.
+
+A save is classified (:func:`classify`), snapshotted when it runs in the background
+(:func:`take_snapshot`), then committed by a :class:`Saver`: a format-2 directory through
+:func:`taskpoint.tree.save_tree` under a :class:`taskpoint.retention.Lease`, anything else
+as one format-1 payload (bytes, a file, or a tar archive of a directory) under a fresh
+name. The manifest, written last, is the commit; then older checkpoints are pruned.
+:class:`Background` runs saves on an upload thread, holding at most one queued;
+:mod:`taskpoint._uploader` runs a :class:`Saver` in a separate process instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+from taskpoint import archive, retention, tree
+from taskpoint._catalog import Catalog
+from taskpoint._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
+from taskpoint.history import SaveStats
+from taskpoint.manifest import (
+    CHECKPOINTS,
+    TREE_FORMAT,
+    Codec,
+    Manifest,
+    manifest_name,
+    payload_name,
+    tree_checksum,
+)
+
+__all__ = [
+    "Background",
+    "Saver",
+    "Snapshot",
+    "Source",
+    "check_snapshot",
+    "classify",
+    "discard",
+    "take_snapshot",
+]
+
+log = logging.getLogger(__name__)
+
+BACKGROUND_NICE = 10
+"""The nice value background uploads run at, below the training loop's threads."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """What one save commits: bytes, or a file or directory (perhaps a private snapshot)."""
+
+    kind: str
+    data: bytes | None = None
+    path: Path | None = None
+    snapshot: Path | None = None  # a private copy's folder, removed once uploaded
+    called: float = 0.0  # time.monotonic() when save was called
+    blocked_s: float | None = None  # how long a background save held its caller
+
+
+def classify(data: object, called: float) -> Source:
+    """What ``data`` is, as :meth:`taskpoint.Checkpoint.save_sync` takes it.
+
+    Args:
+        data: bytes-like, or the path of a file or directory.
+        called: ``time.monotonic()`` when the save was called.
+
+    Raises:
+        TypeError: ``data`` is of another type.
+        FileNotFoundError: the path does not exist.
+        ValueError: the path is neither a regular file nor a directory.
+        CheckpointUnsafeError: the directory holds a special file or a link leaving it.
+    """
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return Source("bytes", data=bytes(data), called=called)
+    if isinstance(data, (str, os.PathLike)):
+        path = Path(os.fspath(data))
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"cannot checkpoint {str(path)!r}: no such file or directory"
+            ) from None
+        if stat.S_ISDIR(mode):
+            archive.check_tree(path)
+            return Source("directory", path=path.absolute(), called=called)
+        if stat.S_ISREG(mode):
+            return Source("file", path=path.absolute(), called=called)
+        raise ValueError(
+            f"cannot checkpoint {str(path)!r}: it is neither a regular file nor a directory"
+        )
+    raise TypeError(
+        "checkpoint save() takes bytes, bytearray or memoryview (stored as raw bytes) or a "
+        f"str / os.PathLike naming a file or directory; got {type(data).__name__}"
+    )
+
+
+
+class Saver:
+    """Writes and commits saves to one location.
+
+    Args:
+        catalog: the location's committed checkpoints (updated with each commit).
+        codec: how format-1 directory archives and format-2 blobs are compressed.
+        store_format: 1 (one payload per checkpoint) or 2 (content-addressed trees).
+        keep: how many intact checkpoints a commit keeps.
+        progress: called with the number of payload bytes moved.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        *,
+        codec: Codec,
+        store_format: int,
+        keep: int,
+        progress: Progress | None = None,
+    ) -> None:
+        self._catalog = catalog
+        self._store = catalog.store
+        self._codec = codec
+        self._store_format = store_format
+        self._keep = keep
+        self._progress = progress
+
+    def commit(
+        self, source: Source, attempt: int, seq: int
+    ) -> tuple[SaveStats, tuple[str, str]]:
+        """Write ``source`` as save ``seq`` of ``attempt``, commit it, prune.
+
+        Called with the checkpoint's save lock held (or in the upload process).
+
+        Returns:
+            The save's stats and its ``(manifest key, checksum)``.
+
+        Raises:
+            CheckpointStoreError: the store failed; earlier checkpoints are untouched.
+        """
+        if source.kind == "directory" and self._store_format == TREE_FORMAT:
+            committed = self._save_tree(source, attempt, seq)
+        else:
+            committed = self._save_payload(source, attempt, seq)
+        self._prune()
+        return committed
+
+    def _prune(self) -> None:
+        if self._catalog.prune(self._keep) and self._store.list(retention.OBJECTS):
+            self._catalog.collect()
+
+    def _save_tree(
+        self, source: Source, attempt: int, seq: int
+    ) -> tuple[SaveStats, tuple[str, str]]:
+        """Commit a format-2 tree: content the run holds is referenced, the rest uploaded."""
+        assert source.path is not None
+        key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
+        with retention.Lease(self._store, attempt, seq) as lease:
+            upload_started = time.monotonic()
+            known = tree.BlobIndex.of(self._catalog.read_committed())
+            saved = tree.save_tree(
+                self._store, source.path, known, codec=self._codec,
+                workers=self._store.transfer.concurrency, progress=self._progress,
+            )
+            stats = SaveStats(
+                url=self._store.url_of(key), attempt=attempt, seq=seq, kind=source.kind,
+                size=saved.size, uploaded=saved.uploaded, reused=saved.reused, save_s=0.0,
+                upload_s=0.0, blocked_s=0.0, background=source.blocked_s is not None,
+            )
+            manifest = Manifest(
+                kind="directory", name=source.path.name, codec="none", size=saved.size,
+                checksum=tree_checksum(saved.entries), payload=None, attempt=attempt, seq=seq,
+                created=time.time(), format=TREE_FORMAT,
+                stats=self._timed(stats, source, upload_started).to_record(),
+                entries=saved.entries, objects=saved.objects,
+            )
+            lease.check()
+            self._store.write_atomic(key, manifest.to_json())
+        self._catalog.remember(manifest)
+        stats = self._timed(stats, source, upload_started)
+        log.info(
+            "committed directory checkpoint %s (%d bytes, %d uploaded) in %.2fs",
+            stats.url, saved.size, saved.uploaded, stats.save_s,
+        )
+        return stats, (manifest.key, manifest.checksum)
+
+    def _save_payload(
+        self, source: Source, attempt: int, seq: int
+    ) -> tuple[SaveStats, tuple[str, str]]:
+        token = uuid.uuid4().hex[:8]
+        payload = payload_name(attempt, seq, token)
+        upload_started = time.monotonic()
+        digest, name, codec = self._write_payload(source, payload)
+        key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
+        stats = SaveStats(
+            url=self._store.url_of(key),
+            attempt=attempt,
+            seq=seq,
+            kind=source.kind,
+            size=digest.size,
+            uploaded=digest.size,
+            reused=0,
+            save_s=0.0,
+            upload_s=0.0,
+            blocked_s=0.0,
+            background=source.blocked_s is not None,
+        )
+        manifest = Manifest(
+            kind=source.kind,  # type: ignore[arg-type]
+            name=name,
+            codec=codec,
+            size=digest.size,
+            checksum=digest.checksum,
+            payload=payload,
+            attempt=attempt,
+            seq=seq,
+            created=time.time(),
+            stats=self._timed(stats, source, upload_started).to_record(),
+        )
+        self._store.write_atomic(key, manifest.to_json())
+        self._catalog.intact.add((manifest.key, manifest.checksum))
+        stats = self._timed(stats, source, upload_started)
+        log.info(
+            "committed %s checkpoint %s (%d bytes) in %.2fs",
+            source.kind, stats.url, digest.size, stats.save_s,
+        )
+        return stats, (manifest.key, manifest.checksum)
+
+    @staticmethod
+    def _timed(stats: SaveStats, source: Source, upload_started: float) -> SaveStats:
+        now = time.monotonic()
+        save_s = now - source.called
+        return dataclasses.replace(
+            stats,
+            save_s=save_s,
+            upload_s=now - upload_started,
+            blocked_s=save_s if source.blocked_s is None else source.blocked_s,
+        )
+
+    def _write_payload(self, source: Source, payload: str) -> tuple[Digest, str | None, Codec]:
+        target = f"{CHECKPOINTS}/{payload}"
+        name = source.path.name if source.path is not None else None
+        if source.kind == "file" and self._store.is_object_store:
+            # The backend's own parallel multipart upload, after hashing the file. A file
+            # changed while it uploads fails verification at load.
+            assert source.path is not None
+            digest = digest_file(str(source.path))
+            self._store.put_file(str(source.path), target)
+            if self._progress is not None:
+                self._progress(digest.size)
+            return digest, name, "none"
+        box: dict[str, HashingWriter] = {}
+
+        def produce(raw: BinaryIO) -> None:
+            writer = box["w"] = HashingWriter(raw, self._progress)
+            if source.kind == "bytes":
+                assert source.data is not None
+                writer.write(source.data)
+            elif source.kind == "file":
+                # One pass that hashes as it copies: as fast as a kernel copy on local disks,
+                # where reading the file a second time to hash it would cost a third more.
+                assert source.path is not None
+                for chunk in file_chunks(str(source.path)):
+                    writer.write(chunk)
+            else:
+                assert source.path is not None
+                archive.pack_directory(source.path, writer, self._codec)  # type: ignore[arg-type]
+
+        self._store.write_stream(target, produce)
+        codec: Codec = self._codec if source.kind == "directory" else "none"
+        return box["w"].digest, name, codec
+
+
+Snapshot = Literal["copy", "link"]
+"""How a background save snapshots a path (see :meth:`taskpoint.Checkpoint.save_sync`)."""
+
+
+def check_snapshot(snapshot: object) -> None:
+    """Raises ValueError unless ``snapshot`` is ``"copy"`` or ``"link"``."""
+    if snapshot not in ("copy", "link"):
+        raise ValueError(f'snapshot must be "copy" or "link"; got {snapshot!r}')
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(src, dst)
+
+
+def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
+    """A private snapshot of ``source`` that later changes to the original cannot reach.
+
+    ``how="link"`` hard-links files (see :meth:`taskpoint.Checkpoint.save_sync`); it is placed beside
+    the original, on its file system, so links are possible.
+    """
+    if source.path is None:
+        return dataclasses.replace(source, blocked_s=time.monotonic() - source.called)
+    near = str(source.path.parent) if how == "link" else None
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=".taskpoint-snapshot-", dir=near))
+    except OSError:  # a read-only parent: a copy in the temporary folder instead
+        folder, how = Path(tempfile.mkdtemp(prefix="taskpoint-snapshot-")), "copy"
+    target = folder / source.path.name
+    copy = _link_or_copy if how == "link" else shutil.copy2
+    if source.kind == "directory":
+        shutil.copytree(source.path, target, symlinks=True, copy_function=copy)
+    else:
+        copy(str(source.path), str(target))
+    return Source(
+        source.kind, path=target, snapshot=folder, called=source.called,
+        blocked_s=time.monotonic() - source.called,
+    )
+
+
+class Background:
+    """One upload thread per checkpoint, holding at most one queued save.
+
+    A queued save is dropped when a newer one (background or not) starts; its snapshot is
+    removed. The error of a failed save is kept until :meth:`take_error`.
+    """
+
+    def __init__(self, save: Callable[[Source, int], None]) -> None:
+        self._save = save
+        self._cond = threading.Condition()
+        self._queued: tuple[Source, int] | None = None
+        self._running = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def submit(self, source: Source, ticket: int) -> None:
+        """Queue ``source`` (dropping a save still queued) and start the thread if needed."""
+        with self._cond:
+            self._drop_queued()
+            self._queued = (source, ticket)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="taskpoint-background-save", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def supersede(self, ticket: int) -> None:
+        """Drop the queued save if it is older than ``ticket`` (a newer save started)."""
+        with self._cond:
+            if self._queued is not None and self._queued[1] < ticket:
+                self._drop_queued()
+                self._cond.notify_all()
+
+    def _drop_queued(self) -> None:
+        if self._queued is not None:
+            discard(self._queued[0])
+            self._queued = None
+
+    def _run(self) -> None:
+        _lower_priority()
+        while True:
+            with self._cond:
+                if self._queued is None:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                source, ticket = self._queued
+                self._queued = None
+                self._running = True
+            try:
+                self._save(source, ticket)
+            except BaseException as exc:  # kept for the caller's next save or wait()
+                log.warning("background save failed: %s", exc)
+                with self._cond:
+                    self._error = exc
+            finally:
+                discard(source)
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Block until nothing is queued or running."""
+        with self._cond:
+            while self._queued is not None or self._running:
+                self._cond.wait()
+
+    def take_error(self) -> BaseException | None:
+        """The last failed save's error, once; ``None`` when none failed since."""
+        with self._cond:
+            error, self._error = self._error, None
+            return error
+
+
+def _lower_priority() -> None:
+    """Make the calling thread (and the threads it starts) yield the CPU to training.
+
+    Linux schedules threads individually, so this lowers the upload's priority only.
+    """
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+def discard(source: Source) -> None:
+    """Remove ``source``'s private snapshot, if it has one."""
+    if source.snapshot is not None:
+        shutil.rmtree(source.snapshot, ignore_errors=True)
