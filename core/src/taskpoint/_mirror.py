@@ -40,15 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from taskpoint._save import Source, classify, discard, lower_priority, take_snapshot
 from taskpoint._types import CheckpointLike
-from taskpoint.checkpoint import (
-    Checkpoint,
-    _classify,
-    _discard,
-    _lower_priority,
-    _snapshot,
-    _Source,
-)
+from taskpoint.checkpoint import Checkpoint
 from taskpoint.history import SaveStats
 
 __all__ = [
@@ -129,7 +123,7 @@ class UploadThread:
             self._thread.start()
 
     def _run(self, job: Callable[[], object]) -> None:
-        _lower_priority()
+        lower_priority()
         try:
             job()
         except BaseException as exc:  # raised by the next wait()
@@ -296,7 +290,7 @@ class FolderMirror:
             elif self._native is not None:  # another object with taskpoint's wait()
                 self._checkpoint.save_sync(folder, background=True)  # type: ignore[call-arg]
             else:
-                source = _snapshot(_classify(folder, started), "link")
+                source = take_snapshot(classify(folder, started), "link")
                 self._worker.start(lambda: self._upload(record, source))
         except BaseException:
             with self._cond:
@@ -382,13 +376,13 @@ class FolderMirror:
         except BaseException as exc:  # handed to the thread that waits
             box.append(exc)
 
-    def _upload(self, record: _Save, source: _Source) -> None:
+    def _upload(self, record: _Save, source: Source) -> None:
         started = time.monotonic()
         try:
             assert source.path is not None
             self._checkpoint.save_sync(source.path)
         finally:
-            _discard(source)
+            discard(source)
         with self._cond:
             record.upload_s = time.monotonic() - started
             if not self._reports_commits:

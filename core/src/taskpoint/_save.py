@@ -362,7 +362,7 @@ class Background:
             self._queued = None
 
     def _run(self) -> None:
-        _lower_priority()
+        lower_priority()
         while True:
             with self._cond:
                 if self._queued is None:
@@ -397,7 +397,7 @@ class Background:
             return error
 
 
-def _lower_priority() -> None:
+def lower_priority() -> None:
     """Make the calling thread (and the threads it starts) yield the CPU to training.
 
     Linux schedules threads individually, so this lowers the upload's priority only.
