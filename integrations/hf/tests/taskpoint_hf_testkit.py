@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from taskpoint import CheckpointLike
-from taskpoint._mirror import settle_uploads
+from taskpoint.mirror import settle_uploads
 from taskpoint_hf import TaskpointTrainerCallback, checkpoint_step, restore_last_checkpoint
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import (

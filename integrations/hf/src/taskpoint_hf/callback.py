@@ -25,7 +25,7 @@ from typing import Any
 
 import taskpoint
 from taskpoint import CheckpointLike
-from taskpoint._mirror import FolderMirror, combined_metrics
+from taskpoint.mirror import FolderMirror, combined_metrics
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from taskpoint_hf import _distributed

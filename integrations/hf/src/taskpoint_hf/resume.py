@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from taskpoint import CheckpointError, CheckpointLike, TaskpointWarning
-from taskpoint._mirror import settle_uploads
+from taskpoint.mirror import settle_uploads
 
 from taskpoint_hf import _distributed
 

@@ -30,7 +30,7 @@ import taskpoint
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from taskpoint import CheckpointLike, TaskpointWarning
-from taskpoint._mirror import FolderMirror
+from taskpoint.mirror import FolderMirror
 
 from taskpoint_lightning._mirror import flush_async_io, unfinished_files, unshare
 from taskpoint_lightning._rng import capture_rng, pick_rng, restore_rng

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from taskpoint import CheckpointLike, latest_checkpoint
-from taskpoint._mirror import settle_uploads
+from taskpoint.mirror import settle_uploads
 
 __all__ = ["resume_ckpt_path"]
 

@@ -48,7 +48,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
-from taskpoint._mirror import UploadThread, settle_uploads, track
+from taskpoint.mirror import UploadThread, settle_uploads, track
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
