@@ -229,15 +229,19 @@ class FolderMirror:
             Its ``wait`` (if any) is used for background saves and ``on_commit`` (if any)
             for the upload figures; without them the mirror uploads from its own thread
             and measures what it can.
-        blocking: upload inside :meth:`save`, as a plain ``save_sync`` call.
+        blocking: upload inside :meth:`save`, as a plain ``save_sync`` call. ``None``: in
+            the background for a :class:`~taskpoint.Checkpoint` (its task waits for the
+            upload at the attempt's end), blocking for any other checkpoint, whose owner
+            (Flyte, say) may end the attempt and hand the checkpoint on before a background
+            upload lands.
 
     Meant for a checkpoint the mirror has to itself: the figures of each commit the
     checkpoint reports are taken as those of the save in flight.
     """
 
-    def __init__(self, checkpoint: CheckpointLike, *, blocking: bool = False) -> None:
+    def __init__(self, checkpoint: CheckpointLike, *, blocking: bool | None = None) -> None:
         self._checkpoint = checkpoint
-        self._blocking = blocking
+        self._blocking = not isinstance(checkpoint, Checkpoint) if blocking is None else blocking
         self._native: Callable[[], None] | None = getattr(checkpoint, "wait", None)
         if not callable(self._native):
             self._native = None

@@ -89,7 +89,10 @@ class TaskpointTrainerCallback(TrainerCallback):
         output_dir: the Trainer's ``output_dir``; ``None`` takes ``args.output_dir`` when
             training begins.
         blocking: upload inside ``on_save``, every rank waiting until it has committed
-            (the behaviour before background uploads).
+            (the behaviour before background uploads). ``None`` (the default): in the
+            background for a :class:`taskpoint.Checkpoint`, whose task waits for it; blocking
+            for another system's checkpoint (Flyte's), whose attempt may end and hand its
+            checkpoint on before a background upload lands.
         preempt_timeout: how many seconds a SIGTERM waits for the upload in flight;
             ``None`` waits as long as it takes.
 
@@ -104,7 +107,7 @@ class TaskpointTrainerCallback(TrainerCallback):
         checkpoint: CheckpointLike,
         output_dir: str | os.PathLike[str] | None = None,
         *,
-        blocking: bool = False,
+        blocking: bool | None = None,
         preempt_timeout: float | None = 60.0,
     ) -> None:
         if not isinstance(checkpoint, CheckpointLike):

@@ -83,7 +83,7 @@ class _TaskpointMirror:
         self,
         checkpoint: CheckpointLike,
         *args: Any,
-        blocking: bool = False,
+        blocking: bool | None = None,
         preempt_timeout: float | None = 60.0,
         **kwargs: Any,
     ) -> None:
@@ -382,7 +382,10 @@ class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
             ``taskpoint.ctx().checkpoint`` or any :class:`taskpoint.CheckpointLike`.
         *args: ``ModelCheckpoint``'s positional arguments (``dirpath``, ``filename``, ...).
         blocking: upload inside the hook that saved, training waiting until it has
-            committed (the behaviour before background uploads).
+            committed (the behaviour before background uploads). ``None`` (the default): in the
+            background for a :class:`taskpoint.Checkpoint`, whose task waits for it; blocking
+            for another system's checkpoint (Flyte's), whose attempt may end and hand its
+            checkpoint on before a background upload lands.
         preempt_timeout: how many seconds an exception or SIGTERM waits for the upload in
             flight; ``None`` waits as long as it takes.
         **kwargs: ``ModelCheckpoint``'s keyword arguments: ``dirpath``, ``filename``,
