@@ -39,6 +39,7 @@ __all__ = [
     "SaveStats",
     "attempt_numbers",
     "claim_attempt",
+    "finite_number",
     "read_attempts",
     "record_end",
     "record_resume",
@@ -226,15 +227,15 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
         records.append(
             AttemptRecord(
                 attempt=attempt,
-                started=_number(claim.get("started")),
+                started=finite_number(claim.get("started")),
                 pid=_integer(claim.get("pid")),
                 host=_text(claim.get("host")),
-                ended=_number(end.get("ended")),
+                ended=finite_number(end.get("ended")),
                 outcome=outcome if outcome in OUTCOMES else None,
                 error=_text(end.get("error")),
                 resumed_from=_text(resume.get("checkpoint")),
-                resumed_at=_number(resume.get("at")),
-                restore_s=_number(resume.get("restore_s")),
+                resumed_at=finite_number(resume.get("at")),
+                restore_s=finite_number(resume.get("restore_s")),
                 restored_size=_integer(resume.get("size")),
                 unreadable=tuple(unreadable),
             )
@@ -257,7 +258,8 @@ def _read(
     return raw if isinstance(raw, dict) else {}
 
 
-def _number(value: object) -> float | None:
+def finite_number(value: object) -> float | None:
+    """``value`` as a float when it is a finite JSON number, else ``None``."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
     try:

@@ -30,7 +30,7 @@ from rich.measure import Measurement
 from rich.text import Text
 from rich.tree import Tree
 
-from taskpoint.history import AttemptRecord
+from taskpoint.history import AttemptRecord, finite_number
 from taskpoint.manifest import Manifest, parse_manifest_name
 
 if TYPE_CHECKING:
@@ -127,16 +127,6 @@ def _clock(at: float | None, day_of: float | None = None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _number(value: object) -> float | None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _count(value: object) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
@@ -149,11 +139,11 @@ def save_stats(manifest: Manifest) -> dict[str, Any]:
     stats: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
     background = stats.get("background")
     return {
-        "save_s": _number(stats.get("save_s")),
-        "upload_s": _number(stats.get("upload_s")),
+        "save_s": finite_number(stats.get("save_s")),
+        "upload_s": finite_number(stats.get("upload_s")),
         "uploaded": _count(stats.get("uploaded")),
         "reused": _count(stats.get("reused")),
-        "blocked_s": _number(stats.get("blocked_s")),
+        "blocked_s": finite_number(stats.get("blocked_s")),
         "background": background if isinstance(background, bool) else None,
     }
 
@@ -498,7 +488,7 @@ def _header(info: ActionInfo, views: list[AttemptView]) -> Line:
     header.append_text(_styled(info.state))
     starts = [v.record.started for v in views if v.record.started is not None]
     ends = [t for v in views for t in (v.record.ended,) if t is not None]
-    finished = _number((info.status or {}).get("finished"))
+    finished = finite_number((info.status or {}).get("finished"))
     if finished is not None:
         ends.append(finished)
     tries = len(views)
