@@ -110,7 +110,8 @@ def test_a_save_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_path
 def test_logged_figures_are_plausible(tmp_path: Path) -> None:
     gate = Gate()
     store = tmp_path / "store"
-    checkpoint = Checkpoint(f"file://{store}", keep=5, progress=gate)
+    # Format 1: one payload per save, so the figures can be checked against its file.
+    checkpoint = Checkpoint(f"file://{store}", keep=5, progress=gate, store_format=1)
     stats: list[Any] = []
     checkpoint.on_commit(stats.append)
     at = At(save_3=gate.close, step_4=lambda: gate.open_in(1.0))
@@ -181,7 +182,8 @@ class FailingSecondSave:
 
 def test_another_checkpoint_type_uploads_from_the_adapters_thread(tmp_path: Path) -> None:
     other = FailingSecondSave(Checkpoint(f"file://{tmp_path / 'store'}"))
-    callback = TaskpointTrainerCallback(other, tmp_path / "out")
+    # Background on another system's checkpoint only when asked (the default blocks).
+    callback = TaskpointTrainerCallback(other, tmp_path / "out", blocking=False)
     threads: list[str] = []
     real = other.save_sync
 

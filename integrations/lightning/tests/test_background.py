@@ -92,7 +92,10 @@ def figures(tmp_path: Path) -> list[dict[str, float]]:
 
 def test_a_mirror_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_path: Path) -> None:
     gate = Gate()
-    checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", keep=5, progress=gate)
+    # Format 1: one payload per save, so the figures can be checked against its file.
+    checkpoint = taskpoint.Checkpoint(
+        f"file://{tmp_path / 'store'}", keep=5, progress=gate, store_format=1
+    )
     commits: list[taskpoint.SaveStats] = []
     checkpoint.on_commit(commits.append)
 
@@ -179,7 +182,9 @@ def test_another_checkpoint_type_mirrors_from_the_adapters_thread(tmp_path: Path
         inner(data)
 
     ckpt.save_sync = recording  # type: ignore[method-assign]
-    mc = TaskpointModelCheckpoint(ckpt, dirpath=tmp_path / "ckpts", every_n_train_steps=2)
+    mc = TaskpointModelCheckpoint(  # background on another checkpoint type only when asked
+        ckpt, dirpath=tmp_path / "ckpts", every_n_train_steps=2, blocking=False
+    )
     fit(mc, tmp_path, max_steps=6)
     assert threads == ["taskpoint-mirror-upload"] * 3
     rows = figures(tmp_path)
