@@ -792,7 +792,7 @@ def test_show_output_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         root = tmp_path / "store"
         contract_run(root)
         result = CliRunner().invoke(
-            main, ["show", ACTION, "--root", f"file://{root}"], env={"COLUMNS": "100"}
+            main, ["show", ACTION, "--root", f"file://{root}"], env={"COLUMNS": "160"}
         )
     finally:
         monkeypatch.undo()

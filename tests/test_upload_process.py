@@ -35,7 +35,7 @@ def test_background_saves_upload_in_another_process_and_commit_in_order(
 ) -> None:
     if store_url.startswith("memory://"):
         pytest.skip("memory:// lives in one process: its background saves use a thread")
-    ckpt = Checkpoint(store_url, keep=3)
+    ckpt = Checkpoint(store_url, keep=3, background_upload="process")
     stats: list[SaveStats] = []
     ckpt.on_commit(stats.append)
     first = _tree(tmp_path / "first", 8, seed=1)
@@ -70,7 +70,7 @@ def test_thread_mode_still_available(tmp_path: Path) -> None:
 
 def test_a_killed_upload_process_fails_that_save_only(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    ckpt = Checkpoint(store, keep=5)
+    ckpt = Checkpoint(store, keep=5, background_upload="process")
     ckpt.save_sync(b"committed before")
     ckpt.save_sync(_tree(tmp_path / "big", 64), background=True)
     os.kill(_upload_pid(ckpt), signal.SIGKILL)
@@ -88,7 +88,7 @@ def test_the_upload_process_ignores_sigterm_and_finishes_its_upload(tmp_path: Pa
     """A preempted attempt waits for the upload in flight: SIGTERM, sent to the whole
     process group by launchers, must not kill it half-way."""
     store = tmp_path / "store"
-    ckpt = Checkpoint(store)
+    ckpt = Checkpoint(store, background_upload="process")
     ckpt.save_sync(_tree(tmp_path / "big", 64), background=True)
     pid = _upload_pid(ckpt)  # set once the process said it was ready
     os.kill(pid, signal.SIGTERM)
