@@ -442,6 +442,7 @@ class SeaweedS3(S3Server):
         s3 = self.client(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=10)
         probe = "taskpoint-readiness-probe"
         deadline = time.monotonic() + self.startup_timeout
+        last: Exception | None = None
         while True:
             try:
                 if probe not in {b["Name"] for b in s3.list_buckets().get("Buckets", [])}:
@@ -451,7 +452,7 @@ class SeaweedS3(S3Server):
                     s3.delete_object(Bucket=probe, Key="probe")
                     return
             except (BotoCoreError, ClientError) as exc:
-                last: Exception = exc
+                last = exc
             if self.process is None or self.process.poll() is not None:
                 raise ServerUnavailable(f"weed exited while starting: {_tail(self._log)}")
             if time.monotonic() > deadline:
