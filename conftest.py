@@ -5,8 +5,9 @@ object-store servers on loopback ports (``s3``: moto; ``seaweedfs``: SeaweedFS, 
 S3 server that keeps its data on disk; ``azure``: Azurite; ``gcs``: a GCS emulator; see
 ``tests/_servers.py``). Each server starts once per session, when a test first needs it,
 and the backends find it the usual way, through the environment (``AWS_*``,
-``AZURE_STORAGE_CONNECTION_STRING``, ``STORAGE_EMULATOR_HOST``). Both S3 kinds use
-``s3://`` URLs; a test runs against one of them at a time.
+``AZURE_STORAGE_CONNECTION_STRING``, ``STORAGE_EMULATOR_HOST``), which a test's server
+fixture sets for that test alone. Both S3 kinds use ``s3://`` URLs; a test runs against one
+of them at a time.
 
 ``TASKPOINT_TEST_STORES`` (comma-separated kinds: ``file``, ``memory``, ``s3``,
 ``seaweedfs``, ``azure``, ``gcs``) narrows the list for a quick local run, e.g.
@@ -63,36 +64,85 @@ def _object_server(kind: str, factory: pytest.TempPathFactory) -> Iterator[_serv
         raise  # unreachable: the line above fails or skips
     try:
         server.create_bucket(TEST_BUCKET)
-        with pytest.MonkeyPatch.context() as patch:
-            for name, value in server.environment().items():
-                patch.setenv(name, value)
-            yield server
+        yield server
     finally:
         server.stop()
 
 
+def _clear_backend_instances() -> None:
+    """Forget the cached fsspec instances of the object-store backends: each one read its
+    endpoint and credentials from the environment when it was made."""
+    import fsspec
+
+    for protocol in ("s3", "gs", "az", "abfs"):
+        try:
+            cls = fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError):
+            continue
+        cls.clear_instance_cache()
+
+
+def _activate(server: _servers.ObjectServer) -> Iterator[_servers.ObjectServer]:
+    """Point the backends at ``server`` for one test: its environment variables are set
+    (child processes inherit them) and no backend instance made for another server is
+    reused. ``s3`` and ``seaweedfs`` share the ``AWS_*`` variables, so without this a test
+    of one could reach the other, and a child process the other server than its parent."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in server.environment().items():
+            patch.setenv(name, value)
+        _clear_backend_instances()
+        try:
+            yield server
+        finally:
+            _clear_backend_instances()
+
+
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.ObjectServer]:
-    """moto's S3 server (IAM auth on), with the bucket ``taskpoint-tests``."""
+def _s3_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.ObjectServer]:
     yield from _object_server("s3", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.ObjectServer]:
-    """SeaweedFS's S3 gateway (signatures checked), with the bucket ``taskpoint-tests``."""
+def _seaweed_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.ObjectServer]:
     yield from _object_server("seaweedfs", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def azure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.ObjectServer]:
-    """Azurite's Blob service, with the container ``taskpoint-tests``."""
+def _azure_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.ObjectServer]:
     yield from _object_server("azure", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.ObjectServer]:
-    """The GCS emulator, with the bucket ``taskpoint-tests``."""
+def _gcs_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.ObjectServer]:
     yield from _object_server("gcs", tmp_path_factory)
+
+
+@pytest.fixture
+def s3_server(_s3_process: _servers.ObjectServer) -> Iterator[_servers.ObjectServer]:
+    """moto's S3 server (IAM auth on), with the bucket ``taskpoint-tests``; the backends
+    reach it for this test."""
+    yield from _activate(_s3_process)
+
+
+@pytest.fixture
+def seaweed_server(_seaweed_process: _servers.ObjectServer) -> Iterator[_servers.ObjectServer]:
+    """SeaweedFS's S3 gateway (signatures checked), with the bucket ``taskpoint-tests``;
+    the backends reach it for this test."""
+    yield from _activate(_seaweed_process)
+
+
+@pytest.fixture
+def azure_server(_azure_process: _servers.ObjectServer) -> Iterator[_servers.ObjectServer]:
+    """Azurite's Blob service, with the container ``taskpoint-tests``; the backends reach
+    it for this test."""
+    yield from _activate(_azure_process)
+
+
+@pytest.fixture
+def gcs_server(_gcs_process: _servers.ObjectServer) -> Iterator[_servers.ObjectServer]:
+    """The GCS emulator, with the bucket ``taskpoint-tests``; the backends reach it for
+    this test."""
+    yield from _activate(_gcs_process)
 
 
 @pytest.fixture(scope="session")

@@ -88,10 +88,9 @@ class Checkpoint:
             interpreter exit, by default.
         retry: how store calls retry transient failures.
         progress: called with the number of payload bytes moved, as saves and loads stream.
-        background_upload: where background saves upload: ``"thread"`` (the default, a
-            thread of this process) or ``"process"`` (a separate upload process, so the
-            upload's Python work never holds the training loop's GIL; opt-in while a resume
-            after an in-process retry on SeaweedFS is investigated). ``memory://`` stores and
+        background_upload: where background saves upload: ``"process"`` (a separate
+            upload process, so the upload's Python work never holds the training loop's
+            GIL) or ``"thread"`` (a thread of this process). ``memory://`` stores and
             checkpoints with a ``progress`` callback always use a thread.
 
         store_format: how directories are stored: ``2`` (the default) stores each file
@@ -118,7 +117,7 @@ class Checkpoint:
         workdir: str | os.PathLike[str] | None = None,
         retry: RetryPolicy | None = None,
         progress: Progress | None = None,
-        background_upload: str = "thread",
+        background_upload: str = "process",
         store_format: int = FORMAT_VERSION,
     ) -> None:
         url = check_location("url", url)
