@@ -495,7 +495,7 @@ class TaskpointState:
             StateError: ranks restored different checkpoints, or another rank failed.
             taskpoint.CheckpointError: the store failed or holds no intact checkpoint.
         """
-        settle_uploads()  # a background save still uploading (an earlier attempt's too)
+        _settle_every_rank()
         try:
             _check_checkpoint(checkpoint)
             bundle = self._read(checkpoint.load_sync(), map_location)
@@ -507,7 +507,7 @@ class TaskpointState:
         self, checkpoint: CheckpointLike, *, map_location: MapLocation = None
     ) -> ResumePoint | None:
         """Async :meth:`restore_sync`: the download is awaited."""
-        settle_uploads()
+        _settle_every_rank()
         try:
             _check_checkpoint(checkpoint)
             bundle = self._read(await checkpoint.load(), map_location)
@@ -663,6 +663,14 @@ class TaskpointState:
                     )
             if mine is not None:
                 restore_rng(mine)
+
+
+def _settle_every_rank() -> None:
+    """Wait for this process's uploads still in flight (an earlier attempt's too), then for
+    every rank's: only rank 0 uploads, and a rank that loaded before rank 0's last commit
+    landed would restore an older checkpoint than rank 0 (a collective)."""
+    settle_uploads()
+    all_gather(None)
 
 
 def _cpu_copy(value: Any) -> Any:
