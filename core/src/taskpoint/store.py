@@ -162,7 +162,22 @@ class RetryPolicy:
 
 
 def _status(exc: BaseException) -> int | None:
-    """The HTTP status a client exception carries, when it carries one."""
+    """The HTTP status a client exception carries, when it or the exception it was raised
+    from (``__cause__``) carries one. s3fs raises ``OSError`` from botocore's
+    ``ClientError``: SeaweedFS's 412 to a conditional write names no ``Condition``, so s3fs
+    makes it ``OSError(EINVAL)`` rather than ``FileExistsError``."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        status = _own_status(current)
+        if status is not None:
+            return status
+        current = current.__cause__
+    return None
+
+
+def _own_status(exc: BaseException) -> int | None:
     for attr in ("status_code", "status", "code"):
         value = getattr(exc, attr, None)
         if isinstance(value, int) and 100 <= value < 600:
