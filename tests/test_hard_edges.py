@@ -321,6 +321,17 @@ def test_restore_into_an_unusable_folder_stops_the_load(tmp_path: Path) -> None:
     assert restored is not None and (restored / "weights").read_bytes() == b"w" * 1000
 
 
+def test_a_retry_restoring_into_the_same_workdir_loads_again(tmp_path: Path) -> None:
+    """A fixed ``workdir=`` outlives an attempt: the next process restoring the same
+    checkpoint there once met the first one's folder and failed with "File exists"."""
+    store = tmp_path / "store"
+    Checkpoint(store, attempt=0).save_sync(b"state")
+    first = Checkpoint(store, workdir=tmp_path / "restore").load_sync()
+    second = Checkpoint(store, workdir=tmp_path / "restore").load_sync()  # the retry
+    assert first is not None and second is not None and first != second
+    assert first.read_bytes() == second.read_bytes() == b"state"
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs: a real disk that fills up."""
