@@ -283,6 +283,35 @@ def test_a_far_future_record_never_makes_saves_prune_good_checkpoints(
     assert manifest_name(0, 0) not in listing and manifest_name(1, 0) not in listing
 
 
+@pytest.mark.parametrize("forgery", ["copied under a newer name", "payload of an older save"])
+def test_a_manifest_disagreeing_with_its_name_never_makes_prune_delete_what_loads(
+    forgery: str, tmp_path: Path
+) -> None:
+    """Pruning keeps payloads by the save their name records; a manifest whose name, or whose
+    payload's name, is another save's once won the load and then lost its payload to prune."""
+    store = tmp_path / "root" / "train.fit" / "run-1"
+    ckpt = Checkpoint(store, attempt=0, keep=10)
+    ckpt.save_sync(b"first")
+    ckpt.save_sync(b"second")
+    first = (store / "checkpoints" / manifest_name(0, 0)).read_bytes()
+    if forgery == "copied under a newer name":
+        (store / "checkpoints" / manifest_name(7, 0)).write_bytes(first)
+    else:
+        record = json.loads(first)
+        record.update(attempt=7, seq=0)
+        (store / "checkpoints" / manifest_name(7, 0)).write_text(json.dumps(record))
+
+    with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
+        assert Checkpoint(store).load_sync().read_bytes() == b"second"  # type: ignore[union-attr]
+    Checkpoint(store).prune(1)
+    with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
+        assert Checkpoint(store).load_sync().read_bytes() == b"second"  # type: ignore[union-attr]
+    listing = CliRunner().invoke(main, ["ls", str(tmp_path / "root"), "--json"])
+    assert listing.exit_code == 0, listing.output
+    damaged = json.loads(listing.output)["actions"][0]["damaged"]
+    assert [d["key"] for d in damaged] == [f"checkpoints/{manifest_name(7, 0)}"]
+
+
 def test_fewer_intact_than_keep_deletes_nothing(tmp_path: Path) -> None:
     store = tmp_path / "store"
     ckpt = Checkpoint(store, attempt=0, keep=10)
