@@ -192,6 +192,8 @@ GARBAGE_MANIFESTS = {
     "not UTF-8": lambda good: b"\xff\xfe" + good,
     "a number": lambda good: b"12",
     "stats not an object": lambda good: good[:-1] + b', "stats": [1]}',
+    "float overflowing to infinity": lambda good: good.replace(
+        b'"created": ', b'"created": 1e999, "x": '),
 }
 
 
@@ -199,16 +201,24 @@ GARBAGE_MANIFESTS = {
 def test_malformed_newest_manifest_counts_as_corrupt_and_falls_back(
     case: str, tmp_path: Path
 ) -> None:
-    store = tmp_path / "store"
-    ckpt = Checkpoint(store, attempt=0, keep=2)
-    ckpt.save_sync(b"good")
-    good = (store / "checkpoints" / manifest_name(0, 0)).read_bytes()
-    (store / "checkpoints" / manifest_name(5, 0)).write_bytes(GARBAGE_MANIFESTS[case](good))
+    root = tmp_path / "root"
+    store = root / "train.fit" / "run-1"
+    Checkpoint(store, attempt=0, keep=2).save_sync(b"good")
+    Checkpoint(store, attempt=5, keep=2).save_sync(b"newer")  # a manifest valid until garbled
+    newer = store / "checkpoints" / manifest_name(5, 0)
+    newer.write_bytes(GARBAGE_MANIFESTS[case](newer.read_bytes()))
 
     with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
         restored = Checkpoint(store).load_sync()
     assert restored is not None and restored.read_bytes() == b"good"
     assert [m.key for m in Checkpoint(store).committed()] == [manifest_name(0, 0)]
+    # `taskpoint ls` lists it as damaged and the good one as ok, and exits 0 (CliRunner
+    # turns an uncaught exception into exit code 1 and keeps its traceback off the output,
+    # so the exit code is what shows a crash here).
+    listed = CliRunner().invoke(main, ["ls", str(root)])
+    assert listed.exit_code == 0, (listed.output, listed.exception)
+    assert f"checkpoints/{manifest_name(5, 0)} CORRUPT" in listed.output
+    assert " ok" in listed.output and "Traceback" not in listed.output
 
 
 def test_garbage_records_never_break_history_or_claims(tmp_path: Path) -> None:

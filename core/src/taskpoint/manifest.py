@@ -52,8 +52,9 @@ name) are another save's is corrupt, since retention keeps checkpoints by name.
 
 Readers ignore fields they do not know, so optional fields such as ``stats`` stay format 1.
 Records are parsed by :func:`loads_record`, which bounds what a hostile store can make a
-reader do: integers of at most 64 digits, no NaN or infinities, nesting below Python's
-recursion limit; anything else reads as not valid JSON.
+reader do: integers of at most 64 digits, no NaN or infinities (nor numbers such as
+``1e999`` that overflow to one), nesting below Python's recursion limit; anything else
+reads as not valid JSON.
 
 Manifests are named ``<attempt:06d>-<seq:09d>.manifest.json`` so that sorting names sorts
 checkpoints from oldest to newest: by attempt, then by save order within the attempt.
@@ -66,6 +67,7 @@ status record carry ``"format"`` too (a record without one is format 1), and
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -126,15 +128,24 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 is valid JSON, but overflows to infinity
+        raise ValueError(f"{text[:20]!r} overflows a float")
+    return value
+
+
 def loads_record(data: bytes) -> object:
     """Parse a JSON record read from a store that may be damaged or hostile.
 
     Raises:
         ValueError: ``data`` is not UTF-8 JSON, holds an integer of more than 64 digits,
-            NaN or an infinity, or nests too deeply to parse.
+            NaN, an infinity or a number too large for a float, or nests too deeply to parse.
     """
     try:
-        return json.loads(data, parse_int=_parse_int, parse_constant=_refuse_constant)
+        return json.loads(
+            data, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_refuse_constant
+        )
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
     except UnicodeDecodeError as exc:
