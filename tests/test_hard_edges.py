@@ -194,6 +194,7 @@ GARBAGE_MANIFESTS = {
     "stats not an object": lambda good: good[:-1] + b', "stats": [1]}',
     "float overflowing to infinity": lambda good: good.replace(
         b'"created": ', b'"created": 1e999, "x": '),
+    "NUL in the name": lambda good: good.replace(b'"name": null', b'"name": "a\\u0000b"'),
 }
 
 

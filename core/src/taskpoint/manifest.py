@@ -290,7 +290,9 @@ class Manifest:
         elif raw.get("codec") not in CODECS:
             raise bad("codec")
         name = raw.get("name")
-        if name is not None and (not isinstance(name, str) or "/" in name or name in ("", ".", "..")):
+        if name is not None and (
+            not isinstance(name, str) or "/" in name or "\x00" in name or name in ("", ".", "..")
+        ):  # no file system names a file so: never from a save
             raise bad("name")
         if raw["kind"] != "bytes" and name is None:
             raise bad("name")
