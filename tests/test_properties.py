@@ -779,10 +779,10 @@ def test_retention_never_deletes_the_checkpoint_a_load_returns(
             if expected is CheckpointCorruptError and what != "save":
                 # Nothing is intact: retention has nothing it may count as kept.
                 assert set(fs.ls(f"{path}/checkpoints", detail=False)) == listed
-            if what in ("prune", "gc"):
-                kept = max(keep, 1)
-                newest = sorted((n for n in records if _intact(records[n])), key=_order)[-kept:]
-                for name in newest:
+            if what != "collect":  # the newest K intact stay (a save's own commit is one)
+                kept = max(keep, 1) - (what == "save")
+                intact = sorted((n for n in records if _intact(records[n])), key=_order)
+                for name in intact[len(intact) - kept:] if kept else ():
                     for key in (f"checkpoints/{name}", *records[name].needs):
                         assert fs.exists(f"{path}/{key}"), f"{key} of kept {name} was deleted"
         finally:
