@@ -629,7 +629,7 @@ class Record:
 
 @dataclass
 class Layout:
-    saves: list[tuple[str, int]]  # (kind, attempt bump)
+    saves: list[tuple[str, int, bool]]  # (kind, attempt bump, same content as others)
     damages: list[tuple[str, int]]
     retention: tuple[str, int]
 
@@ -637,7 +637,7 @@ class Layout:
 @st.composite
 def layouts(draw: st.DrawFn) -> Layout:
     saves = draw(st.lists(st.tuples(st.sampled_from(["bytes", "file", "dir1", "dir2"]),
-                                    st.integers(0, 2)), max_size=4))
+                                    st.integers(0, 2), st.booleans()), max_size=4))
     damages = draw(st.lists(st.tuples(st.sampled_from(DAMAGES), st.integers(0, 7)), max_size=4))
     retention = draw(st.tuples(st.sampled_from(["prune", "gc", "save", "collect"]),
                                st.integers(0, 3)))
@@ -657,9 +657,10 @@ def _build(box: Sandbox, url: str, layout: Layout) -> dict[str, Record]:
     records: dict[str, Record] = {}
     damaged: set[str] = set()
     attempt = 0
-    for i, (kind, bump) in enumerate(layout.saves):
+    for i, (kind, bump, shared) in enumerate(layout.saves):
         attempt += bump
-        content = _save(url, kind, f"save {i}", box.base, attempt=attempt)
+        # Shared content: format-2 saves reference the objects an earlier one stored.
+        content = _save(url, kind, "shared" if shared else f"save {i}", box.base, attempt=attempt)
         name = max(
             (n for n in (p.rsplit("/", 1)[-1] for p in fs.ls(f"{path}/checkpoints", detail=False))
              if parse_manifest_name(n) is not None),
@@ -757,6 +758,9 @@ def test_retention_never_deletes_the_checkpoint_a_load_returns(
         try:
             records = _build(box, url, layout)
             expected = _expected(records)
+            needs = [need for r in records.values() for need in r.needs]
+            event("checkpoints share content" if len(set(needs)) < len(needs) else "no sharing")
+            event(f"before retention: {getattr(expected, '__name__', type(expected).__name__)}")
             note(f"records: { {n: (_intact(r), sorted(r.needs)) for n, r in records.items()} }")
             _check_load(url, box.restore, expected)
             _ls_is_strict_json(root)
