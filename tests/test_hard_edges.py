@@ -164,6 +164,39 @@ def test_archive_tricks_are_refused_whatever_the_tar_filter(
             assert target.startswith(str(restored)), path
 
 
+@pytest.mark.parametrize("into", [False, True])
+def test_a_tree_entry_with_nul_in_its_path_is_refused(tmp_path: Path, into: bool) -> None:
+    """Restoring into a folder looks for files to keep before the extractor checks names:
+    a NUL in a path there once raised a bare ValueError."""
+    import xxhash
+    from taskpoint.manifest import Blob, Entry, tree_checksum
+
+    store = tmp_path / "store"
+    data = b"hello"
+    digest = xxhash.xxh3_128_hexdigest(data)
+    (store / "objects").mkdir(parents=True)
+    (store / "objects" / digest).write_bytes(data)
+    entries = tuple(
+        Entry(path, "file", 0o644, 0, len(data), f"xxh3-128:{digest}",
+              (Blob(digest, 0, len(data), "none", len(data), digest),))
+        for path in ("a", "n\x00ul")
+    )
+    manifest = Manifest(
+        kind="directory", name="tree", codec="none", size=2 * len(data),
+        checksum=tree_checksum(entries), payload=None, attempt=0, seq=0, created=time.time(),
+        format=2, entries=entries, objects={digest: len(data)},
+    )
+    (store / "checkpoints").mkdir()
+    (store / "checkpoints" / manifest.key).write_bytes(manifest.to_json())
+    restore = tmp_path / "restore"
+    restore.mkdir()
+    (restore / "a").write_bytes(data)  # a file a restore into the folder would keep
+
+    with pytest.raises(CheckpointUnsafeError, match="NUL"):
+        Checkpoint(store, workdir=tmp_path / "work").load_sync(into=restore if into else None)
+    assert (restore / "a").read_bytes() == data
+
+
 def test_links_inside_the_tree_still_round_trip(tmp_path: Path, accept_everything: None) -> None:
     """The checks refuse escapes only: chains of links that stay inside restore as saved."""
     tree = tmp_path / "tree"
