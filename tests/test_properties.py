@@ -477,6 +477,25 @@ def test_a_mutated_manifest_loads_falls_back_or_raises_a_documented_error(
         _ls_is_strict_json(str(box.base / "root"))
 
 
+def _pull_is_confined(box: Sandbox) -> None:
+    """``taskpoint pull`` exits 0 having made DEST, or 1 with a one-line error; it changes
+    nothing else in the sandbox, and never raises (CliRunner keeps what was raised)."""
+    before = _snapshot(box.base, box.restore)
+    dest = box.restore / "pulled"
+    with warnings.catch_warnings():  # skipped checkpoints warn (the suite makes that an error)
+        warnings.simplefilter("ignore", TaskpointWarning)
+        pulled = CliRunner().invoke(
+            main, ["pull", "train.fit/run-1", str(dest), "--root", str(box.base / "root")]
+        )
+    assert pulled.exception is None or isinstance(pulled.exception, SystemExit), (
+        pulled.output, pulled.exception)
+    assert pulled.exit_code in (0, 1), pulled.output
+    assert (pulled.exit_code == 0) == dest.exists(), pulled.output
+    if pulled.exit_code:
+        assert pulled.output.startswith("Error: ") and pulled.output.count("\n") == 1, pulled.output
+    assert _snapshot(box.base, box.restore) == before, "a pull changed something outside DEST"
+
+
 def _refuse(name: str) -> Any:
     raise ValueError(f"{name} in the output")
 
@@ -517,6 +536,7 @@ def test_a_hostile_tree_manifest_never_writes_outside(
 
         result = _load_confined(box, into=into)
         assert result is not None
+        _pull_is_confined(box)
 
 
 # -- property 3: hostile tar archives (format 1) ---------------------------------------------------
@@ -609,6 +629,7 @@ def test_a_hostile_archive_never_writes_outside(
         result = _load_confined(box, into=into)
         assert result is not None
         assert not (box.outside / "pwned").exists()
+        _pull_is_confined(box)
 
 
 # -- property 4: store layouts and retention ---------------------------------------------------------
