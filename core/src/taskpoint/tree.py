@@ -629,7 +629,11 @@ def restore_tree(
 
 def _adopt(source: Path, path: Path) -> None:
     """Put the existing file ``source`` at ``path`` (just created, empty): a hard link
-    where the disk allows, else a copy."""
+    where the disk allows, else a copy. When the tree's hard links already point at
+    ``path``, its content is copied in, so that they see it too."""
+    if path.lstat().st_nlink > 1:
+        shutil.copyfile(source, path, follow_symlinks=False)
+        return
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
         os.link(source, tmp, follow_symlinks=False)
