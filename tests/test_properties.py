@@ -12,6 +12,10 @@ Hypothesis generates what a damaged or hostile store can hold, and checks three 
   so a climb out of it lands in the sandbox. Everything in the sandbox but the restore folder
   (the store included) is the same after the load, byte for byte; no restored link resolves
   outside the restore folder and no restored file shares an inode with one outside it.
+- **Restoring into a folder gives exactly the checkpoint.** Whatever ``into`` held (files
+  with the right or wrong content, folders where files go, links and hard links to the
+  ``outside`` folder), a directory checkpoint restored into it is exactly the saved tree,
+  and nothing outside it changes.
 - **Retention keeps what a load returns.** After ``prune``, ``taskpoint gc`` or a save with
   ``keep=K``, the checkpoint a load returned before still loads (a save's own commit is the
   newer one), and the newest ``K`` intact checkpoints are all still intact.
@@ -28,6 +32,8 @@ What is generated:
 - tar archives (format 1) with hostile members: symlink chains (the CVE-2025-4517 one
   among them), hard links, devices, FIFOs, absolute and climbing names, long names, links
   out of the tree and entries under links, committed with a checksum that matches;
+- litter in a restore folder: right and wrong files, folders, links in and out, hard links
+  to files outside;
 - store layouts: a run with intact checkpoints of every kind made by real saves across
   attempts, then payloads and objects corrupted or deleted, manifests garbled, truncated or
   deleted, garbage planted under far-future names, manifests copied under another name and
@@ -632,7 +638,61 @@ def test_a_hostile_archive_never_writes_outside(
         _pull_is_confined(box)
 
 
-# -- property 4: store layouts and retention ---------------------------------------------------------
+# -- property 4: restoring into a folder that holds anything -----------------------------------
+
+INTO_PATHS = st.sampled_from(["sub", "sub/a", "b", "l", "h", "empty", "empty/x", "new",
+                              "sub/a/deeper", "new/y", "state"])
+INTO_KINDS = st.sampled_from(["right file", "wrong file", "dir", "link out", "link in",
+                              "hard link out"])
+
+
+def _litter(into: Path, litter: list[tuple[str, str]], tree: dict[str, Any], box: Sandbox) -> None:
+    """Put what a previous attempt (or a user) may have left in ``into``."""
+    for rel, kind in litter:
+        path = into / rel
+        parents = [into.joinpath(*Path(rel).parts[:i]) for i in range(1, len(Path(rel).parts))]
+        if os.path.lexists(path) or any(p.is_symlink() or p.is_file() for p in parents):
+            continue  # never write through what is there (a link to outside, say)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if kind == "right file":
+                right = tree.get(rel)
+                path.write_bytes(right if isinstance(right, bytes) else b"elsewhere")
+            elif kind == "wrong file":
+                path.write_bytes(b"wrong")
+            elif kind == "dir":
+                path.mkdir()
+            elif kind == "link out":
+                path.symlink_to(box.outside)
+            elif kind == "link in":
+                path.symlink_to("sub")
+            else:
+                os.link(box.outside / "keep", path)
+        except OSError:
+            continue  # something is there already, or a parent is a file or a link
+
+
+@settings(max_examples=40)
+@given(fmt=st.sampled_from([1, 2]), litter=st.lists(st.tuples(INTO_PATHS, INTO_KINDS),
+                                                     max_size=6))
+def test_restoring_into_a_littered_folder_gives_exactly_the_checkpoint(
+    fmt: int, litter: list[tuple[str, str]]
+) -> None:
+    """A directory checkpoint's tree *becomes* ``into`` (README, ``load_sync``): whatever
+    was there, links to elsewhere included, ends as exactly the saved tree, and nothing
+    outside ``into`` changes."""
+    with _sandbox() as box:
+        _, tree = _save(box.url, "dir2" if fmt == 2 else "dir1", "into", box.base, attempt=0)
+        _litter(box.restore, litter, tree, box)
+        before = _snapshot(box.base, box.restore)
+        result = _load(box.url, box.restore, box.restore)
+        assert result == box.restore, result
+        assert _read_tree(box.restore) == tree
+        assert _snapshot(box.base, box.restore) == before
+        assert (box.outside / "keep").read_bytes() == b"mine"
+
+
+# -- property 5: store layouts and retention ---------------------------------------------------------
 
 DAMAGES = ["corrupt", "delete", "garble_manifest", "truncate_manifest", "delete_manifest",
            "future_garbage", "copy_manifest", "stray_payload"]
