@@ -38,6 +38,19 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
 import _servers
+from hypothesis import HealthCheck, settings
+
+# Hypothesis (tests/test_properties.py). "ci", the default, tries the same examples on every
+# run (derandomize, no example database), so a run cannot fail on a draw the last one never
+# made; deadlines are off because saves and loads touch the disk and times vary on shared
+# runners. "explore" (HYPOTHESIS_PROFILE=explore) draws fresh examples and keeps failing ones
+# in .hypothesis/ for a local hunt.
+settings.register_profile(
+    "ci", derandomize=True, database=None, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("explore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 STORE_KINDS = ("file", "memory", "s3", "seaweedfs", "azure", "gcs")
 TEST_BUCKET = "taskpoint-tests"

@@ -128,6 +128,23 @@ def test_restoring_into_a_folder_fetches_only_what_is_missing(store_url: str, tm
     assert sum(moved) == 0
 
 
+def test_a_kept_file_restores_its_hard_links_too(store_url: str, tmp_path: Path) -> None:
+    """A file kept from ``into`` used to replace the restored one after its hard links were
+    made to it, so they kept the empty file the extractor had created."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "b").write_bytes(b"shared content")
+    os.link(tree / "b", tree / "h")
+    Checkpoint(store_url).save_sync(tree)
+    into = tmp_path / "into"
+    into.mkdir()
+    (into / "b").write_bytes(b"shared content")  # right content: kept, not downloaded
+
+    assert Checkpoint(store_url).load_sync(into=into) == into
+    assert (into / "h").read_bytes() == (into / "b").read_bytes() == b"shared content"
+    assert (into / "h").stat().st_ino == (into / "b").stat().st_ino
+
+
 def test_a_missing_or_damaged_object_falls_back_naming_it(store_url: str, tmp_path: Path) -> None:
     tree = _shards(tmp_path / "tree", n=2)
     ckpt = Checkpoint(store_url, keep=2)

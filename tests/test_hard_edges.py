@@ -164,6 +164,39 @@ def test_archive_tricks_are_refused_whatever_the_tar_filter(
             assert target.startswith(str(restored)), path
 
 
+@pytest.mark.parametrize("into", [False, True])
+def test_a_tree_entry_with_nul_in_its_path_is_refused(tmp_path: Path, into: bool) -> None:
+    """Restoring into a folder looks for files to keep before the extractor checks names:
+    a NUL in a path there once raised a bare ValueError."""
+    import xxhash
+    from taskpoint.manifest import Blob, Entry, tree_checksum
+
+    store = tmp_path / "store"
+    data = b"hello"
+    digest = xxhash.xxh3_128_hexdigest(data)
+    (store / "objects").mkdir(parents=True)
+    (store / "objects" / digest).write_bytes(data)
+    entries = tuple(
+        Entry(path, "file", 0o644, 0, len(data), f"xxh3-128:{digest}",
+              (Blob(digest, 0, len(data), "none", len(data), digest),))
+        for path in ("a", "n\x00ul")
+    )
+    manifest = Manifest(
+        kind="directory", name="tree", codec="none", size=2 * len(data),
+        checksum=tree_checksum(entries), payload=None, attempt=0, seq=0, created=time.time(),
+        format=2, entries=entries, objects={digest: len(data)},
+    )
+    (store / "checkpoints").mkdir()
+    (store / "checkpoints" / manifest.key).write_bytes(manifest.to_json())
+    restore = tmp_path / "restore"
+    restore.mkdir()
+    (restore / "a").write_bytes(data)  # a file a restore into the folder would keep
+
+    with pytest.raises(CheckpointUnsafeError, match="NUL"):
+        Checkpoint(store, workdir=tmp_path / "work").load_sync(into=restore if into else None)
+    assert (restore / "a").read_bytes() == data
+
+
 def test_links_inside_the_tree_still_round_trip(tmp_path: Path, accept_everything: None) -> None:
     """The checks refuse escapes only: chains of links that stay inside restore as saved."""
     tree = tmp_path / "tree"
@@ -192,6 +225,9 @@ GARBAGE_MANIFESTS = {
     "not UTF-8": lambda good: b"\xff\xfe" + good,
     "a number": lambda good: b"12",
     "stats not an object": lambda good: good[:-1] + b', "stats": [1]}',
+    "float overflowing to infinity": lambda good: good.replace(
+        b'"created": ', b'"created": 1e999, "x": '),
+    "NUL in the name": lambda good: good.replace(b'"name": null', b'"name": "a\\u0000b"'),
 }
 
 
@@ -199,16 +235,24 @@ GARBAGE_MANIFESTS = {
 def test_malformed_newest_manifest_counts_as_corrupt_and_falls_back(
     case: str, tmp_path: Path
 ) -> None:
-    store = tmp_path / "store"
-    ckpt = Checkpoint(store, attempt=0, keep=2)
-    ckpt.save_sync(b"good")
-    good = (store / "checkpoints" / manifest_name(0, 0)).read_bytes()
-    (store / "checkpoints" / manifest_name(5, 0)).write_bytes(GARBAGE_MANIFESTS[case](good))
+    root = tmp_path / "root"
+    store = root / "train.fit" / "run-1"
+    Checkpoint(store, attempt=0, keep=2).save_sync(b"good")
+    Checkpoint(store, attempt=5, keep=2).save_sync(b"newer")  # a manifest valid until garbled
+    newer = store / "checkpoints" / manifest_name(5, 0)
+    newer.write_bytes(GARBAGE_MANIFESTS[case](newer.read_bytes()))
 
     with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
         restored = Checkpoint(store).load_sync()
     assert restored is not None and restored.read_bytes() == b"good"
     assert [m.key for m in Checkpoint(store).committed()] == [manifest_name(0, 0)]
+    # `taskpoint ls` lists it as damaged and the good one as ok, and exits 0 (CliRunner
+    # turns an uncaught exception into exit code 1 and keeps its traceback off the output,
+    # so the exit code is what shows a crash here).
+    listed = CliRunner().invoke(main, ["ls", str(root)])
+    assert listed.exit_code == 0, (listed.output, listed.exception)
+    assert f"checkpoints/{manifest_name(5, 0)} CORRUPT" in listed.output
+    assert " ok" in listed.output and "Traceback" not in listed.output
 
 
 def test_garbage_records_never_break_history_or_claims(tmp_path: Path) -> None:
@@ -283,6 +327,35 @@ def test_a_far_future_record_never_makes_saves_prune_good_checkpoints(
     assert manifest_name(0, 0) not in listing and manifest_name(1, 0) not in listing
 
 
+@pytest.mark.parametrize("forgery", ["copied under a newer name", "payload of an older save"])
+def test_a_manifest_disagreeing_with_its_name_never_makes_prune_delete_what_loads(
+    forgery: str, tmp_path: Path
+) -> None:
+    """Pruning keeps payloads by the save their name records; a manifest whose name, or whose
+    payload's name, is another save's once won the load and then lost its payload to prune."""
+    store = tmp_path / "root" / "train.fit" / "run-1"
+    ckpt = Checkpoint(store, attempt=0, keep=10)
+    ckpt.save_sync(b"first")
+    ckpt.save_sync(b"second")
+    first = (store / "checkpoints" / manifest_name(0, 0)).read_bytes()
+    if forgery == "copied under a newer name":
+        (store / "checkpoints" / manifest_name(7, 0)).write_bytes(first)
+    else:
+        record = json.loads(first)
+        record.update(attempt=7, seq=0)
+        (store / "checkpoints" / manifest_name(7, 0)).write_text(json.dumps(record))
+
+    with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
+        assert Checkpoint(store).load_sync().read_bytes() == b"second"  # type: ignore[union-attr]
+    Checkpoint(store).prune(1)
+    with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
+        assert Checkpoint(store).load_sync().read_bytes() == b"second"  # type: ignore[union-attr]
+    listing = CliRunner().invoke(main, ["ls", str(tmp_path / "root"), "--json"])
+    assert listing.exit_code == 0, listing.output
+    damaged = json.loads(listing.output)["actions"][0]["damaged"]
+    assert [d["key"] for d in damaged] == [f"checkpoints/{manifest_name(7, 0)}"]
+
+
 def test_fewer_intact_than_keep_deletes_nothing(tmp_path: Path) -> None:
     store = tmp_path / "store"
     ckpt = Checkpoint(store, attempt=0, keep=10)
@@ -319,6 +392,17 @@ def test_restore_into_an_unusable_folder_stops_the_load(tmp_path: Path) -> None:
     assert _store_listing(store) == before  # nothing marked bad, nothing pruned
     restored = Checkpoint(store, workdir=tmp_path / "ok").load_sync()
     assert restored is not None and (restored / "weights").read_bytes() == b"w" * 1000
+
+
+def test_a_retry_restoring_into_the_same_workdir_loads_again(tmp_path: Path) -> None:
+    """A fixed ``workdir=`` outlives an attempt: the next process restoring the same
+    checkpoint there once met the first one's folder and failed with "File exists"."""
+    store = tmp_path / "store"
+    Checkpoint(store, attempt=0).save_sync(b"state")
+    first = Checkpoint(store, workdir=tmp_path / "restore").load_sync()
+    second = Checkpoint(store, workdir=tmp_path / "restore").load_sync()  # the retry
+    assert first is not None and second is not None and first != second
+    assert first.read_bytes() == second.read_bytes() == b"state"
 
 
 @pytest.fixture

@@ -55,7 +55,9 @@ class Catalog:
             CheckpointStoreError: the store failed.
         """
         key = f"{CHECKPOINTS}/{name}"
-        return Manifest.from_json(self.store.read_bytes(key), url=self.store.url_of(key))
+        return Manifest.from_json(
+            self.store.read_bytes(key), url=self.store.url_of(key), name=name
+        )
 
     def newest_first(self) -> list[Manifest]:
         """The committed manifests that parse, newest first, without verifying payloads.

@@ -151,8 +151,14 @@ class Loader:
             if self._workdir is None:
                 self._workdir = Path(tempfile.mkdtemp(prefix="taskpoint-restore-"))
                 _workdirs.append(str(self._workdir))
-            target = self._workdir / f"{manifest.attempt:06d}-{manifest.seq:09d}-{next(self._loads)}"
-            target.mkdir(parents=True, exist_ok=False)
+            self._workdir.mkdir(parents=True, exist_ok=True)
+            while True:  # an earlier process may have restored here under the same name
+                target = self._workdir / f"{manifest.attempt:06d}-{manifest.seq:09d}-{next(self._loads)}"
+                try:
+                    target.mkdir()
+                    break
+                except FileExistsError:
+                    continue
         except OSError as exc:
             where = str(self._workdir or tempfile.gettempdir())
             raise restore_error(exc, where) from exc

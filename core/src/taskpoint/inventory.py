@@ -191,7 +191,9 @@ def _read_manifests(store: Store, damaged: list[Damage]) -> list[Manifest]:
     for _, name in reversed(names):
         key = f"{CHECKPOINTS}/{name}"
         try:
-            manifests.append(Manifest.from_json(store.read_bytes(key), url=store.url_of(key)))
+            manifests.append(
+                Manifest.from_json(store.read_bytes(key), url=store.url_of(key), name=name)
+            )
         except FileNotFoundError:
             continue  # pruned since the listing
         except CheckpointError as exc:

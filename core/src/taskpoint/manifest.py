@@ -14,7 +14,8 @@ Format 1 (``"format": 1``)::
       "size": 1234,                   # stored payload size, in bytes
       "checksum": "xxh3-128:<hex>",   # over the stored payload bytes ("sha256:<hex>"
                                       # is read too)
-      "payload": "000001-000000004-3f2a9c1d.payload",  # key relative to checkpoints/
+      "payload": "000001-000000004-3f2a9c1d.payload",  # key relative to checkpoints/,
+                                      # named for this manifest's attempt and seq
       "attempt": 1, "seq": 4,         # which attempt committed it, and its save number
       "created": 1764412345.123,      # Unix time in seconds, from the writer's clock
       "stats": {"save_s": 0.8, "upload_s": 0.7, "uploaded": 1234, "reused": 0,
@@ -46,10 +47,14 @@ says that ``length`` bytes at ``offset`` of ``objects/<object>``, decoded with `
 (``none``, ``gzip`` or ``zstd``), are ``size`` bytes of the file whose XXH3-128 is ``hash``.
 An object's name is the XXH3-128 of its stored bytes.
 
+A manifest is read under its name: one whose ``attempt`` and ``seq`` (or whose payload's
+name) are another save's is corrupt, since retention keeps checkpoints by name.
+
 Readers ignore fields they do not know, so optional fields such as ``stats`` stay format 1.
 Records are parsed by :func:`loads_record`, which bounds what a hostile store can make a
-reader do: integers of at most 64 digits, no NaN or infinities, nesting below Python's
-recursion limit; anything else reads as not valid JSON.
+reader do: integers of at most 64 digits, no NaN or infinities (nor numbers such as
+``1e999`` that overflow to one), nesting below Python's recursion limit; anything else
+reads as not valid JSON.
 
 Manifests are named ``<attempt:06d>-<seq:09d>.manifest.json`` so that sorting names sorts
 checkpoints from oldest to newest: by attempt, then by save order within the attempt.
@@ -62,6 +67,7 @@ status record carry ``"format"`` too (a record without one is format 1), and
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -122,15 +128,24 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 is valid JSON, but overflows to infinity
+        raise ValueError(f"{text[:20]!r} overflows a float")
+    return value
+
+
 def loads_record(data: bytes) -> object:
     """Parse a JSON record read from a store that may be damaged or hostile.
 
     Raises:
         ValueError: ``data`` is not UTF-8 JSON, holds an integer of more than 64 digits,
-            NaN or an infinity, or nests too deeply to parse.
+            NaN, an infinity or a number too large for a float, or nests too deeply to parse.
     """
     try:
-        return json.loads(data, parse_int=_parse_int, parse_constant=_refuse_constant)
+        return json.loads(
+            data, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_refuse_constant
+        )
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
     except UnicodeDecodeError as exc:
@@ -227,8 +242,15 @@ class Manifest:
         return json.dumps(record, sort_keys=True, indent=1).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, *, url: str) -> Manifest:
+    def from_json(cls, data: bytes, *, url: str, name: str | None = None) -> Manifest:
         """Parse and validate a manifest read from ``url``.
+
+        Args:
+            data: the manifest's bytes.
+            url: where it was read, for messages.
+            name: the object name it was read under; a manifest whose ``attempt`` and
+                ``seq`` are another save's is corrupt (retention orders and keeps
+                checkpoints by name, so it could not keep such a one's payload).
 
         Raises:
             CheckpointFormatError: the manifest comes from a newer format.
@@ -241,7 +263,14 @@ class Manifest:
         if not isinstance(raw, dict):
             raise CheckpointCorruptError(f"manifest {url} is not a JSON object", url=url)
         check_format(raw, url=url)
-        return cls._validated(raw, url)
+        manifest = cls._validated(raw, url)
+        if name is not None and parse_manifest_name(name) != manifest.order:
+            raise CheckpointCorruptError(
+                f"manifest {url} records attempt {manifest.attempt}, save {manifest.seq}: "
+                "another save's name",
+                url=url,
+            )
+        return manifest
 
     @classmethod
     def _validated(cls, raw: dict[str, Any], url: str) -> Manifest:
@@ -261,7 +290,9 @@ class Manifest:
         elif raw.get("codec") not in CODECS:
             raise bad("codec")
         name = raw.get("name")
-        if name is not None and (not isinstance(name, str) or "/" in name or name in ("", ".", "..")):
+        if name is not None and (
+            not isinstance(name, str) or "/" in name or "\x00" in name or name in ("", ".", "..")
+        ):  # no file system names a file so: never from a save
             raise bad("name")
         if raw["kind"] != "bytes" and name is None:
             raise bad("name")
@@ -274,7 +305,10 @@ class Manifest:
             raise bad("checksum")
         payload = raw.get("payload")
         if not tree and (
-            not isinstance(payload, str) or "/" in payload or not payload.endswith(".payload")
+            not isinstance(payload, str) or "/" in payload
+            # A payload is its own save's: retention keeps payloads by the save their name
+            # records, so one borrowed from an older save could be deleted under it.
+            or parse_payload_name(payload) != (raw["attempt"], raw["seq"])
         ):
             raise bad("payload")
         entries: tuple[Entry, ...] | None = None

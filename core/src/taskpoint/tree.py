@@ -525,7 +525,11 @@ def verify_tree(store: Store, manifest: Manifest, *, workers: int = _MIN_WORKERS
 
 
 def _present(base: Path, rel: str) -> Path | None:
-    """``base/rel`` if it is a regular file reached through real directories only."""
+    """``base/rel`` if it is a regular file reached through real directories only.
+
+    ``rel`` is a manifest's, not yet checked by the extractor: one no path can name (a NUL
+    in it) is not present, and the extractor refuses it next.
+    """
     here = base
     parts = rel.split("/")
     for part in parts[:-1]:
@@ -533,12 +537,12 @@ def _present(base: Path, rel: str) -> Path | None:
         try:
             if not stat.S_ISDIR(here.lstat().st_mode):
                 return None
-        except OSError:
+        except (OSError, ValueError):
             return None
     here = here / parts[-1]
     try:
         return here if stat.S_ISREG(here.lstat().st_mode) else None
-    except OSError:
+    except (OSError, ValueError):
         return None
 
 
@@ -625,7 +629,11 @@ def restore_tree(
 
 def _adopt(source: Path, path: Path) -> None:
     """Put the existing file ``source`` at ``path`` (just created, empty): a hard link
-    where the disk allows, else a copy."""
+    where the disk allows, else a copy. When the tree's hard links already point at
+    ``path``, its content is copied in, so that they see it too."""
+    if path.lstat().st_nlink > 1:
+        shutil.copyfile(source, path, follow_symlinks=False)
+        return
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
         os.link(source, tmp, follow_symlinks=False)
