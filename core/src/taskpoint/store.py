@@ -192,23 +192,6 @@ def _own_status(exc: BaseException) -> int | None:
     return None
 
 
-def _precondition_failed(exc: BaseException) -> bool:
-    """Whether a conditional write was refused because the object exists (HTTP 409/412).
-
-    s3fs turns S3's 412 into ``FileExistsError`` only when the answer names the
-    ``If-None-Match`` condition, as AWS's does; from servers that leave it out (SeaweedFS)
-    it raises a bare ``OSError(EINVAL)``, whose cause, botocore's error, has the status.
-    """
-    seen: BaseException | None = exc
-    for _ in range(4):
-        if seen is None:
-            return False
-        if _status(seen) in (409, 412):
-            return True
-        seen = seen.__cause__
-    return False
-
-
 def _is_denied(exc: BaseException) -> bool:
     """Whether ``exc`` says the store refused the credentials or the permission."""
     if isinstance(exc, PermissionError):
@@ -517,7 +500,7 @@ class Store:
             except FileExistsError:
                 return False
             except Exception as exc:
-                if _precondition_failed(exc):  # taken, or a concurrent conditional write
+                if _status(exc) in (409, 412):  # taken, or a concurrent conditional write
                     return False
                 raise
             finally:
