@@ -20,7 +20,9 @@ the newest committed state back on the next attempt::
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import Checkpoint, SaveInput, latest_checkpoint
 from taskpoint.context import Preempted, TaskContext, ctx
+from taskpoint.coordination import Coordinator, StoreCoordinator
 from taskpoint.errors import (
+    CheckpointCoordinationError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
@@ -39,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint",
+    "CheckpointCoordinationError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointFormatError",
@@ -46,10 +49,12 @@ __all__ = [
     "CheckpointRestoreError",
     "CheckpointStoreError",
     "CheckpointUnsafeError",
+    "Coordinator",
     "Preempted",
     "RetryPolicy",
     "SaveInput",
     "SaveStats",
+    "StoreCoordinator",
     "TaskAttemptError",
     "TaskContext",
     "TaskEnvironment",
