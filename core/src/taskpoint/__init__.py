@@ -17,6 +17,7 @@ the newest committed state back on the next attempt::
         return n
 """
 
+from taskpoint._parts import PartsCommit
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import Checkpoint, SaveInput, latest_checkpoint
 from taskpoint.context import Preempted, TaskContext, ctx
@@ -50,6 +51,7 @@ __all__ = [
     "CheckpointStoreError",
     "CheckpointUnsafeError",
     "Coordinator",
+    "PartsCommit",
     "Preempted",
     "RetryPolicy",
     "SaveInput",

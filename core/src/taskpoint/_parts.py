@@ -46,7 +46,7 @@ from taskpoint.manifest import (
     tree_checksum,
 )
 
-__all__ = ["Part", "merge_parts", "save_part"]
+__all__ = ["Part", "PartsCommit", "check_part", "merge_parts", "save_part", "upload_part"]
 
 log = logging.getLogger(__name__)
 
@@ -142,26 +142,135 @@ def _check_agreement(hellos: list[Any], url: str, own: BaseException | None) -> 
     _raise_first(own, [h.get("error") for h in hellos], "save the checkpoint's parts")
 
 
+def check_part(root: Path) -> None:
+    """Raise unless ``root`` is a directory that can be saved.
+
+    Raises:
+        NotADirectoryError: ``root`` is not a directory.
+        CheckpointUnsafeError: it holds a special file or a link leaving it.
+    """
+    if not root.is_dir():
+        raise NotADirectoryError(f"a checkpoint part must be a directory; {str(root)!r} is not one")
+    archive.check_tree(root)
+
+
+def upload_part(
+    catalog: Catalog, root: Path, *, codec: Codec, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Store the tree under ``root`` as content objects; the record the committer merges.
+
+    Call it only once the committing rank holds its :class:`PartsCommit` (after a
+    collective that follows :meth:`taskpoint.Checkpoint.begin_parts`): that commit's lease
+    keeps a collection from freeing the content this part reuses or uploads.
+
+    Returns:
+        A JSON record: ``{"name", "entries", "objects", "size", "uploaded", "reused"}``.
+
+    Raises:
+        NotADirectoryError: ``root`` is not a directory.
+        CheckpointUnsafeError: it holds a special file or a link leaving it.
+        CheckpointStoreError: the store failed.
+    """
+    check_part(root)
+    store = catalog.store
+    known = tree.BlobIndex.of(catalog.read_committed())
+    saved = tree.save_tree(
+        store, root, known, codec=codec, workers=store.transfer.concurrency, progress=progress
+    )
+    return {
+        "name": root.name, "entries": [e.to_record() for e in saved.entries],
+        "objects": saved.objects, "size": saved.size, "uploaded": saved.uploaded,
+        "reused": saved.reused,
+    }
+
+
+class PartsCommit:
+    """The committing rank's side of one multi-writer save (see
+    :meth:`taskpoint.Checkpoint.begin_parts`): holds a save lease until :meth:`commit` or
+    :meth:`abort`.
+
+    Attributes:
+        attempt: the attempt the checkpoint is committed as.
+        seq: its save number.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        attempt: int,
+        seq: int,
+        *,
+        called: float,
+        committed: Callable[[SaveStats], None],
+    ) -> None:
+        self._catalog = catalog
+        self.attempt = attempt
+        self.seq = seq
+        self._called = called
+        self._committed = committed
+        self._lease: retention.Lease | None = retention.Lease(catalog.store, attempt, seq)
+        self._lease.__enter__()
+        self._started = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"PartsCommit({self._catalog.store.url!r}, attempt={self.attempt}, seq={self.seq})"
+
+    def __enter__(self) -> PartsCommit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+    @property
+    def key(self) -> str:
+        """The manifest this commit writes, relative to the checkpoint's URL."""
+        return f"{CHECKPOINTS}/{manifest_name(self.attempt, self.seq)}"
+
+    def commit(self, records: list[Any]) -> SaveStats:
+        """Merge every rank's :func:`upload_part` record (in rank order), check that their
+        objects are stored, and write the manifest: the commit. Then prune.
+
+        Raises:
+            CheckpointCoordinationError: two ranks wrote one path with different content,
+                or an object a part references is missing from the store.
+            CheckpointCorruptError: a record is malformed.
+            CheckpointStoreError: the store failed, or the lease lapsed.
+            RuntimeError: this commit was already committed or aborted.
+        """
+        if self._lease is None:
+            raise RuntimeError(f"{self!r} is already finished")
+        try:
+            stats = _commit(
+                self._catalog, records, self.attempt, self.seq, self.key, self._lease,
+                self._called, self._started,
+            )
+        finally:
+            self.abort()
+        self._committed(stats)
+        return stats
+
+    def abort(self) -> None:
+        """Release the lease without committing (nothing if already finished)."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.__exit__(None, None, None)
+
+
 def save_part(
-    catalog: Catalog,
+    check: Callable[[], None],
+    begin: Callable[[], PartsCommit],
+    upload: Callable[[], dict[str, Any]],
     coordinator: Coordinator,
-    root: Path,
-    *,
-    claim: Callable[[], tuple[int, int]],
-    codec: Codec,
-    called: float,
-    progress: Progress | None = None,
+    url: str,
 ) -> SaveStats | None:
-    """Run the protocol (see the module docstring) for this rank's folder ``root``.
+    """Run the protocol (see the module docstring) for this rank.
 
     Args:
-        catalog: the checkpoint location's committed checkpoints.
+        check: raises if this rank's folder cannot be saved (before anything is uploaded).
+        begin: on rank 0, claims the numbers and takes the lease.
+        upload: uploads this rank's folder (:func:`upload_part`).
         coordinator: the ranks writing this checkpoint.
-        root: this rank's local directory.
-        claim: on rank 0, claims and returns ``(attempt, seq)`` for the commit.
-        codec: how new objects are compressed.
-        called: ``time.monotonic()`` when the save was called.
-        progress: called with the number of bytes hashed.
+        url: the checkpoint's URL, which every rank must name.
 
     Returns:
         The commit's stats on rank 0; ``None`` on the other ranks.
@@ -171,49 +280,35 @@ def save_part(
             own error instead), a path conflicts, or a rank did not arrive in time.
         CheckpointStoreError: the store failed.
     """
-    store = catalog.store
     rank = coordinator.rank
     own: BaseException | None = None
     try:
-        if not root.is_dir():
-            raise NotADirectoryError(f"save_part_sync needs a directory; {str(root)!r} is not one")
-        archive.check_tree(root)
+        check()
     except Exception as exc:
         own = exc
     hellos = coordinator.all_gather(
-        {"url": store.url, "rank": rank, "world_size": coordinator.world_size,
+        {"url": url, "rank": rank, "world_size": coordinator.world_size,
          "error": _describe(own)}
     )
-    _check_agreement(hellos, store.url, own)
+    _check_agreement(hellos, url, own)
 
+    commit: PartsCommit | None = None
     numbers: dict[str, Any] = {}
     if rank == 0:
         try:
-            attempt, seq = claim()
-            numbers = {"attempt": attempt, "seq": seq}
+            commit = begin()
+            numbers = {"key": commit.key}
         except Exception as exc:
             own, numbers = exc, {"error": _describe(exc)}
-    numbers = coordinator.broadcast(numbers)
-    _raise_first(own, [numbers.get("error")], "number the save")
-    attempt, seq = int(numbers["attempt"]), int(numbers["seq"])
-    key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
-
     with contextlib.ExitStack() as held:
+        if commit is not None:
+            held.enter_context(commit)
+        numbers = coordinator.broadcast(numbers)
+        _raise_first(own, [numbers.get("error")], "number the save")
+
         record: dict[str, Any] = {}
-        lease: retention.Lease | None = None
-        upload_started = time.monotonic()
         try:
-            lease = held.enter_context(retention.Lease(store, attempt, seq))
-            known = tree.BlobIndex.of(catalog.read_committed())
-            saved = tree.save_tree(
-                store, root, known, codec=codec, workers=store.transfer.concurrency,
-                progress=progress,
-            )
-            record = {
-                "name": root.name,
-                "entries": [e.to_record() for e in saved.entries], "objects": saved.objects,
-                "size": saved.size, "uploaded": saved.uploaded, "reused": saved.reused,
-            }
+            record = upload()
         except Exception as exc:
             own, record = exc, {"error": _describe(exc)}
         records = coordinator.all_gather(record)
@@ -221,10 +316,9 @@ def save_part(
 
         outcome: str | None = None
         stats: SaveStats | None = None
-        if rank == 0:
-            assert lease is not None
+        if commit is not None:
             try:
-                stats = _commit(catalog, records, attempt, seq, key, lease, called, upload_started)
+                stats = commit.commit(records)
             except Exception as exc:
                 own, outcome = exc, _describe(exc)
         outcome = coordinator.broadcast(outcome)
@@ -232,8 +326,8 @@ def save_part(
             raise own
         if outcome is not None:
             raise CheckpointCoordinationError(
-                f"rank 0 could not commit {store.url_of(key)} ({outcome}), so rank {rank} "
-                "fails too; nothing was committed",
+                f"rank 0 could not commit {numbers['key']} at {url} ({outcome}), so rank "
+                f"{rank} fails too; nothing was committed",
                 ranks=[0],
             )
     return stats

@@ -280,22 +280,13 @@ class Checkpoint:
             )
         root = Path(os.fspath(path)).absolute()
         self._raise_background_error()
-        ticket = next(self._tickets)
-        self._background.supersede(ticket)
-
-        def claim() -> tuple[int, int]:
-            attempt = self._claim_attempt()
-            return attempt, self._next_seq(attempt, ticket)
-
-        with self._save_lock:
-            stats = _parts.save_part(
-                self._catalog, coordinator, root, claim=claim,
-                codec=self._codec, called=called, progress=self._progress,
-            )
-            if stats is not None:
-                self._saver.prune()
-        if stats is not None:
-            self._notify(stats)
+        _parts.save_part(
+            lambda: _parts.check_part(root),
+            lambda: self._begin_parts(called),
+            lambda: self.upload_part(root),
+            coordinator,
+            self._store.url,
+        )
 
     async def save_part(
         self, path: str | os.PathLike[str], *, coordinator: Coordinator
@@ -303,6 +294,57 @@ class Checkpoint:
         """Async :meth:`save_part_sync`: the protocol runs in a worker thread."""
         await asyncio.to_thread(
             functools.partial(self.save_part_sync, path, coordinator=coordinator)
+        )
+
+    def begin_parts(self) -> _parts.PartsCommit:
+        """Start a multi-writer commit, on the one process that will commit it.
+
+        For adapters that coordinate their ranks themselves (as ``torch.distributed.checkpoint``
+        does); :meth:`save_part_sync` does all of this for you. The steps: the committing
+        rank calls ``begin_parts()``; after that (a collective later) every rank calls
+        :meth:`upload_part` with its folder and sends the record it returns to the
+        committer, which calls ``commit(records)`` with them in rank order, or ``abort()``.
+        Until ``commit`` nothing loads the checkpoint.
+
+        Returns:
+            A :class:`taskpoint.PartsCommit` holding a save lease, usable as a context
+            manager that aborts unless committed.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        return self._begin_parts(time.monotonic())
+
+    def _begin_parts(self, called: float) -> _parts.PartsCommit:
+        ticket = next(self._tickets)
+        self._background.supersede(ticket)
+        with self._save_lock:
+            attempt = self._claim_attempt()
+            seq = self._next_seq(attempt, ticket)
+        return _parts.PartsCommit(
+            self._catalog, attempt, seq, called=called, committed=self._parts_committed
+        )
+
+    def _parts_committed(self, stats: SaveStats) -> None:
+        with self._save_lock:
+            self._saver.prune()
+        self._notify(stats)
+
+    def upload_part(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Upload one rank's folder for a multi-writer commit (see :meth:`begin_parts`).
+
+        Returns:
+            The part's JSON record (its paths, content hashes and object names: metadata
+            only) for the committing rank's ``commit``.
+
+        Raises:
+            NotADirectoryError: ``path`` is not a directory.
+            CheckpointUnsafeError: it holds a special file or a link leaving it.
+            CheckpointStoreError: the store failed.
+        """
+        return _parts.upload_part(
+            self._catalog, Path(os.fspath(path)).absolute(), codec=self._codec,
+            progress=self._progress,
         )
 
     def wait(self) -> None:
