@@ -2,7 +2,8 @@
 
 One 2-rank job trains an FSDP2 model with AdamW and a sharded ``TaskpointState``; rank 1
 SIGKILLs itself in the middle of a save (its shards uploaded, nothing committed), torchrun
-restarts the group, which resumes from the previous commit and finishes; then the same
+restarts the group, which resumes from the previous commit; there rank 0 SIGKILLs itself
+mid-epoch, and the third incarnation resumes again and finishes; then the same
 processes train uninterrupted as reference and run the DCP scenarios. Jobs of 1 and 3 ranks
 then restore what the 2 ranks saved.
 """
@@ -52,7 +53,8 @@ def job(tmp_path_factory: pytest.TempPathFactory, child_env: dict[str, str]) -> 
     out = tmp_path_factory.mktemp("fsdp")
     _torchrun(
         child_env, 2, "train", f"file://{out / 'store'}", str(out),
-        "--kill-rank", "1", "--kill-epoch", "3", restarts=1,
+        "--kill-rank", "1", "--kill-epoch", "3", "--then-kill-rank", "0",
+        "--then-kill-epoch", "4", restarts=2,
     )
     return out
 
@@ -65,12 +67,14 @@ def _load(path: Path) -> Any:
     return torch.load(path, weights_only=True)
 
 
-def test_fsdp2_killed_mid_save_resumes_from_the_previous_commit_exactly(lib: Any, job: Path) -> None:
+def test_fsdp2_killed_mid_save_and_mid_run_resumes_exactly(lib: Any, job: Path) -> None:
     for rank in (0, 1):
         events = _events(job, rank)
-        assert [e["restart"] for e in events if e["event"] == "start"] == [0, 1]
-        # The save of epoch 3 died after rank 1 uploaded its shards: it never committed.
-        assert [e["epoch"] for e in events if e["event"] == "resume"] == [None, 2]
+        assert [e["restart"] for e in events if e["event"] == "start"] == [0, 1, 2]
+        # The save of epoch 3 died after rank 1 uploaded its shards: it never committed, so
+        # the first restart resumes after epoch 2; rank 0 died in epoch 4, after epoch 3's
+        # commit.
+        assert [e["epoch"] for e in events if e["event"] == "resume"] == [None, 2, 3]
     final, reference = _load(job / "final.pt"), _load(job / "reference.pt")
     assert final["optimizer"]["state"], "AdamW has state to compare"
     assert lib.bitwise_differences(final, reference) == []

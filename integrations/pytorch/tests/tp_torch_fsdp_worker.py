@@ -1,7 +1,7 @@
 """An FSDP2 worker for the sharded-checkpoint torchrun tests (gloo, CPU).
 
 Usage: torchrun --nproc_per_node=N tp_torch_fsdp_worker.py MODE URL OUT [--kill-rank R]
-       [--kill-epoch E]
+       [--kill-epoch E] [--then-kill-rank R2 --then-kill-epoch E2]
 
 Modes:
 
@@ -9,7 +9,8 @@ Modes:
     Trains a small ``fully_shard`` model with AdamW, saving a sharded ``TaskpointState``
     after each epoch. In the first incarnation of the group (TORCHELASTIC_RESTART_COUNT 0)
     rank R SIGKILLs itself in the middle of the save of epoch E: after uploading its shards,
-    before the commit. Each rank appends JSON events (start, resume) to
+    before the commit. In the second incarnation rank R2 SIGKILLs itself mid-run, after the
+    first step of epoch E2 (counting from 1). Each rank appends JSON events (start, resume) to
     ``OUT/events-rank<R>.jsonl``; when done, rank 0 writes the full (gathered) model and
     optimizer state to ``OUT/final.pt``. Then the same processes train again from scratch
     without checkpoints and write ``OUT/reference.pt``. Last, they run the DCP scenarios
@@ -99,6 +100,11 @@ def train(args: argparse.Namespace, rank: int, restart: int, out: Path, *, refer
     state_epoch = [0]
     for epoch in range(start, EPOCHS):
         for step in range(STEPS):
+            if (
+                not reference and restart == 1 and rank == args.then_kill_rank
+                and epoch + 1 == args.then_kill_epoch and step == 1
+            ):
+                os.kill(os.getpid(), signal.SIGKILL)
             data = torch.Generator().manual_seed(1000 * epoch + 10 * step + rank)
             x = torch.randn(4, 8, generator=data) + 0.01 * torch.randn(4, 8)
             y = torch.randn(4, 2, generator=data)
@@ -224,6 +230,8 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-epoch", type=int, default=-1)
+    parser.add_argument("--then-kill-rank", type=int, default=-1)
+    parser.add_argument("--then-kill-epoch", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
