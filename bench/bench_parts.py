@@ -4,7 +4,11 @@ Issue #20's targets:
 
 1. 2 ranks each writing 250 MB (``Checkpoint.save_part_sync`` with a ``StoreCoordinator``):
    wall time from the start to the commit <= 1.3x one process writing its 250 MB alone
-   (``save_sync``, format 2).
+   (``save_sync``, format 2). That assumes the ranks do not share the bottleneck (CPU for
+   hashing, disk or network bandwidth): on one small machine, where one writer already
+   saturates it, two cannot finish in the time of one. So the bench also times two
+   independent ``save_sync`` calls running at once, and reports the multi-writer commit
+   against that: the protocol's own cost (target <= 1.1, ours).
 2. rank 0's peak extra memory (RSS) during a multi-writer save does not grow with the
    number of ranks (1, 2, 3 ranks of ``--mem-mb`` each): at 3 ranks within 1.2x + 16 MB of
    1 rank's.
@@ -41,6 +45,8 @@ def _writer(
     url: str, options: dict[str, Any], rank: int, world: int, session: str, folder: str,
     alone: bool, barrier: Any, results: Any,
 ) -> None:
+    if alone:  # each its own location: independent single-writer saves
+        url = f"{url}/alone-{rank}"
     ckpt = taskpoint.Checkpoint(url, storage_options=options)
     coord = taskpoint.StoreCoordinator(
         url, rank=rank, world_size=world, session=session, storage_options=options, poll=0.02,
@@ -77,6 +83,8 @@ def run(url: str, options: dict[str, Any], folders: list[Path], alone: bool = Fa
         proc.join()
         if proc.exitcode != 0:
             raise RuntimeError(f"a writer exited with {proc.exitcode}")
+    if alone:  # independent saves: the slowest is when both are done
+        return max(s for s, _ in got.values()), got[0][1]
     return got[0]
 
 
@@ -97,10 +105,16 @@ def cases(store: str, base_url: str, options: dict[str, Any], tmp: Path, args: a
         return statistics.median(r[0] for r in runs), max(r[1] for r in runs)
 
     alone, _ = median(lambda: run(fresh(), options, data[:1], alone=True))
+    side_by_side, _ = median(lambda: run(fresh(), options, data, alone=True))
     two, _ = median(lambda: run(fresh(), options, data))
-    print(f"  one writer, {args.size_mb} MB, save_sync: {alone:.2f}s; "
-          f"2 writers x {args.size_mb} MB, save_part_sync: {two:.2f}s", flush=True)
+    print(f"  one writer, {args.size_mb} MB, save_sync: {alone:.2f}s; two independent "
+          f"save_sync at once: {side_by_side:.2f}s; 2 writers x {args.size_mb} MB, "
+          f"save_part_sync: {two:.2f}s", flush=True)
     report(f"{store}: 2 ranks x {args.size_mb} MB commit / 1 rank alone", two / alone, 1.3)
+    # What the protocol itself costs, apart from the two writers sharing this machine's
+    # CPUs, disk and (on s3) the server: against two independent saves running at once.
+    report(f"{store}: 2 ranks x {args.size_mb} MB commit / 2 independent saves at once",
+           two / side_by_side, 1.1)
 
     small = [make_data(Path(tempfile.mkdtemp(dir=tmp)), args.mem_mb, "tree") for _ in range(3)]
     extra = {n: median(lambda n=n: run(fresh(), options, small[:n]))[1] for n in (1, 2, 3)}
