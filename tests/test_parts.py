@@ -248,3 +248,47 @@ def test_one_writer_alone_commits_a_one_part_tree(tmp_path: Path) -> None:
     # coordination rounds of earlier saves are removed as later ones complete
     rounds = sorted(p.name for p in (tmp_path / "store" / "coordination" / "solo").iterdir())
     assert len(rounds) == 1
+
+
+def test_adapter_steps_commit_parts_and_abort_leaves_nothing(store_url: str, tmp_path: Path) -> None:
+    """begin_parts / upload_part / commit, as an adapter with its own collectives runs them."""
+    folders = []
+    for rank in (0, 1):
+        folder = tmp_path / f"rank-{rank}"
+        (folder / "d").mkdir(parents=True)
+        (folder / "d" / f"shard-{rank}").write_bytes(bytes([rank]) * 300_000)
+        folders.append(folder)
+    ckpt = taskpoint.Checkpoint(store_url)
+    with ckpt.begin_parts() as aborted:
+        ckpt.upload_part(folders[0])
+    with pytest.raises(RuntimeError, match="already finished"):
+        aborted.commit([])
+    assert ckpt.committed() == []
+
+    commit = ckpt.begin_parts()
+    records = [taskpoint.Checkpoint(store_url).upload_part(f) for f in folders]
+    stats = commit.commit(records)
+    assert stats.size == 600_000 and (stats.attempt, stats.seq) == (commit.attempt, commit.seq)
+    restored = taskpoint.Checkpoint(store_url).load_sync()
+    assert restored is not None and restored.name == "rank-0"
+    assert sorted(p.name for p in (restored / "d").iterdir()) == ["shard-0", "shard-1"]
+    assert [n for n in ckpt._store.list("leases") if n.endswith(".json")] == []
+
+
+def test_a_parts_field_naming_an_unknown_path_is_corrupt() -> None:
+    entries = (_file("a", "aa"),)
+    from taskpoint.manifest import tree_checksum
+
+    good = Manifest(
+        kind="directory", name="t", codec="none", size=2, checksum=tree_checksum(entries),
+        payload=None, attempt=0, seq=0, created=1.0, format=2, entries=entries,
+        objects={"a" * 32: 9}, parts={"0": ("a",)},
+    )
+    assert Manifest.from_json(good.to_json(), url="u").parts == {"0": ("a",)}
+    raw = json.loads(good.to_json())
+    for bad in ({"0": ["a", "b"]}, {"x": ["a"]}, {"0": []}, [["a"]]):
+        raw["parts"] = bad
+        with pytest.raises(taskpoint.CheckpointCorruptError, match="parts"):
+            Manifest.from_json(json.dumps(raw).encode(), url="u")
+    del raw["parts"]  # a single writer's tree: no parts, still valid
+    assert Manifest.from_json(json.dumps(raw).encode(), url="u").parts is None
