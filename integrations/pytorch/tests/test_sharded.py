@@ -115,6 +115,7 @@ def test_dcp_ranks_disagreeing_about_location_fail_before_upload(job: Path) -> N
         assert "ranks disagree about the checkpoint location" in outcomes["disagree"]
         assert "disagree-0" in outcomes["disagree"] and "disagree-1" in outcomes["disagree"]
         assert outcomes["disagree-uploaded"] == [] and outcomes["disagree-committed"] == 0
+        assert outcomes["disagree-leases"] == 0
 
 
 def test_dcp_one_rank_failing_fails_every_rank_and_commits_nothing(job: Path) -> None:
@@ -123,6 +124,7 @@ def test_dcp_one_rank_failing_fails_every_rank_and_commits_nothing(job: Path) ->
         assert "store unavailable (simulated)" in outcomes["rank1-upload-fails"]
         assert outcomes["rank1-upload-fails-seconds"] < 60
         assert outcomes["rank1-upload-fails-committed"] == 0
+        assert outcomes["rank1-upload-fails-leases"] == 0
 
 
 def test_torch_coordinator_parts_conflict_and_partial_restore(job: Path) -> None:

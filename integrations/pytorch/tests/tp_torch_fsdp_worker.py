@@ -26,6 +26,7 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -169,6 +170,7 @@ def dcp_scenarios(args: argparse.Namespace, rank: int, out: Path) -> None:
         str(p.relative_to(base)) for p in (base / f"disagree-{rank}").rglob("objects/*")
     )
     outcomes["disagree-committed"] = len(taskpoint.Checkpoint(f"file://{where}").committed())
+    outcomes["disagree-leases"] = len(list(where.glob("leases/*.json")))
 
     # One rank's upload fails: every rank fails, nothing is committed.
     failing = taskpoint.Checkpoint(f"file://{base / 'failing-store'}")
@@ -179,6 +181,8 @@ def dcp_scenarios(args: argparse.Namespace, rank: int, out: Path) -> None:
         failing.upload_part = broken  # type: ignore[method-assign]
     attempt("rank1-upload-fails", lambda: dcp.save(sharded, storage_writer=TaskpointStorageWriter(failing)))
     outcomes["rank1-upload-fails-committed"] = len(failing.committed())
+    gc.collect()  # the failed save's writer is gone: rank 0's lease with it
+    outcomes["rank1-upload-fails-leases"] = len(list((base / "failing-store").glob("leases/*.json")))
 
     # save_part_sync with TorchCoordinator: a path two ranks fill differently.
     coord = TorchCoordinator(timeout=60)

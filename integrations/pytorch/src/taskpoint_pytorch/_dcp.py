@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,7 @@ class TaskpointStorageWriter(StorageWriter):
         self._folder: Path | None = None
         self._inner: FileSystemWriter | None = None
         self._commit: taskpoint.PartsCommit | None = None
+        self._cleanup: weakref.finalize[Any, Any] | None = None
         self._rank = 0
 
     def __repr__(self) -> str:
@@ -136,19 +138,22 @@ class TaskpointStorageWriter(StorageWriter):
             self._staging.mkdir(parents=True, exist_ok=True)
         self._folder = Path(tempfile.mkdtemp(prefix="taskpoint-dcp-", dir=self._staging))
         (self._folder / DCP_FOLDER).mkdir()
+        self._held: list[taskpoint.PartsCommit] = []
+        self._cleanup = weakref.finalize(self, _release, self._folder, self._held)
         self._inner = FileSystemWriter(
             self._folder / DCP_FOLDER, sync_files=False, thread_count=self._thread_count,
             overwrite=True,
         )
 
     def _finish(self) -> None:
-        """Release what the previous save held (its lease, if it never finished)."""
-        if self._commit is not None:
-            self._commit.abort()
-            self._commit = None
-        if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
-            self._folder = None
+        """Release what the previous save held: its lease, if it never committed (another
+        rank failed, so ``finish`` never ran here), and its staging folder. Also runs when
+        the writer is garbage-collected."""
+        if self._cleanup is not None:
+            self._cleanup()
+            self._cleanup = None
+        self._commit = None
+        self._folder = None
 
     def _ready(self) -> tuple[FileSystemWriter, Path]:
         if self._inner is None or self._folder is None:
@@ -164,6 +169,7 @@ class TaskpointStorageWriter(StorageWriter):
             # Before any rank uploads (they do after the plan's scatter): the lease keeps
             # collections from freeing content the parts reuse until the commit.
             self._commit = self._checkpoint.begin_parts()
+            self._held.append(self._commit)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         inner, _ = self._ready()
@@ -173,6 +179,13 @@ class TaskpointStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         inner, _ = self._ready()
+        try:
+            return self._check_plans(inner, plans)
+        except BaseException:
+            self._finish()  # nothing will be uploaded: release the lease now
+            raise
+
+    def _check_plans(self, inner: FileSystemWriter, plans: list[SavePlan]) -> list[SavePlan]:
         hellos = [p.storage_data for p in plans]
         urls = [h.url if isinstance(h, _Hello) else None for h in hellos]
         worlds = [h.world_size if isinstance(h, _Hello) else None for h in hellos]
@@ -252,6 +265,12 @@ class TaskpointStorageWriter(StorageWriter):
 
     def storage_meta(self) -> Any:
         return None if self._inner is None else self._inner.storage_meta()
+
+
+def _release(folder: Path, commits: list[taskpoint.PartsCommit]) -> None:
+    for commit in commits:
+        commit.abort()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 class TaskpointStorageReader(StorageReader):
