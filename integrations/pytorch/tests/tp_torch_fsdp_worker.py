@@ -26,7 +26,6 @@ Modes:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import signal
@@ -179,9 +178,10 @@ def dcp_scenarios(args: argparse.Namespace, rank: int, out: Path) -> None:
             raise taskpoint.CheckpointStoreError("store unavailable (simulated)", url="x")
 
         failing.upload_part = broken  # type: ignore[method-assign]
-    attempt("rank1-upload-fails", lambda: dcp.save(sharded, storage_writer=TaskpointStorageWriter(failing)))
+    writer = TaskpointStorageWriter(failing)
+    attempt("rank1-upload-fails", lambda: dcp.save(sharded, storage_writer=writer))
     outcomes["rank1-upload-fails-committed"] = len(failing.committed())
-    gc.collect()  # the failed save's writer is gone: rank 0's lease with it
+    writer.close()  # finish never ran on rank 0: release its lease
     outcomes["rank1-upload-fails-leases"] = len(list((base / "failing-store").glob("leases/*.json")))
 
     # save_part_sync with TorchCoordinator: a path two ranks fill differently.

@@ -145,10 +145,18 @@ class TaskpointStorageWriter(StorageWriter):
             overwrite=True,
         )
 
+    def close(self) -> None:
+        """Release what an unfinished save holds: on the coordinator, the save lease
+        (while it is live, collections of unreferenced objects at the location skip), and
+        the local staging folder.
+
+        A save that commits releases them itself. When ``dcp.save`` raised because another
+        rank failed, ``finish`` never ran here: call this (or drop the writer: the next
+        ``reset`` and garbage collection release them too).
+        """
+        self._finish()
+
     def _finish(self) -> None:
-        """Release what the previous save held: its lease, if it never committed (another
-        rank failed, so ``finish`` never ran here), and its staging folder. Also runs when
-        the writer is garbage-collected."""
         if self._cleanup is not None:
             self._cleanup()
             self._cleanup = None

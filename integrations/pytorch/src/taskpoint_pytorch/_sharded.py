@@ -100,10 +100,13 @@ def save_sharded(
         },
         REST: blob.getvalue(),  # bytes: DCP stores it once, as a non-tensor value
     }
+    writer = TaskpointStorageWriter(checkpoint)
     try:
-        dcp_save(state, storage_writer=TaskpointStorageWriter(checkpoint))
+        dcp_save(state, storage_writer=writer)
     except CheckpointException as exc:
         raise _translate(exc, "save the sharded state") from None
+    finally:
+        writer.close()
 
 
 def load_sharded(
