@@ -568,6 +568,9 @@ PLACEHOLDERS = {
     "<seq:09d>": r"\d{9}",
     "<token>": r"[0-9a-f]+",
     "<hash>": r"[0-9a-f]{32}",
+    "<session>": r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    "<round:06d>": r"\d{6}",
+    "<rank:06d>": r"\d{6}",
 }
 
 
@@ -622,6 +625,12 @@ def test_store_layout_block(workdir: Path) -> None:
     tree.mkdir()
     (tree / "weights.bin").write_bytes(b"w" * 1000)
     taskpoint.Checkpoint.at(root / "plain.job" / "run-1", keep=3).save_sync(tree)  # format 2
+    coordinator = taskpoint.StoreCoordinator(
+        str(root / "plain.job" / "run-1"), rank=0, world_size=1, session="job-7"
+    )
+    taskpoint.Checkpoint.at(root / "plain.job" / "run-1", keep=3).save_part_sync(
+        tree, coordinator=coordinator
+    )
 
     actions = sorted(p for p in root.glob("*/*") if p.is_dir())
     assert [a.relative_to(root).parts[0] for a in actions] == ["plain.job", "readme.fails", "readme.works"]
@@ -646,7 +655,7 @@ def test_manifest_block() -> None:
     assert text.count("…") == 1, "the checksum is the block's only placeholder"
     data = text.replace("…", "0" * 32).encode()
     manifest = Manifest.from_json(data, url="README.md")
-    tree_only = {"entries", "objects"}  # format-2 fields, described in the prose below it
+    tree_only = {"entries", "objects", "parts"}  # format-2 fields, described in the prose below it
     assert set(json.loads(data)) == {f.name for f in fields(Manifest)} - tree_only, "the example shows every field"
     assert Manifest.from_json(manifest.to_json(), url="README.md") == manifest
     assert re.fullmatch(r"\d{6}-\d{9}-[0-9a-f]+\.payload", manifest.payload)

@@ -17,10 +17,13 @@ the newest committed state back on the next attempt::
         return n
 """
 
+from taskpoint._parts import PartsCommit
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import Checkpoint, SaveInput, latest_checkpoint
 from taskpoint.context import Preempted, TaskContext, ctx
+from taskpoint.coordination import Coordinator, StoreCoordinator
 from taskpoint.errors import (
+    CheckpointCoordinationError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
@@ -39,6 +42,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint",
+    "CheckpointCoordinationError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointFormatError",
@@ -46,10 +50,13 @@ __all__ = [
     "CheckpointRestoreError",
     "CheckpointStoreError",
     "CheckpointUnsafeError",
+    "Coordinator",
+    "PartsCommit",
     "Preempted",
     "RetryPolicy",
     "SaveInput",
     "SaveStats",
+    "StoreCoordinator",
     "TaskAttemptError",
     "TaskContext",
     "TaskEnvironment",

@@ -27,6 +27,7 @@ from taskpoint import archive, tree
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Digest, HashingReader, Progress, digest_file
 from taskpoint.errors import (
+    CheckpointCoordinationError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
@@ -73,7 +74,9 @@ class Loader:
         self._progress = progress
         self._loads = itertools.count()
 
-    def load(self, into: Path | None = None) -> tuple[Path, Manifest, float] | None:
+    def load(
+        self, into: Path | None = None, part: int | None = None
+    ) -> tuple[Path, Manifest, float] | None:
         """Restore the newest intact committed checkpoint (see :meth:`taskpoint.Checkpoint.load_sync`).
 
         Returns:
@@ -92,7 +95,7 @@ class Loader:
             if not names:
                 log.info("no checkpoint committed at %s", self._store.url)
                 return None
-            found, skipped, pruned = self._load_newest(names, into)
+            found, skipped, pruned = self._load_newest(names, into, part)
             if found is not None:
                 return found
             if not pruned:
@@ -110,7 +113,7 @@ class Loader:
 
 
     def _load_newest(
-        self, names: list[str], into: Path | None = None
+        self, names: list[str], into: Path | None = None, part: int | None = None
     ) -> tuple[tuple[Path, Manifest, float] | None, list[str], bool]:
         """Restore the newest intact of ``names``; also report skipped and pruned ones."""
         skipped: list[str] = []
@@ -120,8 +123,11 @@ class Loader:
             try:
                 manifest = self._catalog.read(name)
                 started = time.monotonic()
+                if part is not None:
+                    manifest = manifest.only_part(part, url=url)
                 path = self._restore(manifest, into)
             except (
+                CheckpointCoordinationError,
                 CheckpointStoreError,
                 CheckpointFormatError,
                 CheckpointUnsafeError,

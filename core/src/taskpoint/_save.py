@@ -151,10 +151,11 @@ class Saver:
             committed = self._save_tree(source, attempt, seq)
         else:
             committed = self._save_payload(source, attempt, seq)
-        self._prune()
+        self.prune()
         return committed
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
+        """Keep the newest ``keep`` intact checkpoints; collect content if any was freed."""
         if self._catalog.prune(self._keep) and self._store.list(retention.OBJECTS):
             self._catalog.collect()
 

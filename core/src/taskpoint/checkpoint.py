@@ -35,12 +35,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Union
 
-from taskpoint import _uploader, archive, history, retention
+from taskpoint import _parts, _uploader, archive, history, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Progress
 from taskpoint._load import Loader
 from taskpoint._save import Background, Saver, Snapshot, Source, check_snapshot, classify
 from taskpoint._save import take_snapshot as _take_snapshot
+from taskpoint.coordination import Coordinator
 from taskpoint.errors import CheckpointError
 from taskpoint.history import ATTEMPTS, SaveStats
 from taskpoint.manifest import (
@@ -239,6 +240,112 @@ class Checkpoint:
         else:
             self._background.supersede(ticket)
             await asyncio.to_thread(self._save, source, ticket)
+
+    def save_part_sync(
+        self, path: str | os.PathLike[str], *, coordinator: Coordinator
+    ) -> None:
+        """Commit one checkpoint written by several processes: this one adds ``path``'s tree.
+
+        Every rank of ``coordinator`` calls this with its own local directory; each uploads
+        its own files (as format-2 content objects) and rank 0 commits the union of the
+        trees once every rank's files are in the store and checked there. Until that commit
+        nothing loads the checkpoint; a rank that fails or is killed leaves the previous
+        checkpoint the newest. ``load_sync(part=rank)`` restores one rank's files alone.
+
+        Every rank returns once the commit is done, or raises. A path two ranks write must
+        hold the same content in both (a shared ``.metadata``, say).
+
+        Args:
+            path: this rank's local directory.
+            coordinator: the ranks writing the checkpoint (a
+                :class:`taskpoint.StoreCoordinator`, or ``taskpoint_pytorch.TorchCoordinator``
+                under ``torch.distributed``). Its timeout bounds how long a rank waits for
+                the others at each step, uploads included.
+
+        Raises:
+            CheckpointCoordinationError: on every rank: the ranks named different checkpoint
+                URLs or world sizes (before anything is uploaded), two ranks wrote one path
+                with different content, another rank failed, or a rank did not arrive
+                within the coordinator's timeout (naming it). Nothing was committed.
+            NotADirectoryError: ``path`` is not a directory (on this rank; the others raise
+                ``CheckpointCoordinationError`` naming it).
+            CheckpointUnsafeError: the directory holds a special file or a link leaving it.
+            CheckpointStoreError: the store failed.
+        """
+        called = time.monotonic()
+        if not isinstance(coordinator, Coordinator):
+            raise TypeError(
+                "coordinator must be a taskpoint.Coordinator (StoreCoordinator, "
+                f"TorchCoordinator); got {type(coordinator).__name__}"
+            )
+        root = Path(os.fspath(path)).absolute()
+        self._raise_background_error()
+        _parts.save_part(
+            lambda: _parts.check_part(root),
+            lambda: self._begin_parts(called),
+            lambda: self.upload_part(root),
+            coordinator,
+            self._store.url,
+        )
+
+    async def save_part(
+        self, path: str | os.PathLike[str], *, coordinator: Coordinator
+    ) -> None:
+        """Async :meth:`save_part_sync`: the protocol runs in a worker thread."""
+        await asyncio.to_thread(
+            functools.partial(self.save_part_sync, path, coordinator=coordinator)
+        )
+
+    def begin_parts(self) -> _parts.PartsCommit:
+        """Start a multi-writer commit, on the one process that will commit it.
+
+        For adapters that coordinate their ranks themselves (as ``torch.distributed.checkpoint``
+        does); :meth:`save_part_sync` does all of this for you. The steps: the committing
+        rank calls ``begin_parts()``; after that (a collective later) every rank calls
+        :meth:`upload_part` with its folder and sends the record it returns to the
+        committer, which calls ``commit(records)`` with them in rank order, or ``abort()``.
+        Until ``commit`` nothing loads the checkpoint.
+
+        Returns:
+            A :class:`taskpoint.PartsCommit` holding a save lease, usable as a context
+            manager that aborts unless committed.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+        """
+        return self._begin_parts(time.monotonic())
+
+    def _begin_parts(self, called: float) -> _parts.PartsCommit:
+        ticket = next(self._tickets)
+        self._background.supersede(ticket)
+        with self._save_lock:
+            attempt = self._claim_attempt()
+            seq = self._next_seq(attempt, ticket)
+        return _parts.PartsCommit(
+            self._catalog, attempt, seq, called=called, committed=self._parts_committed
+        )
+
+    def _parts_committed(self, stats: SaveStats) -> None:
+        with self._save_lock:
+            self._saver.prune()
+        self._notify(stats)
+
+    def upload_part(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Upload one rank's folder for a multi-writer commit (see :meth:`begin_parts`).
+
+        Returns:
+            The part's JSON record (its paths, content hashes and object names: metadata
+            only) for the committing rank's ``commit``.
+
+        Raises:
+            NotADirectoryError: ``path`` is not a directory.
+            CheckpointUnsafeError: it holds a special file or a link leaving it.
+            CheckpointStoreError: the store failed.
+        """
+        return _parts.upload_part(
+            self._catalog, Path(os.fspath(path)).absolute(), codec=self._codec,
+            progress=self._progress,
+        )
 
     def wait(self) -> None:
         """Block until background saves have committed.
@@ -450,7 +557,9 @@ class Checkpoint:
         """
         return self._catalog.newest_first()
 
-    def load_sync(self, *, into: str | os.PathLike[str] | None = None) -> Path | None:
+    def load_sync(
+        self, *, into: str | os.PathLike[str] | None = None, part: int | None = None
+    ) -> Path | None:
         """Restore the newest intact committed checkpoint to a local path.
 
         Args:
@@ -461,6 +570,8 @@ class Checkpoint:
                 anything the checkpoint does not hold is removed. A file or bytes
                 checkpoint is placed in ``into`` under its name. Nothing in ``into``
                 changes unless the whole checkpoint restored and verified.
+            part: restore only the files rank ``part`` contributed to a checkpoint written
+                by several processes (:meth:`save_part_sync`); ``None``: the whole tree.
 
         Returns:
             The restored file (keeping its name), the restored directory tree, or a file
@@ -475,8 +586,12 @@ class Checkpoint:
             CheckpointFormatError: the newest manifest comes from a newer format.
             CheckpointUnsafeError: a directory archive holds an unsafe entry.
             CheckpointStoreError: the store failed (after retries for transient errors).
+            CheckpointCoordinationError: ``part`` was given and the newest checkpoint has
+                no such part (one process wrote it, or fewer ranks).
         """
-        found = self._loader.load(None if into is None else Path(os.fspath(into)))
+        if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
+            raise ValueError(f"part must be a rank (an int of at least 0) or None; got {part!r}")
+        found = self._loader.load(None if into is None else Path(os.fspath(into)), part)
         if found is None:
             return None
         path, manifest, elapsed = found
@@ -486,9 +601,11 @@ class Checkpoint:
             self._resumed = (manifest, elapsed)  # recorded once an attempt is claimed
         return path
 
-    async def load(self, *, into: str | os.PathLike[str] | None = None) -> Path | None:
+    async def load(
+        self, *, into: str | os.PathLike[str] | None = None, part: int | None = None
+    ) -> Path | None:
         """Async :meth:`load_sync`: the download runs in worker threads."""
-        return await asyncio.to_thread(functools.partial(self.load_sync, into=into))
+        return await asyncio.to_thread(functools.partial(self.load_sync, into=into, part=part))
 
 
 def commit_request(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:

@@ -9,6 +9,8 @@ Every failure that is taskpoint's own derives from :class:`CheckpointError`::
     ├── CheckpointFormatError     a manifest from a newer (or unknown) format
     ├── CheckpointRestoreError    the local disk refused the restored files (full, too
     │                             large, permission): the checkpoint itself is fine
+    ├── CheckpointCoordinationError  writers of one checkpoint disagreed, collided or
+    │                             did not all arrive: nothing was committed
     └── TaskAttemptError          a process-isolated attempt died (signal, exit code)
 
 Bad arguments raise the builtin exceptions Python users expect: ``TypeError`` for a
@@ -21,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CheckpointCoordinationError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointFormatError",
@@ -99,6 +102,22 @@ class CheckpointRestoreError(CheckpointError):
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message)
         self.path = path
+
+
+class CheckpointCoordinationError(CheckpointError):
+    """The writers of one checkpoint could not agree, so none of them committed it.
+
+    Raised on every writer: they named different locations or world sizes, two wrote the
+    same path with different content, one failed, or one did not arrive in time. Also
+    raised by a restore of a part the checkpoint does not have.
+
+    Attributes:
+        ranks: the writers (ranks) the error is about: those missing, in conflict, or failed.
+    """
+
+    def __init__(self, message: str, *, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
 
 
 class TaskAttemptError(CheckpointError):

@@ -42,6 +42,14 @@ Format 2 (``"format": 2``) is how directories are stored from taskpoint 0.2 on: 
       ]
     }
 
+A tree written by several processes at once (:meth:`taskpoint.Checkpoint.save_part_sync`)
+also records which writer contributed each path, by rank (a path two writers contributed
+with the same content is listed under both); a reader that does not know ``parts`` restores
+the whole tree::
+
+      "parts": {"0": ["weights", "weights/__0_0.distcp", ".metadata"],
+                "1": ["weights", "weights/__1_0.distcp"]}
+
 A file's ``blobs`` are its content in order: ``[object, offset, length, codec, size, hash]``
 says that ``length`` bytes at ``offset`` of ``objects/<object>``, decoded with ``codec``
 (``none``, ``gzip`` or ``zstd``), are ``size`` bytes of the file whose XXH3-128 is ``hash``.
@@ -69,10 +77,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from taskpoint.errors import CheckpointCorruptError, CheckpointFormatError
+from taskpoint.errors import (
+    CheckpointCoordinationError,
+    CheckpointCorruptError,
+    CheckpointFormatError,
+)
 
 __all__ = [
     "BLOB_CODECS",
@@ -87,6 +99,7 @@ __all__ = [
     "check_format",
     "loads_record",
     "manifest_name",
+    "parse_entries",
     "parse_manifest_name",
     "parse_payload_name",
     "payload_name",
@@ -212,6 +225,7 @@ class Manifest:
     stats: dict[str, Any] | None = None
     entries: tuple[Entry, ...] | None = None
     objects: dict[str, int] | None = None
+    parts: dict[str, tuple[str, ...]] | None = None
 
     @property
     def is_tree(self) -> bool:
@@ -228,9 +242,39 @@ class Manifest:
         """This manifest's object name."""
         return manifest_name(self.attempt, self.seq)
 
+    def only_part(self, rank: int, *, url: str) -> Manifest:
+        """This tree with only the paths writer ``rank`` contributed.
+
+        The result keeps this manifest's key and checksum (it names the same commit) and
+        is for restoring, never for writing.
+
+        Raises:
+            CheckpointCoordinationError: the checkpoint has no part ``rank`` (it was written
+                by one process, or by fewer ranks).
+        """
+        paths = (self.parts or {}).get(str(rank))
+        if self.entries is None or paths is None:
+            held = sorted(int(r) for r in self.parts or {})
+            raise CheckpointCoordinationError(
+                f"checkpoint {url} has no part of rank {rank!r}: "
+                + (f"it holds the parts of ranks {held}" if held else "one process wrote it")
+                + "; load it whole (part=None)",
+                ranks=[rank] if isinstance(rank, int) else [],
+            )
+        wanted = set(paths)
+        entries = tuple(e for e in self.entries if e.path in wanted)
+        used = {b.object for e in entries for b in e.blobs}
+        return replace(
+            self, size=sum(e.size for e in entries if e.type == "file"), entries=entries,
+            objects={k: v for k, v in (self.objects or {}).items() if k in used},
+            parts={str(rank): paths},
+        )
+
     def to_json(self) -> bytes:
         """Serialise to UTF-8 JSON."""
         record = asdict(self)
+        if self.parts is None:
+            del record["parts"]
         if self.stats is None:
             del record["stats"]
         if self.entries is None:
@@ -313,6 +357,7 @@ class Manifest:
             raise bad("payload")
         entries: tuple[Entry, ...] | None = None
         objects: dict[str, int] | None = None
+        parts: dict[str, tuple[str, ...]] | None = None
         if tree:
             objects = _objects(raw.get("objects"), bad)
             entries = _entries(raw.get("entries"), objects, bad)
@@ -320,6 +365,7 @@ class Manifest:
                 raise bad("size")
             if checksum != tree_checksum(entries):
                 raise bad("checksum")
+            parts = _parts(raw.get("parts"), entries, bad)
         created = raw.get("created")
         if not isinstance(created, (int, float)) or isinstance(created, bool):
             raise bad("created")
@@ -340,6 +386,7 @@ class Manifest:
             stats=stats,
             entries=entries,
             objects=objects,
+            parts=parts,
         )
 
 
@@ -417,6 +464,41 @@ def _blob(raw: object, objects: dict[str, int]) -> Blob | None:
     ):
         return None
     return Blob(name, offset, length, codec, size, digest)
+
+
+def _parts(
+    raw: object, entries: tuple[Entry, ...], bad: Any
+) -> dict[str, tuple[str, ...]] | None:
+    """A tree's ``parts``: rank numbers to paths, every path an entry and every entry in one."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not raw:
+        raise bad("parts")
+    known = {e.path for e in entries}
+    covered: set[str] = set()
+    parts: dict[str, tuple[str, ...]] = {}
+    for rank, paths in raw.items():
+        if not isinstance(rank, str) or not rank.isdigit() or str(int(rank)) != rank:
+            raise bad("parts")
+        if not isinstance(paths, list) or not all(isinstance(p, str) and p in known for p in paths):
+            raise bad("parts")
+        parts[rank] = tuple(paths)
+        covered.update(paths)
+    if covered != known:
+        raise bad("parts")
+    return parts
+
+
+def parse_entries(raw: object, objects: dict[str, int], *, url: str) -> tuple[Entry, ...]:
+    """Entries from their records (:meth:`Entry.to_record`), checked as a manifest's are.
+
+    Raises:
+        CheckpointCorruptError: a record is malformed or uses an object not in ``objects``.
+    """
+    def bad(field: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{url} sent invalid {field!r}", url=url)
+
+    return _entries(raw, _objects(objects, bad), bad)
 
 
 def _entries(raw: object, objects: dict[str, int], bad: Any) -> tuple[Entry, ...]:

@@ -35,6 +35,11 @@ Under ``torch.distributed`` (DDP, any backend, gloo on CPU included) every rank 
 same methods: only global rank 0 writes and commits, the other ranks wait for the commit,
 and on restore every rank loads the same bundle and its own RNG state.
 
+``torch.distributed.checkpoint`` goes through taskpoint too, every rank uploading its own
+shards and one commit for all (``TaskpointStorageWriter``, ``TaskpointStorageReader``);
+``TorchCoordinator`` lets every rank commit its own folder as one checkpoint
+(``taskpoint.Checkpoint.save_part_sync``).
+
 With a shuffling ``DataLoader``, saving at epoch boundaries resumes bit for bit: the
 restored torch RNG draws the same next permutation. To save mid-epoch as well, make the
 order a function of the epoch (``DistributedSampler.set_epoch``, or a ``generator=``
@@ -45,6 +50,8 @@ from taskpoint_pytorch._compat import SUPPORTED_TORCH, check_torch_version
 
 check_torch_version()
 
+from taskpoint_pytorch._coordination import TorchCoordinator  # noqa: E402
+from taskpoint_pytorch._dcp import TaskpointStorageReader, TaskpointStorageWriter  # noqa: E402
 from taskpoint_pytorch._errors import (  # noqa: E402
     StateError,
     StateLayoutError,
@@ -72,5 +79,8 @@ __all__ = [
     "StateMismatchError",
     "Stateful",
     "TaskpointState",
+    "TaskpointStorageReader",
+    "TaskpointStorageWriter",
+    "TorchCoordinator",
     "__version__",
 ]

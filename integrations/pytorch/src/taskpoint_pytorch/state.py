@@ -56,6 +56,7 @@ from taskpoint_pytorch._distributed import all_gather, broadcast_from_zero, rank
 from taskpoint_pytorch._errors import StateError, StateLayoutError, StateMismatchError
 from taskpoint_pytorch._rng import capture_rng, restore_rng
 from taskpoint_pytorch._safety import check_weights_only
+from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
 
 __all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
 
@@ -211,6 +212,11 @@ class TaskpointState:
         rng: save and restore the global RNGs (Python ``random``, NumPy's legacy global
             generator, torch CPU, every initialised CUDA device). Without them a resumed run
             draws different shuffles, dropout masks and augmentations than an uninterrupted one.
+        sharded: save models and optimizers sharded, through ``torch.distributed.checkpoint``
+            (FSDP2 and other ``DTensor`` state): every rank writes its own shards, no rank
+            ever holds the whole state, and one taskpoint commit covers every rank's files.
+            The checkpoint must be a :class:`taskpoint.Checkpoint`; it restores on any
+            number of ranks (DCP reshards); RNG states stay per rank. Saves are blocking.
         blocking: whether ``save``/``save_sync`` wait for the commit by default (each call's
             ``background=`` overrides it). A background save copies the state (to pinned
             CPU memory from CUDA, with non-blocking copies and one stream sync per device),
@@ -233,6 +239,7 @@ class TaskpointState:
         generators: Mapping[str, torch.Generator] | None = None,
         rng: bool = True,
         blocking: bool = True,
+        sharded: bool = False,
     ) -> None:
         self._models = _named("model", "model", model, _is_a(nn.Module, "a torch.nn.Module"))
         self._optimizers = _named(
@@ -253,6 +260,12 @@ class TaskpointState:
         )
         self._rng = bool(rng)
         self._blocking = bool(blocking)
+        self._sharded = bool(sharded)
+        if self._sharded and not self._blocking:
+            raise ValueError("sharded=True saves are blocking: pass blocking=True")
+        if self._sharded:
+            for optimizer in self._optimizers.values():
+                owner_of(optimizer, {n: _unwrap(m) for n, m in self._models.items()})
         self._uploads = UploadThread("taskpoint-state-upload")
         track(self._uploads)
 
@@ -310,6 +323,9 @@ class TaskpointState:
                 background save's before it), or :class:`StateError` on the other ranks
                 when rank 0 failed.
         """
+        if self._sharded:
+            self._save_sharded(checkpoint, epoch, step, extra, background)
+            return
         if self._in_background(background):
             self._save_background(checkpoint, epoch, step, extra)
             return
@@ -336,6 +352,9 @@ class TaskpointState:
         """Async :meth:`save_sync`: the upload is awaited; serialisation, and under
         ``torch.distributed`` the collectives, run on the calling thread. A background save
         returns once the copy is taken, as :meth:`save_sync`'s does."""
+        if self._sharded:
+            self._save_sharded(checkpoint, epoch, step, extra, background)
+            return
         if self._in_background(background):
             self._save_background(checkpoint, epoch, step, extra)
             return
@@ -365,6 +384,62 @@ class TaskpointState:
             taskpoint.CheckpointError: the background save failed (raised once).
         """
         return self._uploads.wait(timeout)
+
+    def _save_sharded(
+        self,
+        checkpoint: object,
+        epoch: int,
+        step: int,
+        extra: Mapping[str, Any] | None,
+        background: bool | None,
+    ) -> None:
+        """Every rank: gather RNG states, agree the bundle's rest is valid, ``dcp.save``."""
+        rank, world = rank_and_size()
+        local_error: Exception | None = None
+        rng_state: dict[str, Any] | None = None
+        try:
+            if background:
+                raise ValueError("sharded=True saves are blocking: background=True is refused")
+            _check_sharded_checkpoint(checkpoint)
+            epoch = _check_counter("epoch", epoch)
+            step = _check_counter("step", step)
+            extra_state = _check_extra(extra)
+            rng_state = capture_rng() if self._rng else None
+        except Exception as exc:
+            local_error = exc
+        gathered = all_gather((rng_state, _describe_error(local_error)))
+        _raise_first_failure(local_error, [message for _, message in gathered], "save the state")
+        save_id = broadcast_from_zero(uuid.uuid4().hex)
+        rest: dict[str, Any] = {}
+        try:
+            rest = self._rest(epoch, step, extra_state, [r for r, _ in gathered], world, save_id)
+            for key, value in rest.items():
+                check_weights_only(value, key)
+        except Exception as exc:
+            local_error = exc
+        failures = all_gather(_describe_error(local_error))
+        _raise_first_failure(local_error, failures, "save the state")
+        assert isinstance(checkpoint, Checkpoint)
+        save_sharded(
+            checkpoint, {n: _unwrap(m) for n, m in self._models.items()}, self._optimizers, rest
+        )
+        if rank == 0:
+            log.debug("committed sharded state (epoch=%d, step=%d) from %d ranks", epoch, step, world)
+
+    def _rest(
+        self,
+        epoch: int,
+        step: int,
+        extra: dict[str, Any],
+        rng_states: list[dict[str, Any] | None],
+        world: int,
+        save_id: str,
+    ) -> dict[str, Any]:
+        """A sharded save's bundle without the model and optimizer state (saved by DCP)."""
+        bundle = self._bundle(epoch, step, extra, rng_states, world, tensors=False)
+        bundle["save_id"] = save_id
+        bundle["sharded"] = True
+        return bundle
 
     def _in_background(self, background: bool | None) -> bool:
         return not self._blocking if background is None else bool(background)
@@ -437,12 +512,18 @@ class TaskpointState:
         extra: dict[str, Any],
         rng_states: list[dict[str, Any] | None],
         world: int,
+        *,
+        tensors: bool = True,
     ) -> dict[str, Any]:
         return {
             "layout": LAYOUT,
             "version": LAYOUT_VERSION,
-            "models": {n: _unwrap(m).state_dict() for n, m in self._models.items()},
-            "optimizers": {n: o.state_dict() for n, o in self._optimizers.items()},
+            "models": {
+                n: _unwrap(m).state_dict() if tensors else {} for n, m in self._models.items()
+            },
+            "optimizers": {
+                n: o.state_dict() if tensors else {} for n, o in self._optimizers.items()
+            },
             "schedulers": {n: s.state_dict() for n, s in self._schedulers.items()},
             "scalers": {n: s.state_dict() for n, s in self._scalers.items()},
             "generators": {n: g.get_state() for n, g in self._generators.items()},
@@ -495,6 +576,8 @@ class TaskpointState:
             StateError: ranks restored different checkpoints, or another rank failed.
             taskpoint.CheckpointError: the store failed or holds no intact checkpoint.
         """
+        if self._sharded:
+            return self._restore_sharded(checkpoint)
         _settle_every_rank()
         try:
             _check_checkpoint(checkpoint)
@@ -507,6 +590,8 @@ class TaskpointState:
         self, checkpoint: CheckpointLike, *, map_location: MapLocation = None
     ) -> ResumePoint | None:
         """Async :meth:`restore_sync`: the download is awaited."""
+        if self._sharded:
+            return self._restore_sharded(checkpoint)
         _settle_every_rank()
         try:
             _check_checkpoint(checkpoint)
@@ -514,6 +599,45 @@ class TaskpointState:
         except Exception as exc:
             return self._finish_restore(None, exc)
         return self._finish_restore(bundle, None)
+
+    def _restore_sharded(self, checkpoint: object) -> ResumePoint | None:
+        """Every rank: agree a checkpoint exists, ``dcp.load`` into the current sharding,
+        then apply the rest of the bundle."""
+        _settle_every_rank()
+        rank, world = rank_and_size()
+        error: Exception | None = None
+        newest: str | None = None
+        try:
+            _check_sharded_checkpoint(checkpoint)
+            assert isinstance(checkpoint, Checkpoint)
+            committed = checkpoint.committed()
+            newest = committed[0].key if committed else None
+        except Exception as exc:
+            error = exc
+        gathered = all_gather((newest, _describe_error(error)))
+        _raise_first_failure(error, [message for _, message in gathered], "restore the state")
+        if any(n is None for n, _ in gathered) and any(n is not None for n, _ in gathered):
+            found = ", ".join(f"rank {r}: {n or 'nothing'}" for r, (n, _) in enumerate(gathered))
+            raise StateError(
+                f"ranks see different checkpoints ({found}); every rank must read the same "
+                "store (a memory:// store is private to its process)"
+            )
+        if newest is None:
+            if rank == 0:
+                log.info("no state committed yet: starting from scratch")
+            return None
+        assert isinstance(checkpoint, Checkpoint)
+        rest = load_sharded(
+            checkpoint, {n: _unwrap(m) for n, m in self._models.items()}, self._optimizers
+        )
+        self._check_layout(rest, Path(f"{checkpoint.url} (sharded state)"))
+        self._apply(rest, rank, world, tensors=False)
+        if rank == 0:
+            log.info(
+                "restored sharded state saved by %d rank(s) on %d: epoch=%d step=%d",
+                rest["world_size"], world, rest["epoch"], rest["step"],
+            )
+        return ResumePoint(epoch=rest["epoch"], step=rest["step"], extra=dict(rest["extra"]))
 
     def _device(self) -> torch.device:
         for module in self._models.values():
@@ -633,10 +757,12 @@ class TaskpointState:
             )
         return ResumePoint(epoch=bundle["epoch"], step=bundle["step"], extra=dict(bundle["extra"]))
 
-    def _apply(self, bundle: dict[str, Any], rank: int, world: int) -> None:
-        for name, module in self._models.items():
+    def _apply(
+        self, bundle: dict[str, Any], rank: int, world: int, *, tensors: bool = True
+    ) -> None:
+        for name, module in self._models.items() if tensors else ():
             _unwrap(module).load_state_dict(bundle["models"][name])
-        for name, optimizer in self._optimizers.items():
+        for name, optimizer in self._optimizers.items() if tensors else ():
             try:
                 optimizer.load_state_dict(bundle["optimizers"][name])
             except (ValueError, KeyError, RuntimeError) as exc:
@@ -728,6 +854,15 @@ def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
             checkpoint.save_sync(path)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _check_sharded_checkpoint(checkpoint: object) -> None:
+    if not isinstance(checkpoint, Checkpoint):
+        raise TypeError(
+            "TaskpointState(sharded=True) saves through torch.distributed.checkpoint, every "
+            "rank uploading its own shards, so it needs a taskpoint.Checkpoint; got "
+            f"{type(checkpoint).__name__}"
+        )
 
 
 def _check_checkpoint(checkpoint: object) -> None:

@@ -1,0 +1,398 @@
+"""Multi-writer saves: every rank uploads its own folder, rank 0 commits them as one tree.
+
+The protocol (:func:`save_part`), run by every rank of a :class:`~taskpoint.coordination.Coordinator`
+with its own local folder; each step ends in a collective that carries every rank's error,
+so a failure on one rank fails the save on every rank at that step, and a rank that never
+arrives fails it on every other rank when the coordinator's timeout runs out:
+
+1. **Agree.** Every rank sends the checkpoint URL, its rank and world size, and whether its
+   folder can be saved. Ranks that disagree all raise
+   :class:`~taskpoint.CheckpointCoordinationError` naming the values, before any upload.
+2. **Number.** Rank 0 claims the attempt and save number and broadcasts them.
+3. **Upload.** Each rank takes a save lease (:class:`taskpoint.retention.Lease`, held until
+   the commit is known), stores its tree as format-2 content objects (reusing what the
+   run's committed checkpoints hold) and sends its entries and objects (metadata only:
+   paths, hashes, object names; never file content) to the others.
+4. **Commit.** Rank 0 merges the parts (:func:`merge_parts`: a path two ranks wrote with
+   different content is an error naming both), checks that every object they reference is
+   in the store with its size, writes the manifest (the one commit), and broadcasts the
+   outcome. Until that write nothing can load the checkpoint; a rank killed at any step
+   leaves at most unreferenced objects, which a later collection frees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from taskpoint import archive, retention, tree
+from taskpoint._catalog import Catalog
+from taskpoint._digest import Progress
+from taskpoint.coordination import Coordinator
+from taskpoint.errors import CheckpointCoordinationError
+from taskpoint.history import SaveStats
+from taskpoint.manifest import (
+    CHECKPOINTS,
+    TREE_FORMAT,
+    Codec,
+    Entry,
+    Manifest,
+    manifest_name,
+    parse_entries,
+    tree_checksum,
+)
+
+__all__ = ["Part", "PartsCommit", "check_part", "merge_parts", "save_part", "upload_part"]
+
+log = logging.getLogger(__name__)
+
+
+Part = tuple[tuple[Entry, ...], dict[str, int]]
+"""One rank's contribution: its entries and the objects they use, with stored sizes."""
+
+
+def _describe(exc: BaseException | None) -> str | None:
+    return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+def _raise_first(own: BaseException | None, errors: list[str | None], what: str) -> None:
+    """Raise this rank's own error, else one naming every rank that failed."""
+    if own is not None:
+        raise own
+    failed = [(rank, error) for rank, error in enumerate(errors) if error is not None]
+    if failed:
+        listed = "; ".join(f"rank {rank}: {error}" for rank, error in failed)
+        raise CheckpointCoordinationError(
+            f"cannot {what}: {listed}; nothing was committed", ranks=[r for r, _ in failed]
+        )
+
+
+def _same(a: Entry, b: Entry) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type == "file":
+        return a.size == b.size and a.hash == b.hash
+    return a.target == b.target
+
+
+def _what(entry: Entry) -> str:
+    if entry.type == "file":
+        return f"a file of {entry.size} bytes, {entry.hash}"
+    if entry.target is not None:
+        return f"a {entry.type} to {entry.target!r}"
+    return f"a {entry.type}"
+
+
+def merge_parts(
+    parts: list[Part],
+) -> tuple[tuple[Entry, ...], dict[str, int], dict[str, tuple[str, ...]]]:
+    """The union of every rank's tree: its entries, objects and each rank's paths.
+
+    Each rank's entries keep their order (parents first) and a path met again is kept
+    once, so the union lists parents before children too.
+
+    Raises:
+        CheckpointCoordinationError: two ranks wrote one path with different content (a
+            file with other bytes, a file where the other has a directory...); names both.
+    """
+    seen: dict[str, tuple[int, Entry]] = {}
+    entries: list[Entry] = []
+    objects: dict[str, int] = {}
+    paths: dict[str, tuple[str, ...]] = {}
+    for rank, (part_entries, part_objects) in enumerate(parts):
+        objects.update(part_objects)
+        for entry in part_entries:
+            first = seen.get(entry.path)
+            if first is None:
+                seen[entry.path] = (rank, entry)
+                entries.append(entry)
+            elif not _same(first[1], entry):
+                raise CheckpointCoordinationError(
+                    f"ranks {first[0]} and {rank} both wrote {entry.path!r} with different "
+                    f"content (rank {first[0]}: {_what(first[1])}; rank {rank}: "
+                    f"{_what(entry)}); give each rank its own file names",
+                    ranks=[first[0], rank],
+                )
+        paths[str(rank)] = tuple(e.path for e in part_entries)
+    return tuple(entries), objects, paths
+
+
+def _check_agreement(hellos: list[Any], url: str, own: BaseException | None) -> None:
+    urls = [h.get("url") if isinstance(h, dict) else None for h in hellos]
+    worlds = [h.get("world_size") if isinstance(h, dict) else None for h in hellos]
+    ranks = [h.get("rank") if isinstance(h, dict) else None for h in hellos]
+    if len(set(urls)) > 1:
+        listed = ", ".join(f"rank {r}: {u!r}" for r, u in enumerate(urls))
+        raise CheckpointCoordinationError(
+            f"ranks disagree about the checkpoint location ({listed}); every rank must save "
+            "to the same URL. Nothing was uploaded",
+            ranks=[r for r, u in enumerate(urls) if u != url],
+        )
+    if len(set(worlds)) > 1 or ranks != list(range(len(hellos))):
+        listed = ", ".join(f"rank {r}: world size {w!r}" for r, w in enumerate(worlds))
+        raise CheckpointCoordinationError(
+            f"ranks disagree about the world size or their ranks ({listed}; ranks {ranks}); "
+            "every rank must be started with the same world size. Nothing was uploaded",
+            ranks=list(range(len(hellos))),
+        )
+    _raise_first(own, [h.get("error") for h in hellos], "save the checkpoint's parts")
+
+
+def check_part(root: Path) -> None:
+    """Raise unless ``root`` is a directory that can be saved.
+
+    Raises:
+        NotADirectoryError: ``root`` is not a directory.
+        CheckpointUnsafeError: it holds a special file or a link leaving it.
+    """
+    if not root.is_dir():
+        raise NotADirectoryError(f"a checkpoint part must be a directory; {str(root)!r} is not one")
+    archive.check_tree(root)
+
+
+def upload_part(
+    catalog: Catalog, root: Path, *, codec: Codec, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Store the tree under ``root`` as content objects; the record the committer merges.
+
+    Call it only once the committing rank holds its :class:`PartsCommit` (after a
+    collective that follows :meth:`taskpoint.Checkpoint.begin_parts`): that commit's lease
+    keeps a collection from freeing the content this part reuses or uploads.
+
+    Returns:
+        A JSON record: ``{"name", "entries", "objects", "size", "uploaded", "reused"}``.
+
+    Raises:
+        NotADirectoryError: ``root`` is not a directory.
+        CheckpointUnsafeError: it holds a special file or a link leaving it.
+        CheckpointStoreError: the store failed.
+    """
+    check_part(root)
+    store = catalog.store
+    known = tree.BlobIndex.of(catalog.read_committed())
+    saved = tree.save_tree(
+        store, root, known, codec=codec, workers=store.transfer.concurrency, progress=progress
+    )
+    return {
+        "name": root.name, "entries": [e.to_record() for e in saved.entries],
+        "objects": saved.objects, "size": saved.size, "uploaded": saved.uploaded,
+        "reused": saved.reused,
+    }
+
+
+class PartsCommit:
+    """The committing rank's side of one multi-writer save (see
+    :meth:`taskpoint.Checkpoint.begin_parts`): holds a save lease until :meth:`commit` or
+    :meth:`abort`.
+
+    Attributes:
+        attempt: the attempt the checkpoint is committed as.
+        seq: its save number.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        attempt: int,
+        seq: int,
+        *,
+        called: float,
+        committed: Callable[[SaveStats], None],
+    ) -> None:
+        self._catalog = catalog
+        self.attempt = attempt
+        self.seq = seq
+        self._called = called
+        self._committed = committed
+        self._lease: retention.Lease | None = retention.Lease(catalog.store, attempt, seq)
+        self._lease.__enter__()
+        self._started = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"PartsCommit({self._catalog.store.url!r}, attempt={self.attempt}, seq={self.seq})"
+
+    def __enter__(self) -> PartsCommit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+    @property
+    def key(self) -> str:
+        """The manifest this commit writes, relative to the checkpoint's URL."""
+        return f"{CHECKPOINTS}/{manifest_name(self.attempt, self.seq)}"
+
+    def commit(self, records: list[Any]) -> SaveStats:
+        """Merge every rank's :func:`upload_part` record (in rank order), check that their
+        objects are stored, and write the manifest: the commit. Then prune.
+
+        Raises:
+            CheckpointCoordinationError: two ranks wrote one path with different content,
+                or an object a part references is missing from the store.
+            CheckpointCorruptError: a record is malformed.
+            CheckpointStoreError: the store failed, or the lease lapsed.
+            RuntimeError: this commit was already committed or aborted.
+        """
+        if self._lease is None:
+            raise RuntimeError(f"{self!r} is already finished")
+        try:
+            stats = _commit(
+                self._catalog, records, self.attempt, self.seq, self.key, self._lease,
+                self._called, self._started,
+            )
+        finally:
+            self.abort()
+        self._committed(stats)
+        return stats
+
+    def abort(self) -> None:
+        """Release the lease without committing (nothing if already finished)."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.__exit__(None, None, None)
+
+
+def save_part(
+    check: Callable[[], None],
+    begin: Callable[[], PartsCommit],
+    upload: Callable[[], dict[str, Any]],
+    coordinator: Coordinator,
+    url: str,
+) -> SaveStats | None:
+    """Run the protocol (see the module docstring) for this rank.
+
+    Args:
+        check: raises if this rank's folder cannot be saved (before anything is uploaded).
+        begin: on rank 0, claims the numbers and takes the lease.
+        upload: uploads this rank's folder (:func:`upload_part`).
+        coordinator: the ranks writing this checkpoint.
+        url: the checkpoint's URL, which every rank must name.
+
+    Returns:
+        The commit's stats on rank 0; ``None`` on the other ranks.
+
+    Raises:
+        CheckpointCoordinationError: the ranks disagree, one failed (this rank raises its
+            own error instead), a path conflicts, or a rank did not arrive in time.
+        CheckpointStoreError: the store failed.
+    """
+    rank = coordinator.rank
+    own: BaseException | None = None
+    try:
+        check()
+    except Exception as exc:
+        own = exc
+    hellos = coordinator.all_gather(
+        {"url": url, "rank": rank, "world_size": coordinator.world_size,
+         "error": _describe(own)}
+    )
+    _check_agreement(hellos, url, own)
+
+    commit: PartsCommit | None = None
+    numbers: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            commit = begin()
+            numbers = {"key": commit.key}
+        except Exception as exc:
+            own, numbers = exc, {"error": _describe(exc)}
+    with contextlib.ExitStack() as held:
+        if commit is not None:
+            held.enter_context(commit)
+        numbers = coordinator.broadcast(numbers)
+        _raise_first(own, [numbers.get("error")], "number the save")
+
+        record: dict[str, Any] = {}
+        try:
+            record = upload()
+        except Exception as exc:
+            own, record = exc, {"error": _describe(exc)}
+        records = coordinator.all_gather(record)
+        _raise_first(own, [r.get("error") for r in records], "upload every rank's part")
+
+        outcome: str | None = None
+        stats: SaveStats | None = None
+        if commit is not None:
+            try:
+                stats = commit.commit(records)
+            except Exception as exc:
+                own, outcome = exc, _describe(exc)
+        outcome = coordinator.broadcast(outcome)
+        if own is not None:
+            raise own
+        if outcome is not None:
+            raise CheckpointCoordinationError(
+                f"rank 0 could not commit {numbers['key']} at {url} ({outcome}), so rank "
+                f"{rank} fails too; nothing was committed",
+                ranks=[0],
+            )
+    return stats
+
+
+def _name(name: object) -> str:
+    """Rank 0's folder name, which the restored tree gets; ``parts`` if it cannot be one."""
+    if isinstance(name, str) and name not in ("", ".", "..") and "/" not in name:
+        return name
+    return "parts"
+
+
+def _commit(
+    catalog: Catalog,
+    records: list[Any],
+    attempt: int,
+    seq: int,
+    key: str,
+    lease: retention.Lease,
+    called: float,
+    upload_started: float,
+) -> SaveStats:
+    """Rank 0: merge the parts, verify their objects are stored, write the manifest."""
+    store = catalog.store
+    parts: list[Part] = []
+    for rank, record in enumerate(records):
+        objects = {str(k): int(v) for k, v in record["objects"].items()}
+        parts.append(
+            (parse_entries(record["entries"], objects, url=f"rank {rank}'s part"), objects)
+        )
+    entries, objects, paths = merge_parts(parts)
+    stored = store.list_sizes(retention.OBJECTS)
+    for name, size in objects.items():
+        if stored.get(name) != size:
+            owners = [r for r, (_, part_objects) in enumerate(parts) if name in part_objects]
+            raise CheckpointCoordinationError(
+                f"object {store.url_of(f'{retention.OBJECTS}/{name}')} of rank(s) {owners}'s "
+                f"part is {'missing' if name not in stored else 'of the wrong size'} in the "
+                "store; not committing",
+                ranks=owners,
+            )
+    size = sum(int(r["size"]) for r in records)
+    uploaded = sum(int(r["uploaded"]) for r in records)
+    reused = sum(int(r["reused"]) for r in records)
+    now = time.monotonic()
+    stats = SaveStats(
+        url=store.url_of(key), attempt=attempt, seq=seq, kind="directory",
+        size=sum(e.size for e in entries if e.type == "file"), uploaded=uploaded,
+        reused=reused, save_s=now - called, upload_s=now - upload_started,
+        blocked_s=now - called, background=False,
+    )
+    record = stats.to_record()
+    record["writers"] = len(records)
+    record["written"] = size
+    manifest = Manifest(
+        kind="directory", name=_name(records[0].get("name")), codec="none", size=stats.size,
+        checksum=tree_checksum(entries), payload=None, attempt=attempt, seq=seq,
+        created=time.time(), format=TREE_FORMAT, stats=record, entries=entries,
+        objects=objects, parts=paths,
+    )
+    lease.check()
+    store.write_atomic(key, manifest.to_json())
+    catalog.remember(manifest)
+    log.info(
+        "committed %d-part checkpoint %s (%d bytes, %d uploaded) in %.2fs",
+        len(records), stats.url, stats.size, uploaded, stats.save_s,
+    )
+    return stats

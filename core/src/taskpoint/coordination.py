@@ -1,0 +1,244 @@
+"""How the writers of one checkpoint talk: a small protocol, and a store-backed implementation.
+
+A checkpoint written by several processes (:meth:`taskpoint.Checkpoint.save_part_sync`)
+needs only three things from the processes' group: each one's rank, the world size, and an
+all-gather of small JSON values with a timeout (a broadcast from rank 0 is derived from it).
+:class:`Coordinator` is that protocol. Under ``torch.distributed``,
+``taskpoint_pytorch.TorchCoordinator`` implements it on the process group; where no process
+group is up (Ray tasks, MPI, ``srun``), :class:`StoreCoordinator` implements it through the
+store itself, so core never imports a training framework.
+
+Example (each of 4 processes, started by any launcher)::
+
+    import taskpoint
+
+    coord = taskpoint.StoreCoordinator(
+        "s3://bucket/jobs/train-42", rank=rank, world_size=4, session=job_id, timeout=300,
+    )
+    ckpt = taskpoint.Checkpoint("s3://bucket/jobs/train-42")
+    ckpt.save_part_sync(f"out/rank-{rank}", coordinator=coord)
+
+:class:`StoreCoordinator` writes, for round ``n`` of a session, one record per rank at
+``coordination/<session>/<n:06d>/<rank:06d>.json`` (``{"format", "rank", "world_size",
+"value"}``) and lists that folder until every rank's record is there. Records are JSON,
+never pickles, so a shared store cannot make a reader run code. Rank 0 removes round
+``n - 1`` once round ``n`` is complete (every rank has read it by then).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from taskpoint.errors import CheckpointCoordinationError, CheckpointError
+from taskpoint.manifest import FORMAT_VERSION, loads_record
+from taskpoint.store import RetryPolicy, Store, check_location
+
+__all__ = ["COORDINATION", "Coordinator", "StoreCoordinator"]
+
+log = logging.getLogger(__name__)
+
+COORDINATION = "coordination"
+"""The folder, under a :class:`StoreCoordinator`'s URL, that holds its sessions."""
+_RECORD_RE = re.compile(r"^(\d{6,})\.json$")
+_SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class Coordinator(abc.ABC):
+    """The group of processes that write one checkpoint together.
+
+    Implementations supply :attr:`rank`, :attr:`world_size` and :meth:`all_gather`; every
+    rank must make the same calls in the same order. Values are small JSON values (dicts
+    with str keys, lists, str, int, float, bool, None).
+    """
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This process's rank, from 0 to ``world_size - 1``."""
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """How many processes write the checkpoint."""
+
+    @abc.abstractmethod
+    def all_gather(self, value: Any, *, timeout: float | None = None) -> list[Any]:
+        """Every rank's ``value``, in rank order.
+
+        Args:
+            value: this rank's JSON value.
+            timeout: seconds to wait for the other ranks; ``None``: the coordinator's own.
+
+        Raises:
+            CheckpointCoordinationError: a rank did not arrive within the timeout (naming
+                it, where the implementation can tell), or the ranks disagree about the
+                world size.
+        """
+
+    def broadcast(self, value: Any, *, timeout: float | None = None) -> Any:
+        """Rank 0's ``value`` on every rank (the others' ``value`` is ignored).
+
+        Raises:
+            CheckpointCoordinationError: as :meth:`all_gather`.
+        """
+        return self.all_gather(value if self.rank == 0 else None, timeout=timeout)[0]
+
+
+def check_rank(rank: object, world_size: object) -> tuple[int, int]:
+    """``(rank, world_size)`` if they are ints with ``0 <= rank < world_size``.
+
+    Raises:
+        ValueError: either is not an int, ``world_size`` is below 1 or ``rank`` outside it.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int of at least 1; got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int from 0 to world_size - 1 = {world_size - 1}; got {rank!r}")
+    return rank, world_size
+
+
+def check_timeout(timeout: object) -> float:
+    """``timeout`` as a float if it is a positive number of seconds.
+
+    Raises:
+        ValueError: it is not a positive int or float.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
+    return float(timeout)
+
+
+class StoreCoordinator(Coordinator):
+    """A :class:`Coordinator` that meets through a store: for jobs without a process group.
+
+    Args:
+        url: where the ranks meet (any location every rank can read and write; the
+            checkpoint's own URL does). Its ``coordination/`` folder is used.
+        rank: this process's rank.
+        world_size: how many processes take part.
+        session: a name unique to this incarnation of the group (a job id with its restart
+            count, say): every rank of the group passes the same one, and a restarted group
+            a new one, so it never reads an earlier incarnation's records.
+        timeout: default seconds an :meth:`all_gather` waits for the other ranks. A save
+            gathers after its upload, so this bounds how much longer the slowest rank's
+            upload may take than the fastest's.
+        poll: seconds between listings while waiting.
+        storage_options: passed to the fsspec filesystem.
+        retry: how store calls retry transient failures.
+
+    Raises:
+        ValueError: a bad ``rank``, ``world_size``, ``timeout``, ``poll`` or ``session``.
+        TypeError: ``url`` is not a string or path.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        rank: int,
+        world_size: int,
+        session: str,
+        timeout: float = 600.0,
+        poll: float = 0.1,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        url = check_location("url", url)
+        self._rank, self._world = check_rank(rank, world_size)
+        self._timeout = check_timeout(timeout)
+        self._poll = check_timeout(poll)
+        if not isinstance(session, str) or not _SESSION_RE.fullmatch(session):
+            raise ValueError(
+                "session must be 1 to 128 letters, digits, '.', '_' or '-' (not starting "
+                f"with a punctuation mark); got {session!r}"
+            )
+        self._session = session
+        self._store = Store(url, storage_options, retry)
+        self._round = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"StoreCoordinator({self._store.url!r}, rank={self._rank}, "
+            f"world_size={self._world}, session={self._session!r})"
+        )
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def _folder(self, number: int) -> str:
+        return f"{COORDINATION}/{self._session}/{number:06d}"
+
+    def all_gather(self, value: Any, *, timeout: float | None = None) -> list[Any]:
+        limit = self._timeout if timeout is None else check_timeout(timeout)
+        number = self._round
+        self._round += 1
+        folder = self._folder(number)
+        try:
+            record = json.dumps(
+                {"format": FORMAT_VERSION, "rank": self._rank, "world_size": self._world,
+                 "value": value},
+                allow_nan=False,
+            ).encode()
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"StoreCoordinator gathers JSON values only: {exc}") from exc
+        self._store.write_atomic(f"{folder}/{self._rank:06d}.json", record)
+        values: dict[int, Any] = {self._rank: value}
+        deadline = time.monotonic() + limit
+        while True:
+            for name in self._store.list(folder):
+                match = _RECORD_RE.fullmatch(name)
+                if match is None or int(match.group(1)) in values:
+                    continue
+                self._take(folder, name, values)
+            if len(values) == self._world:
+                break
+            if time.monotonic() >= deadline:
+                missing = [r for r in range(self._world) if r not in values]
+                raise CheckpointCoordinationError(
+                    f"rank {self._rank} waited {limit:g}s at {self._store.url_of(folder)} "
+                    f"and rank(s) {missing} of {self._world} never arrived (they failed, "
+                    "hang, or use another session or URL)",
+                    ranks=missing,
+                )
+            time.sleep(self._poll)
+        if self._rank == 0 and number > 0:
+            try:
+                self._store.remove_tree(self._folder(number - 1))
+            except CheckpointError as exc:  # a leftover only costs a few bytes
+                log.debug("could not remove %s: %s", self._folder(number - 1), exc)
+        return [values[r] for r in range(self._world)]
+
+    def _take(self, folder: str, name: str, values: dict[int, Any]) -> None:
+        key = f"{folder}/{name}"
+        try:
+            raw = loads_record(self._store.read_bytes(key))
+        except FileNotFoundError:
+            return
+        except ValueError as exc:
+            raise CheckpointCoordinationError(
+                f"coordination record {self._store.url_of(key)} is not valid JSON: {exc}"
+            ) from exc
+        if not isinstance(raw, dict) or not isinstance(raw.get("rank"), int):
+            raise CheckpointCoordinationError(
+                f"coordination record {self._store.url_of(key)} is not a rank's record"
+            )
+        rank, world = raw["rank"], raw.get("world_size")
+        if world != self._world or not 0 <= rank < self._world:
+            raise CheckpointCoordinationError(
+                f"ranks disagree about the world size: rank {rank} says {world!r} and rank "
+                f"{self._rank} says {self._world} (at {self._store.url_of(folder)}); every "
+                "rank must be started with the same world size",
+                ranks=sorted({rank, self._rank}),
+            )
+        values[rank] = raw.get("value")

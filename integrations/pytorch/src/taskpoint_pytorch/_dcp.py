@@ -1,0 +1,366 @@
+"""``torch.distributed.checkpoint`` (DCP) through a taskpoint checkpoint.
+
+:class:`TaskpointStorageWriter` makes ``dcp.save`` and ``dcp.async_save`` commit one
+taskpoint checkpoint written by every rank: each rank serialises its own shards to a local
+staging folder (with DCP's ``FileSystemWriter``), uploads them from its ``write_data`` as
+format-2 objects, and the coordinator rank, in ``finish``, adds DCP's ``.metadata`` and
+commits the parts (:meth:`taskpoint.Checkpoint.begin_parts`). DCP carries the part records
+(metadata only) to the coordinator with its own gather and reports a failed commit to every
+rank. :class:`TaskpointStorageReader` makes ``dcp.load`` restore the newest committed
+checkpoint and read it with DCP's ``FileSystemReader``, on any number of ranks (DCP
+reshards)::
+
+    import taskpoint
+    import torch.distributed.checkpoint as dcp
+    from taskpoint_pytorch import TaskpointStorageReader, TaskpointStorageWriter
+
+    ckpt = taskpoint.Checkpoint("s3://bucket/jobs/train-42")
+    dcp.save(state, storage_writer=TaskpointStorageWriter(ckpt))
+    ...
+    dcp.load(state, storage_reader=TaskpointStorageReader(ckpt))
+
+DCP's ``.metadata`` is a pickle, which ``FileSystemReader`` unpickles: load only from
+stores whose writers you trust (the shards themselves load with ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import taskpoint
+import torch.distributed as dist
+from taskpoint import CheckpointCoordinationError
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+__all__ = ["TaskpointStorageReader", "TaskpointStorageWriter"]
+
+log = logging.getLogger(__name__)
+
+DCP_FOLDER = "dcp"
+"""The name of the tree a DCP checkpoint is committed as (and restored to)."""
+_METADATA = ".metadata"
+
+
+@dataclass(frozen=True)
+class _Hello:
+    """What each rank's local plan tells the coordinator, beside the inner plan's data."""
+
+    url: str
+    world_size: int
+    inner: Any
+
+
+@dataclass(frozen=True)
+class _PartRecord:
+    """A rank's uploaded part, carried to the coordinator as an extra write result."""
+
+    record: dict[str, Any]
+
+
+def _check_checkpoint(checkpoint: object) -> taskpoint.Checkpoint:
+    if not isinstance(checkpoint, taskpoint.Checkpoint):
+        raise TypeError(
+            "checkpoint must be a taskpoint.Checkpoint (the one each rank's part is "
+            f"committed to); got {type(checkpoint).__name__}"
+        )
+    return checkpoint
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class TaskpointStorageWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that commits each ``dcp.save`` as one taskpoint checkpoint.
+
+    Every rank passes a writer for the same location. Nothing loads the checkpoint until
+    every rank's shard files are in the store and the coordinator has committed it; a rank
+    that fails or dies fails the save on every rank (DCP's collectives) and commits nothing.
+
+    Args:
+        checkpoint: the :class:`taskpoint.Checkpoint` to commit to.
+        staging: local folder for each save's shard files before they upload (a temporary
+            folder by default); they are removed once uploaded.
+        thread_count: threads serialising this rank's shards (``FileSystemWriter``'s).
+
+    Raises:
+        TypeError: ``checkpoint`` is not a :class:`taskpoint.Checkpoint`.
+    """
+
+    def __init__(
+        self,
+        checkpoint: taskpoint.Checkpoint,
+        *,
+        staging: str | os.PathLike[str] | None = None,
+        thread_count: int = 1,
+    ) -> None:
+        super().__init__()
+        self._checkpoint = _check_checkpoint(checkpoint)
+        self._staging = None if staging is None else Path(os.fspath(staging))
+        self._thread_count = thread_count
+        self._folder: Path | None = None
+        self._inner: FileSystemWriter | None = None
+        self._commit: taskpoint.PartsCommit | None = None
+        self._cleanup: weakref.finalize[Any, Any] | None = None
+        self._rank = 0
+
+    def __repr__(self) -> str:
+        return f"TaskpointStorageWriter({self._checkpoint.url!r})"
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint location's URL."""
+        return self._checkpoint.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # never picked for a bare checkpoint_id: pass the writer explicitly
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save (DCP calls this first, on every rank).
+
+        ``checkpoint_id`` is ignored: the checkpoint's URL is where it goes.
+        """
+        self._finish()
+        if self._staging is not None:
+            self._staging.mkdir(parents=True, exist_ok=True)
+        self._folder = Path(tempfile.mkdtemp(prefix="taskpoint-dcp-", dir=self._staging))
+        (self._folder / DCP_FOLDER).mkdir()
+        self._held: list[taskpoint.PartsCommit] = []
+        self._cleanup = weakref.finalize(self, _release, self._folder, self._held)
+        self._inner = FileSystemWriter(
+            self._folder / DCP_FOLDER, sync_files=False, thread_count=self._thread_count,
+            overwrite=True,
+        )
+
+    def close(self) -> None:
+        """Release what an unfinished save holds: on the coordinator, the save lease
+        (while it is live, collections of unreferenced objects at the location skip), and
+        the local staging folder.
+
+        A save that commits releases them itself. When ``dcp.save`` raised because another
+        rank failed, ``finish`` never ran here: call this (or drop the writer: the next
+        ``reset`` and garbage collection release them too).
+        """
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._cleanup is not None:
+            self._cleanup()
+            self._cleanup = None
+        self._commit = None
+        self._folder = None
+
+    def _ready(self) -> tuple[FileSystemWriter, Path]:
+        if self._inner is None or self._folder is None:
+            self.reset()
+        assert self._inner is not None and self._folder is not None
+        return self._inner, self._folder
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        inner, _ = self._ready()
+        inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._rank = int(kwargs.get("rank") or 0)
+        if is_coordinator:
+            # Before any rank uploads (they do after the plan's scatter): the lease keeps
+            # collections from freeing content the parts reuse until the commit.
+            self._commit = self._checkpoint.begin_parts()
+            self._held.append(self._commit)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        inner, _ = self._ready()
+        plan = inner.prepare_local_plan(plan)
+        hello = _Hello(self._checkpoint.url, _world_size(), plan.storage_data)
+        return dataclasses.replace(plan, storage_data=hello)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        inner, _ = self._ready()
+        try:
+            return self._check_plans(inner, plans)
+        except BaseException:
+            self._finish()  # nothing will be uploaded: release the lease now
+            raise
+
+    def _check_plans(self, inner: FileSystemWriter, plans: list[SavePlan]) -> list[SavePlan]:
+        hellos = [p.storage_data for p in plans]
+        urls = [h.url if isinstance(h, _Hello) else None for h in hellos]
+        worlds = [h.world_size if isinstance(h, _Hello) else None for h in hellos]
+        if len(set(urls)) > 1:
+            listed = ", ".join(f"rank {r}: {u!r}" for r, u in enumerate(urls))
+            raise CheckpointCoordinationError(
+                f"ranks disagree about the checkpoint location ({listed}); every rank must "
+                "save to the same URL. Nothing was uploaded",
+                ranks=[r for r, u in enumerate(urls) if u != urls[0]],
+            )
+        if len(set(worlds)) > 1 or worlds[0] != len(plans):
+            raise CheckpointCoordinationError(
+                f"ranks disagree about the world size ({worlds}, {len(plans)} plans); "
+                "nothing was uploaded",
+                ranks=list(range(len(plans))),
+            )
+        plans = [
+            dataclasses.replace(p, storage_data=h.inner if isinstance(h, _Hello) else None)
+            for p, h in zip(plans, hellos, strict=True)
+        ]
+        return inner.prepare_global_plan(plans)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        inner, folder = self._ready()
+        results = inner.write_data(plan, planner).wait()
+        part = folder / DCP_FOLDER
+        record = self._checkpoint.upload_part(part)
+        for path in part.iterdir():  # uploaded: free the local disk
+            path.unlink()
+        marker = WriteResult(
+            index=MetadataIndex(fqn=f"__taskpoint_part_{self._rank}__"),
+            size_in_bytes=0,
+            storage_data=_PartRecord(record),
+        )
+        done: Future[list[WriteResult]] = Future()
+        done.set_result([*results, marker])
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """On the coordinator: write DCP's metadata, upload it, commit every rank's part."""
+        inner, folder = self._ready()
+        records: list[dict[str, Any] | None] = []
+        kept: list[list[WriteResult]] = []
+        for rank_results in results:
+            record = None
+            keep = []
+            for result in rank_results:
+                if isinstance(result.storage_data, _PartRecord):
+                    record = result.storage_data.record
+                else:
+                    keep.append(result)
+            records.append(record)
+            kept.append(keep)
+        missing = [rank for rank, record in enumerate(records) if record is None]
+        if missing:
+            raise CheckpointCoordinationError(
+                f"the parts of ranks {missing} never reached the coordinator; nothing was "
+                "committed",
+                ranks=missing,
+            )
+        inner.finish(metadata, kept)
+        meta_folder = folder / "metadata" / DCP_FOLDER
+        meta_folder.mkdir(parents=True)
+        os.replace(folder / DCP_FOLDER / _METADATA, meta_folder / _METADATA)
+        meta = self._checkpoint.upload_part(meta_folder)
+        first = records[0]
+        assert first is not None and self._commit is not None
+        merged = {
+            **first,
+            "entries": [*first["entries"], *meta["entries"]],
+            "objects": {**first["objects"], **meta["objects"]},
+            **{k: first[k] + meta[k] for k in ("size", "uploaded", "reused")},
+        }
+        commit, self._commit = self._commit, None
+        commit.commit([merged, *records[1:]])
+        self._finish()
+
+    def storage_meta(self) -> Any:
+        return None if self._inner is None else self._inner.storage_meta()
+
+
+def _release(folder: Path, commits: list[taskpoint.PartsCommit]) -> None:
+    for commit in commits:
+        commit.abort()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class TaskpointStorageReader(StorageReader):
+    """A DCP ``StorageReader`` that loads the newest committed taskpoint checkpoint.
+
+    Every rank restores the checkpoint's tree (DCP may read any rank's shards when the
+    world size or sharding changed) and reads it with ``FileSystemReader``; the ranks check
+    that they read the same save.
+
+    Args:
+        checkpoint: the :class:`taskpoint.Checkpoint` to load from.
+
+    Raises:
+        TypeError: ``checkpoint`` is not a :class:`taskpoint.Checkpoint`.
+    """
+
+    def __init__(self, checkpoint: taskpoint.Checkpoint) -> None:
+        super().__init__()
+        self._checkpoint = _check_checkpoint(checkpoint)
+        self._inner: FileSystemReader | None = None
+        self._save_id: str | None = None
+
+    def __repr__(self) -> str:
+        return f"TaskpointStorageReader({self._checkpoint.url!r})"
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint location's URL."""
+        return self._checkpoint.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load; ``checkpoint_id`` is ignored (the checkpoint's URL is read)."""
+        self._inner = None
+        self._save_id = None
+
+    def _restored(self) -> FileSystemReader:
+        if self._inner is None:
+            path = self._checkpoint.load_sync()
+            if path is None:
+                raise FileNotFoundError(
+                    f"no checkpoint committed at {self._checkpoint.url}: nothing to load"
+                )
+            if not (path / _METADATA).is_file():
+                raise CheckpointCoordinationError(
+                    f"the newest checkpoint at {self._checkpoint.url} is not a "
+                    "torch.distributed.checkpoint save (no .metadata)"
+                )
+            self._inner = FileSystemReader(path)
+        return self._inner
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise FileNotFoundError("taskpoint DCP checkpoints have one global .metadata")
+        metadata = self._restored().read_metadata()
+        meta = getattr(metadata, "storage_meta", None)
+        self._save_id = getattr(meta, "save_id", None)
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self._restored().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        plan = self._restored().prepare_local_plan(plan)
+        return dataclasses.replace(plan, storage_data=self._save_id)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        ids = [p.storage_data for p in plans]
+        if len(set(ids)) > 1:
+            listed = ", ".join(f"rank {r}: save {i}" for r, i in enumerate(ids))
+            raise CheckpointCoordinationError(
+                f"ranks restored different checkpoints from {self._checkpoint.url} ({listed}): "
+                "one was committed while they loaded; load again",
+                ranks=list(range(len(plans))),
+            )
+        plans = [dataclasses.replace(p, storage_data=None) for p in plans]
+        return self._restored().prepare_global_plan(plans)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        return self._restored().read_data(plan, planner)

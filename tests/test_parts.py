@@ -1,0 +1,294 @@
+"""Checkpoints written by several processes at once, coordinated through the store.
+
+Each writer is a plain Python process (``tp_part_writer.py``, no torch) meeting the others
+through a :class:`taskpoint.StoreCoordinator`, on a local directory and on every object
+store the suite runs (``memory://`` is private to one process, so it is left out).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import taskpoint
+from taskpoint._parts import merge_parts
+from taskpoint.manifest import Blob, Entry, Manifest
+
+WRITER = Path(__file__).parent / "tp_part_writer.py"
+
+
+@pytest.fixture
+def url(store_url: str) -> str:
+    if store_url.startswith("memory://"):
+        pytest.skip("memory:// is private to one process")
+    return store_url
+
+
+class Writers:
+    """Starts writer processes and collects what each reported."""
+
+    def __init__(self, url: str, tmp: Path, world_size: int, timeout: float = 60.0) -> None:
+        self.url = url
+        self.tmp = tmp
+        self.world_size = world_size
+        self.timeout = timeout
+        self.session = uuid.uuid4().hex[:12]
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(self, rank: int, files: dict[str, str], **spec: Any) -> None:
+        full = {
+            "url": self.url, "meet": self.url, "rank": rank, "world_size": self.world_size,
+            "session": self.session, "timeout": self.timeout,
+            "folder": str(self.tmp / self.session / f"rank-{rank}"), "files": files,
+            "out": str(self.tmp / self.session / f"out-{rank}.json"), **spec,
+        }
+        self.procs[rank] = subprocess.Popen([sys.executable, str(WRITER), json.dumps(full)])
+
+    def results(self) -> dict[int, dict[str, Any]]:
+        for proc in self.procs.values():
+            assert proc.wait(timeout=240) == 0
+        return {
+            rank: json.loads((self.tmp / self.session / f"out-{rank}.json").read_text())
+            for rank in self.procs
+        }
+
+
+def _committed(url: str) -> list[Manifest]:
+    return taskpoint.Checkpoint(url).committed()
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+SHARED = {".metadata": "the same on every rank"}
+
+
+@pytest.mark.slow
+def test_commits_once_every_part_arrived_and_restores_one_part(url: str, tmp_path: Path) -> None:
+    writers = Writers(url, tmp_path, 3)
+    for rank in (0, 1):
+        writers.start(rank, {f"shard-{rank}.bin": f"rank {rank} " * 100, **SHARED})
+    time.sleep(4)  # ranks 0 and 1 wait for rank 2: nothing may be committed yet
+    assert _committed(url) == []
+    writers.start(2, {"shard-2.bin": "rank 2 " * 100, "sub/own.txt": "x", **SHARED}, delay=0)
+    results = writers.results()
+    assert all(r.get("ok") for r in results.values()), results
+
+    manifests = _committed(url)
+    assert len(manifests) == 1
+    manifest = manifests[0]
+    assert manifest.parts is not None and sorted(manifest.parts) == ["0", "1", "2"]
+    assert "shard-1.bin" in manifest.parts["1"] and ".metadata" in manifest.parts["1"]
+    assert manifest.stats is not None and manifest.stats["writers"] == 3
+
+    whole = taskpoint.Checkpoint(url).load_sync()
+    assert whole is not None
+    assert _tree(whole) == {
+        ".metadata": SHARED[".metadata"], "shard-0.bin": "rank 0 " * 100,
+        "shard-1.bin": "rank 1 " * 100, "shard-2.bin": "rank 2 " * 100, "sub/own.txt": "x",
+    }
+    one = taskpoint.Checkpoint(url).load_sync(part=2)
+    assert one is not None
+    assert _tree(one) == {
+        ".metadata": SHARED[".metadata"], "shard-2.bin": "rank 2 " * 100, "sub/own.txt": "x"
+    }
+    with pytest.raises(taskpoint.CheckpointCoordinationError, match=r"no part of rank 3.*\[0, 1, 2\]"):
+        taskpoint.Checkpoint(url).load_sync(part=3)
+
+
+@pytest.mark.slow
+def test_a_path_two_writers_fill_differently_fails_every_writer(url: str, tmp_path: Path) -> None:
+    taskpoint.Checkpoint(url).save_sync(b"previous")
+    writers = Writers(url, tmp_path, 2)
+    writers.start(0, {"model.pt": "weights of rank 0"})
+    writers.start(1, {"model.pt": "weights of rank 1!"})
+    results = writers.results()
+    for result in results.values():
+        assert "CheckpointCoordinationError" in result["error"], results
+        assert "ranks 0 and 1 both wrote 'model.pt' with different content" in result["error"]
+    assert results[0]["ranks"] == [0, 1]
+    assert len(_committed(url)) == 1  # only the previous checkpoint
+    restored = taskpoint.Checkpoint(url).load_sync()
+    assert restored is not None and restored.read_bytes() == b"previous"
+
+
+@pytest.mark.slow
+def test_a_writer_that_never_arrives_fails_the_others_naming_it(url: str, tmp_path: Path) -> None:
+    writers = Writers(url, tmp_path, 3, timeout=3.0)
+    writers.start(0, {"a": "0"})
+    writers.start(1, {"b": "1"})
+    results = writers.results()
+    for result in results.values():
+        assert "CheckpointCoordinationError" in result["error"], results
+        assert "rank(s) [2] of 3 never arrived" in result["error"]
+        assert result["ranks"] == [2]
+        assert result["seconds"] < 30
+    assert _committed(url) == []
+
+
+@pytest.mark.slow
+def test_a_writer_killed_after_uploading_leaves_nothing_committed(url: str, tmp_path: Path) -> None:
+    """Rank 1 uploads and is killed before the commit: rank 0 times out, commits nothing,
+    and the previous checkpoint stays the newest."""
+    taskpoint.Checkpoint(url).save_sync(b"previous")
+    writers = Writers(url, tmp_path, 2, timeout=3.0)
+    writers.start(0, {"a": "0"}, delay=0)
+    writers.start(1, {"b": "1"}, delay=30)  # never gathers before rank 0 gives up
+    deadline = time.monotonic() + 60
+    while not (tmp_path / writers.session / "out-0.json").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    writers.procs[1].kill()
+    writers.procs[1].wait()
+    result = json.loads((tmp_path / writers.session / "out-0.json").read_text())
+    assert "rank(s) [1] of 2 never arrived" in result["error"]
+    assert len(_committed(url)) == 1
+    restored = taskpoint.Checkpoint(url).load_sync()
+    assert restored is not None and restored.read_bytes() == b"previous"
+
+
+@pytest.mark.slow
+def test_writers_disagreeing_about_location_fail_before_any_upload(url: str, tmp_path: Path) -> None:
+    other = url.rstrip("/") + "-elsewhere"
+    writers = Writers(url, tmp_path, 2)
+    writers.start(0, {"a": "0" * 1000})
+    writers.start(1, {"b": "1" * 1000}, url=other)
+    results = writers.results()
+    for result in results.values():
+        assert "ranks disagree about the checkpoint location" in result["error"], results
+        assert other in result["error"]
+    for where in (url, other):
+        store = taskpoint.Checkpoint(where)._store
+        assert store.list("objects") == [] and store.list("checkpoints") == []
+
+
+@pytest.mark.slow
+def test_writers_disagreeing_about_world_size_fail_clearly(url: str, tmp_path: Path) -> None:
+    writers = Writers(url, tmp_path, 2, timeout=20.0)
+    writers.start(0, {"a": "0"})
+    writers.start(1, {"b": "1"}, world_size=3)
+    results = writers.results()
+    for result in results.values():
+        assert "ranks disagree about the world size" in result["error"], results
+        assert result["seconds"] < 20
+    assert _committed(url) == []
+
+
+@pytest.mark.slow
+def test_one_writer_failing_fails_every_writer(url: str, tmp_path: Path) -> None:
+    writers = Writers(url, tmp_path, 2)
+    writers.start(0, {"a": "0"})
+    writers.start(1, {}, folder=str(tmp_path / "missing" / "nowhere"))
+    results = writers.results()
+    assert results[1]["error"].startswith("NotADirectoryError")
+    assert "rank 1: NotADirectoryError" in results[0]["error"]
+    assert results[0]["ranks"] == [1]
+    assert _committed(url) == []
+
+
+# -- the merge and the manifest, without processes ------------------------------------
+
+
+def _file(path: str, content: str) -> Entry:
+    digest = "0" * 32
+    blob = Blob("a" * 32, 0, len(content), "none", len(content), digest)
+    return Entry(path, "file", 0o644, 0, len(content), f"xxh3-128:{content.ljust(32, '0')[:32]}", (blob,))
+
+
+def test_merge_keeps_shared_paths_once_and_each_rank_s_paths() -> None:
+    a = (Entry("d", "dir", 0o755), _file("d/x", "aa"), _file("m", "mm"))
+    b = (Entry("d", "dir", 0o700), _file("d/y", "bb"), _file("m", "mm"))
+    entries, objects, parts = merge_parts([(a, {"a" * 32: 9}), (b, {"a" * 32: 9})])
+    assert [e.path for e in entries] == ["d", "d/x", "m", "d/y"]
+    assert parts == {"0": ("d", "d/x", "m"), "1": ("d", "d/y", "m")}
+    assert objects == {"a" * 32: 9}
+
+
+def test_merge_names_both_ranks_of_a_conflict() -> None:
+    a = (_file("m", "aa"),)
+    b = (Entry("m", "dir", 0o755),)
+    with pytest.raises(taskpoint.CheckpointCoordinationError, match="ranks 0 and 1 both wrote 'm'") as info:
+        merge_parts([(a, {}), (b, {})])
+    assert info.value.ranks == [0, 1]
+
+
+def test_store_coordinator_checks_its_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="rank must be"):
+        taskpoint.StoreCoordinator(str(tmp_path), rank=2, world_size=2, session="s")
+    with pytest.raises(ValueError, match="session"):
+        taskpoint.StoreCoordinator(str(tmp_path), rank=0, world_size=2, session="a/b")
+    with pytest.raises(ValueError, match="timeout"):
+        taskpoint.StoreCoordinator(str(tmp_path), rank=0, world_size=1, session="s", timeout=0)
+
+
+def test_one_writer_alone_commits_a_one_part_tree(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_text("hello")
+    url = f"file://{tmp_path / 'store'}"
+    coord = taskpoint.StoreCoordinator(url, rank=0, world_size=1, session="solo")
+    ckpt = taskpoint.Checkpoint(url)
+    seen: list[taskpoint.SaveStats] = []
+    ckpt.on_commit(seen.append)
+    ckpt.save_part_sync(tmp_path / "src", coordinator=coord)
+    ckpt.save_part_sync(tmp_path / "src", coordinator=coord)  # again: content reused
+    assert [s.seq for s in seen] == [0, 1] and seen[1].uploaded == 0
+    restored = taskpoint.Checkpoint(url).load_sync(part=0)
+    assert restored is not None and (restored / "f").read_text() == "hello"
+    raw = json.loads((tmp_path / "store" / "checkpoints" / ckpt.committed()[0].key).read_text())
+    assert raw["parts"] == {"0": ["f"]} and raw["format"] == 2
+    # coordination rounds of earlier saves are removed as later ones complete
+    rounds = sorted(p.name for p in (tmp_path / "store" / "coordination" / "solo").iterdir())
+    assert len(rounds) == 1
+
+
+def test_adapter_steps_commit_parts_and_abort_leaves_nothing(store_url: str, tmp_path: Path) -> None:
+    """begin_parts / upload_part / commit, as an adapter with its own collectives runs them."""
+    folders = []
+    for rank in (0, 1):
+        folder = tmp_path / f"rank-{rank}"
+        (folder / "d").mkdir(parents=True)
+        (folder / "d" / f"shard-{rank}").write_bytes(bytes([rank]) * 300_000)
+        folders.append(folder)
+    ckpt = taskpoint.Checkpoint(store_url)
+    with ckpt.begin_parts() as aborted:
+        ckpt.upload_part(folders[0])
+    with pytest.raises(RuntimeError, match="already finished"):
+        aborted.commit([])
+    assert ckpt.committed() == []
+
+    commit = ckpt.begin_parts()
+    records = [taskpoint.Checkpoint(store_url).upload_part(f) for f in folders]
+    stats = commit.commit(records)
+    assert stats.size == 600_000 and (stats.attempt, stats.seq) == (commit.attempt, commit.seq)
+    restored = taskpoint.Checkpoint(store_url).load_sync()
+    assert restored is not None and restored.name == "rank-0"
+    assert sorted(p.name for p in (restored / "d").iterdir()) == ["shard-0", "shard-1"]
+    assert [n for n in ckpt._store.list("leases") if n.endswith(".json")] == []
+
+
+def test_a_parts_field_naming_an_unknown_path_is_corrupt() -> None:
+    entries = (_file("a", "aa"),)
+    from taskpoint.manifest import tree_checksum
+
+    good = Manifest(
+        kind="directory", name="t", codec="none", size=2, checksum=tree_checksum(entries),
+        payload=None, attempt=0, seq=0, created=1.0, format=2, entries=entries,
+        objects={"a" * 32: 9}, parts={"0": ("a",)},
+    )
+    assert Manifest.from_json(good.to_json(), url="u").parts == {"0": ("a",)}
+    raw = json.loads(good.to_json())
+    for bad in ({"0": ["a", "b"]}, {"x": ["a"]}, {"0": []}, [["a"]]):
+        raw["parts"] = bad
+        with pytest.raises(taskpoint.CheckpointCorruptError, match="parts"):
+            Manifest.from_json(json.dumps(raw).encode(), url="u")
+    del raw["parts"]  # a single writer's tree: no parts, still valid
+    assert Manifest.from_json(json.dumps(raw).encode(), url="u").parts is None
