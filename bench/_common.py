@@ -155,13 +155,18 @@ class FreshSaves:
         self.name = name
         self.saved: list[Any] = []
 
-    def save(self) -> None:
+    def save(self, *, background: bool = False) -> None:
         import taskpoint
 
         ckpt = taskpoint.Checkpoint(f"{self.url}/{self.name}-{len(self.saved)}",
                                     storage_options=self.options, workdir=self.workdir)
-        ckpt.save_sync(self.data)
+        ckpt.save_sync(self.data, background=background)
         self.saved.append(ckpt)
+
+    def wait(self) -> None:
+        """Wait for the newest background save."""
+        if self.saved:
+            self.saved[-1].wait()
 
     def load(self) -> None:
         restored = self.saved[-1].load_sync()
