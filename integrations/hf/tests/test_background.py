@@ -12,17 +12,21 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _servers
 import pytest
 import taskpoint_hf_testkit as kit
-from taskpoint import Checkpoint, CheckpointLike, CheckpointStoreError
+from taskpoint import Checkpoint, CheckpointLike, CheckpointStoreError, RetryPolicy
 from taskpoint_hf import TaskpointTrainerCallback, last_complete_checkpoint, restore_last_checkpoint
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 CHILD = Path(__file__).with_name("taskpoint_hf_child.py")
+FEW_RETRIES = RetryPolicy(attempts=2, initial=0.1, maximum=0.2)
+"""A dead server fails a save in about a second, not after the default's back-off."""
 
 
 class Gate:
@@ -156,6 +160,36 @@ def test_a_failed_upload_is_raised_and_the_previous_checkpoint_still_loads(
     (tmp_path / "parent.moved").rename(parent)
     resumed = restore_last_checkpoint(Checkpoint(f"file://{parent / 'store'}"), tmp_path / "again")
     assert resumed == tmp_path / "again" / "checkpoint-3"
+
+
+def test_an_upload_to_a_stopped_server_is_raised_at_the_next_save(
+    seaweed_server: Any, tmp_path: Path
+) -> None:
+    """The default upload process, on SeaweedFS behind a proxy that goes down like a dead
+    server after checkpoint-3 committed: checkpoint-6's upload fails in the upload process,
+    the save at step 9 raises it, and once the server is back checkpoint-3 still loads."""
+    url = seaweed_server.url("taskpoint-tests", uuid.uuid4().hex)
+    with _servers.FaultProxy(seaweed_server) as proxy:
+        options = proxy.storage_options()
+        checkpoint = Checkpoint(url, keep=5, storage_options=options, retry=FEW_RETRIES)
+        callback = TaskpointTrainerCallback(checkpoint)
+        saves: list[int] = []
+
+        def stop_server() -> None:
+            callback.wait()  # checkpoint-3 is committed
+            proxy.down()
+
+        at = At(step_4=stop_server, save_6=lambda: saves.append(6),
+                save_9=lambda: saves.append(9))
+        with pytest.raises(CheckpointStoreError):
+            kit.run_classifier(None, tmp_path / "out", callbacks=[at, callback], max_steps=9)
+        assert saves == [6, 9]  # checkpoint-6's upload failed; the save at step 9 raised it
+        assert checkpoint._worker is not None  # it ran in the upload process
+
+        proxy.up()
+        again = Checkpoint(url, storage_options=options)
+        resumed = restore_last_checkpoint(again, tmp_path / "again")
+        assert resumed == tmp_path / "again" / "checkpoint-3"
 
 
 class FailingSecondSave:

@@ -13,10 +13,12 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _servers
 import lightning as L
 import pytest
 import taskpoint
@@ -169,6 +171,37 @@ def test_a_failed_upload_is_raised_and_the_previous_mirror_still_loads(
     resumed = resume_ckpt_path(taskpoint.Checkpoint(f"file://{parent / 'store'}"))
     assert resumed is not None
     assert torch.load(resumed, weights_only=False)["global_step"] == 2
+
+
+def test_an_upload_to_a_stopped_server_is_raised_at_the_next_mirror(
+    seaweed_server: Any, tmp_path: Path
+) -> None:
+    """The default upload process, on SeaweedFS behind a proxy that goes down like a dead
+    server after step 2's mirror committed: step 4's upload fails in the upload process,
+    the mirror at step 6 raises it, and once the server is back step 2's mirror still loads."""
+    url = seaweed_server.url("taskpoint-tests", uuid.uuid4().hex)
+    with _servers.FaultProxy(seaweed_server) as proxy:
+        options = proxy.storage_options()
+        retry = taskpoint.RetryPolicy(attempts=2, initial=0.1, maximum=0.2)
+        checkpoint = taskpoint.Checkpoint(url, keep=5, storage_options=options, retry=retry)
+        mc = TaskpointModelCheckpoint(
+            checkpoint, dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_last=True
+        )
+
+        def stop_server() -> None:
+            mc.wait()  # step 2's mirror is committed
+            proxy.down()
+
+        at = At(batch_end_3=stop_server, batch_start_5=lambda: mc._uploads.uploading)
+        with pytest.raises(taskpoint.CheckpointStoreError):
+            fit(mc, tmp_path, at, max_steps=6)
+        assert at.seen["batch_start_5"]  # step 4's mirror had started; step 6's raised it
+        assert checkpoint._worker is not None  # it ran in the upload process
+
+        proxy.up()
+        resumed = resume_ckpt_path(taskpoint.Checkpoint(url, storage_options=options))
+        assert resumed is not None
+        assert torch.load(resumed, weights_only=False)["global_step"] == 2
 
 
 def test_another_checkpoint_type_mirrors_from_the_adapters_thread(tmp_path: Path) -> None:
