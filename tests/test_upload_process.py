@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from taskpoint import Checkpoint, CheckpointError, SaveStats
+from taskpoint import Checkpoint, CheckpointError, SaveStats, _uploader
 
 
 def _upload_pid(ckpt: Checkpoint, timeout: float = 60.0) -> int:
@@ -57,6 +57,18 @@ def test_background_saves_upload_in_another_process_and_commit_in_order(
     restored = Checkpoint(store_url).load_sync()
     assert restored is not None and restored.read_bytes() == b"third"
     assert [m.seq for m in Checkpoint(store_url).committed()] == [2, 1, 0]
+
+
+def test_the_upload_process_runs_below_the_training_loops_priority(tmp_path: Path) -> None:
+    ckpt = Checkpoint(tmp_path / "store", background_upload="process")
+    ckpt.save_sync(b"x", background=True)
+    pid = _upload_pid(ckpt)
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(
+            os.getpriority(os.PRIO_PROCESS, 0) + _uploader.NICE, 19
+        )
+    finally:
+        ckpt.wait()
 
 
 def test_thread_mode_still_available(tmp_path: Path) -> None:

@@ -34,14 +34,24 @@ from taskpoint.errors import CheckpointError
 __all__ = ["Request", "Worker", "WorkerDied"]
 
 _HEADER = struct.Struct("<Q")
-_CHILD = (
-    "from taskpoint._uploader import main; from taskpoint.checkpoint import commit_request; "
-    "raise SystemExit(main(commit_request))"
-)
-"""The child's program. It names the handler only here, as text: this module sits below
-:mod:`taskpoint.checkpoint` and never imports it."""
 NICE = 10
 """The nice value of the upload process, below the training loop."""
+_CHILD = (
+    "import os, sys\ntry:\n    os.setpriority(os.PRIO_PROCESS, 0, int(sys.argv[1]))\n"
+    "except OSError:\n    pass\n"
+    "from taskpoint._uploader import main\nfrom taskpoint.checkpoint import commit_request\n"
+    "raise SystemExit(main(commit_request))\n"
+)
+"""The child's program, given its nice value as its argument. It sets its priority first,
+so that importing taskpoint and the storage clients (a second of CPU) never competes with
+the training loop, and absolutely, not relative to the background thread that starts it
+(itself niced). It names the handler only here, as text: this module sits below
+:mod:`taskpoint.checkpoint` and never imports it."""
+
+
+def _child_nice() -> int:
+    """The upload process's nice value: :data:`NICE` below this process's own."""
+    return min(os.getpriority(os.PRIO_PROCESS, os.getpid()) + NICE, 19)
 
 
 class WorkerDied(CheckpointError):
@@ -117,7 +127,7 @@ class Worker:
         """The running child, started if needed; it has said it is ready when this returns."""
         if self._proc is None or self._proc.poll() is not None:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _CHILD],
+                [sys.executable, "-c", _CHILD, str(_child_nice())],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -167,8 +177,6 @@ def main(handle: Callable[[Request], Any]) -> int:
     requests = sys.stdin.buffer
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    with contextlib.suppress(OSError):
-        os.nice(NICE)
     _send(replies, (True, "ready"))
     while True:
         try:
