@@ -434,6 +434,14 @@ class Store:
         """The whole object ``name``. Raises FileNotFoundError when it does not exist."""
         return self._call("read", name, lambda: bytes(self.fs.cat_file(self._path(name))))
 
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end`` (exclusive) of the object ``name``: one ranged GET on
+        object stores. Fewer bytes come back where the object is shorter. Raises
+        FileNotFoundError when it does not exist."""
+        return self._call(
+            "read", name, lambda: bytes(self.fs.cat_file(self._path(name), start=start, end=end))
+        )
+
     def write_atomic(self, name: str, data: bytes) -> None:
         """Write ``data`` to ``name`` so readers see either nothing or all of it."""
 
