@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import shutil
@@ -53,6 +54,7 @@ import xxhash
 
 from taskpoint import archive
 from taskpoint._digest import Progress
+from taskpoint._statcache import Record, StatCache, StatKey, now_ns, settled, stat_key
 from taskpoint.errors import CheckpointCorruptError, CheckpointStoreError
 from taskpoint.manifest import Blob, Codec, Entry, Manifest
 from taskpoint.retention import OBJECTS
@@ -151,6 +153,9 @@ class SavedTree:
     size: int
     uploaded: int
     reused: int
+    seen: dict[str, Record] = field(default_factory=dict)
+    """The files to trust unchanged while their stat stays (see :mod:`taskpoint._statcache`),
+    once the save has committed."""
 
 
 def _codec_for(data: bytes | memoryview, wanted: Codec) -> Codec:
@@ -315,12 +320,15 @@ def save_tree(
     codec: Codec = "gzip",
     workers: int = _MIN_WORKERS,
     progress: Progress | None = None,
+    seen: StatCache | None = None,
 ) -> SavedTree:
     """Store the tree under ``root`` as content objects; the entries a manifest lists.
 
     Content in ``known`` is referenced, not uploaded, unless its object was found missing
-    or damaged since (by a restore or verification in this process). The caller has checked the tree
-    (:func:`taskpoint.archive.check_tree`) before calling.
+    or damaged since (by a restore or verification in this process). A file that ``seen``
+    knows unchanged since a committed save or a restore is not read again, if every object
+    its blobs lie in is in ``known`` and not found damaged. The caller has checked the
+    tree (:func:`taskpoint.archive.check_tree`) before calling.
 
     Raises:
         CheckpointStoreError: an upload failed (objects already sent stay, unreferenced,
@@ -336,6 +344,8 @@ def save_tree(
     broken = _broken_in(store)
     reused = 0
     total = 0
+    clock = now_ns()
+    trusted: dict[str, StatKey] = {}  # files read (or known) whose stat can be trusted
     try:
         for rel, st, path in _walk(root):
             if stat.S_ISDIR(st.st_mode):
@@ -349,6 +359,19 @@ def save_tree(
                 if first != rel:
                     refs.append(Entry(rel, "hardlink", target=first))
                     continue
+            known_entry = seen.lookup(root, rel, st) if seen is not None else None
+            if known_entry is not None and all(
+                b.object in known.objects and b.object not in broken for b in known_entry.blobs
+            ):
+                refs.append(dataclasses.replace(
+                    known_entry, path=rel, mode=stat.S_IMODE(st.st_mode), mtime_ns=st.st_mtime_ns
+                ))
+                trusted[rel] = stat_key(st)
+                reused += known_entry.size
+                total += known_entry.size
+                if progress is not None:
+                    progress(known_entry.size)
+                continue
             whole = xxhash.xxh3_128()
             small = st.st_size < SMALL_FILE
             file = _FileRefs(rel, stat.S_IMODE(st.st_mode), st.st_mtime_ns, 0, "")
@@ -373,6 +396,8 @@ def save_tree(
             file.hash = f"xxh3-128:{whole.hexdigest()}"
             total += file.size
             refs.append(file)
+            if seen is not None and settled(st, clock) and _unchanged(path, st):
+                trusted[rel] = stat_key(st)
         packer.seal()
         uploader.finish()
     except BaseException:
@@ -383,7 +408,18 @@ def save_tree(
     for entry in entries:
         for blob in entry.blobs:
             objects[blob.object] = uploader.objects.get(blob.object) or known.objects[blob.object]
-    return SavedTree(entries, objects, total, uploader.uploaded, reused)
+    records = {
+        e.path: Record(trusted[e.path], e) for e in entries if e.path in trusted
+    }
+    return SavedTree(entries, objects, total, uploader.uploaded, reused, records)
+
+
+def _unchanged(path: Path, before: os.stat_result) -> bool:
+    """Whether ``path`` still has the stat ``before`` (taken before it was read)."""
+    try:
+        return stat_key(path.lstat()) == stat_key(before)
+    except OSError:
+        return False
 
 
 def _pieces(path: Path, size: int, chunker: Any) -> Iterator[memoryview | bytes]:
@@ -521,6 +557,32 @@ def _read_span(
     return data
 
 
+def _place(
+    store: Store,
+    data: memoryview,
+    start: int,
+    members: list[_Place],
+    url: str,
+    progress: Progress | None,
+) -> None:
+    """Check the blobs of ``members`` in ``data`` (an object's bytes from ``start`` on) and
+    write each where it goes."""
+    checked: dict[Blob, bytes | memoryview] = {}
+    for place in members:
+        blob = place.blob
+        raw = checked.get(blob)
+        if raw is None:
+            at = blob.offset - start
+            raw = checked[blob] = _blob_bytes(store, data[at : at + blob.length], blob, url)
+        fd = os.open(place.path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            os.pwrite(fd, raw, place.offset)
+        finally:
+            os.close(fd)
+        if progress is not None:
+            progress(len(raw))
+
+
 def _download(
     store: Store,
     manifest: Manifest,
@@ -544,22 +606,7 @@ def _download(
     def one(index: str) -> None:
         name, start, end, members = jobs[int(index)]
         data = memoryview(_read_span(store, manifest, name, start, end, url))
-        checked: dict[Blob, bytes | memoryview] = {}
-        for place in members:
-            blob = place.blob
-            raw = checked.get(blob)
-            if raw is None:
-                at = blob.offset - start
-                raw = checked[blob] = _blob_bytes(
-                    store, data[at : at + blob.length], blob, url
-                )
-            fd = os.open(place.path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                os.pwrite(fd, raw, place.offset)
-            finally:
-                os.close(fd)
-            if progress is not None:
-                progress(len(raw))
+        _place(store, data, start, members, url, progress)
 
     _run_all(workers, one, [str(i) for i in range(len(jobs))])
 
@@ -634,8 +681,15 @@ def _matches(path: Path, entry: Entry) -> bool:
         return False
 
 
-def _reusable(existing: Path | None, entries: tuple[Entry, ...], workers: int) -> dict[str, Path]:
-    """Files already at ``existing`` that match their entry, by path."""
+def _reusable(
+    existing: Path | None, entries: tuple[Entry, ...], workers: int, seen: StatCache | None
+) -> dict[str, Path]:
+    """Files already at ``existing`` that match their entry, by path.
+
+    A file ``seen`` knows unchanged since taskpoint wrote or read it with the entry's
+    content is taken without being read (see :mod:`taskpoint._statcache`); any other is
+    hashed.
+    """
     if existing is None:
         return {}
     candidates = {
@@ -644,6 +698,17 @@ def _reusable(existing: Path | None, entries: tuple[Entry, ...], workers: int) -
     }
     by_path = {e.path: e for e in entries}
     found: dict[str, Path] = {}
+    if seen is not None:
+        for rel, path in list(candidates.items()):
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            known = seen.lookup(existing, rel, st)
+            if known is not None and (known.size, known.hash) == (
+                by_path[rel].size, by_path[rel].hash
+            ):
+                found[rel] = candidates.pop(rel)
 
     def check(rel: str) -> None:
         if _matches(candidates[rel], by_path[rel]):
@@ -661,11 +726,12 @@ def restore_tree(
     existing: Path | None = None,
     workers: int = 16,
     progress: Progress | None = None,
+    seen: StatCache | None = None,
 ) -> int:
     """Restore ``manifest``'s tree into the new directory ``dest``; the bytes downloaded.
 
     Files of ``existing`` (a directory) that match an entry's size and hash are linked
-    (or copied) instead of downloaded.
+    (or copied) instead of downloaded; ``seen`` vouches for the files it knows unchanged.
 
     Raises:
         CheckpointUnsafeError: an entry is absolute, climbs out with ``..``, is listed
@@ -676,7 +742,7 @@ def restore_tree(
     """
     url = store.url_of(f"checkpoints/{manifest.key}")
     entries = manifest.entries or ()
-    keep = _reusable(existing, entries, workers)
+    keep = _reusable(existing, entries, workers, seen)
     by_path = {e.path: e for e in entries if e.type == "file"}
     places: dict[str, list[_Place]] = defaultdict(list)
     kept: list[tuple[Path, Path]] = []
