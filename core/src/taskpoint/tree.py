@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import mmap
 import os
 import shutil
 import stat
@@ -164,12 +165,12 @@ def _codec_for(data: bytes | memoryview, wanted: Codec) -> Codec:
     return wanted
 
 
-def _encode(data: bytes, codec: Codec) -> bytes:
+def _encode(data: bytes | memoryview, codec: Codec) -> bytes:
     if codec == "gzip":
         return archive.gzip_bytes(data)
     if codec == "zstd":
         return bytes(archive.import_zstandard().ZstdCompressor(level=3).compress(data))
-    return data
+    return bytes(data)
 
 
 def _decode(data: bytes | memoryview, codec: str) -> bytes:
@@ -213,32 +214,34 @@ class _Uploader:
 
     Each job is one pack of about :data:`PACK_SIZE` raw bytes, so ``limit * PACK_SIZE``
     bounds the memory a save holds (64 MiB with the defaults, as much as one multipart
-    transfer of :class:`taskpoint.transfer.Transfer`'s defaults)."""
+    transfer of :class:`taskpoint.transfer.Transfer`'s defaults, plus the buffer being
+    filled and, for an object store, each pack's joined copy)."""
 
     def __init__(self, store: Store, workers: int) -> None:
         self._store = store
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-put")
-        self._limit = workers
+        self.limit = workers
         self._futures: set[Future[None]] = set()
         self.objects: dict[str, int] = {}
         self.uploaded = 0
         self._lock = threading.Lock()
 
-    def submit(self, fn: Callable[[], tuple[str, bytes]]) -> None:
-        """Run ``fn`` (which returns an object's name and stored bytes) and upload them."""
-        while len(self._futures) >= self._limit:
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` in the pool (it calls :meth:`put`), once fewer than ``limit`` run."""
+        while len(self._futures) >= self.limit:
             done, self._futures = wait(self._futures, return_when=FIRST_COMPLETED)
             for future in done:
                 future.result()
-        self._futures.add(self._pool.submit(self._run, fn))
+        self._futures.add(self._pool.submit(job))
 
-    def _run(self, fn: Callable[[], tuple[str, bytes]]) -> None:
-        name, data = fn()
-        self._store.write_atomic(f"{OBJECTS}/{name}", data)
+    def put(self, name: str, parts: list[bytes | memoryview]) -> None:
+        """Store the object ``name`` holding ``parts`` in order."""
+        self._store.write_parts(f"{OBJECTS}/{name}", parts)
         _mark_written(self._store, name)
+        size = sum(len(p) for p in parts)
         with self._lock:
-            self.objects[name] = len(data)
-            self.uploaded += len(data)
+            self.objects[name] = size
+            self.uploaded += size
 
     def finish(self) -> None:
         try:
@@ -253,52 +256,97 @@ class _Uploader:
         self._pool.shutdown(wait=True)
 
 
+class _Buffers:
+    """Pack buffers, reused within a save.
+
+    Copying each new chunk into a fresh ``bytes`` and joining a pack's chunks into another
+    touched about twice the saved bytes of new memory, and new memory costs a page fault
+    per 4 KiB: a fresh 200 MB save to ``file://`` on the (shared) 2-core VM of the
+    benchmarks took a median 0.37 s that way (0.22-0.80 s), against 0.26 s (0.21-0.29 s)
+    with chunks copied once into reused buffers and written from there (a raw put: 0.06 s).
+    A save holds at most one buffer per upload worker plus one being filled (about 90 MiB
+    with the defaults).
+    """
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            for i, buffer in enumerate(self._free):
+                if len(buffer) >= size:
+                    return self._free.pop(i)
+        return bytearray(size)
+
+    def give(self, buffer: bytearray) -> None:
+        with self._lock:
+            self._free.append(buffer)
+
+
 class _Packer:
     """Gathers new blobs into pack objects of about :data:`PACK_SIZE` raw bytes.
 
-    Each blob is encoded on its own (so it can be read back alone, by a ranged read), in
-    the upload pool, which then names the pack by the hash of its stored bytes.
+    Blobs are copied into a reused buffer; each is encoded on its own (so it can be read
+    back alone, by a ranged read) in the upload pool, which then names the pack by the
+    hash of its stored bytes and writes it from the buffer.
     """
 
-    def __init__(self, uploader: _Uploader, codec: Codec) -> None:
+    def __init__(self, uploader: _Uploader, codec: Codec, buffers: _Buffers) -> None:
         self._uploader = uploader
         self._codec = codec
-        self._members: list[tuple[_Pending, bytes]] = []
-        self._size = 0
+        self._buffers = buffers
+        self._capacity = PACK_SIZE + 4 * CHUNK_AVG  # room for one more chunk at most
+        self._buffer: bytearray | None = None
+        self._members: list[tuple[_Pending, int, int]] = []  # blob, where in the buffer
+        self._used = 0
 
-    def add(self, digest: str, data: bytes) -> _Pending:
-        pending = _Pending(digest, len(data))
-        self._members.append((pending, data))
-        self._size += len(data)
-        if self._size >= PACK_SIZE:
+    def add(self, digest: str, data: bytes | memoryview) -> _Pending:
+        size = len(data)
+        if self._buffer is not None and self._used + size > len(self._buffer):
+            self.seal()
+        if self._buffer is None:
+            self._buffer = self._buffers.take(max(self._capacity, size))
+        self._buffer[self._used : self._used + size] = data
+        pending = _Pending(digest, size)
+        self._members.append((pending, self._used, size))
+        self._used += size
+        if self._used >= PACK_SIZE:
             self.seal()
         return pending
 
     def seal(self) -> None:
-        if not self._members:
+        buffer, members = self._buffer, self._members
+        self._buffer, self._members, self._used = None, [], 0
+        if buffer is None:
             return
-        members, codec = self._members, self._codec
-        self._members, self._size = [], 0
+        if not members:
+            self._buffers.give(buffer)
+            return
+        codec, uploader, buffers = self._codec, self._uploader, self._buffers
 
-        def run() -> tuple[str, bytes]:
-            parts: list[bytes] = []
-            offset = 0
-            for pending, data in members:
-                pending.codec = _codec_for(data, codec)
-                stored = _encode(data, pending.codec)
-                pending.offset, pending.length = offset, len(stored)
-                parts.append(stored)
-                offset += len(stored)
-            pendings = [pending for pending, _ in members]
-            members.clear()  # the raw bytes go before the joined copy is uploaded
-            data = parts[0] if len(parts) == 1 else b"".join(parts)
-            parts.clear()
-            name = _hash(data)
-            for pending in pendings:
-                pending.object = name
-            return name, data
+        def run() -> None:
+            try:
+                view = memoryview(buffer)
+                parts: list[bytes | memoryview] = []
+                digest = xxhash.xxh3_128()
+                offset = 0
+                for pending, at, size in members:
+                    raw = view[at : at + size]
+                    pending.codec = _codec_for(raw, codec)
+                    stored = raw if pending.codec == "none" else _encode(raw, pending.codec)
+                    pending.offset, pending.length = offset, len(stored)
+                    offset += len(stored)
+                    digest.update(stored)
+                    parts.append(stored)
+                name = digest.hexdigest()
+                for pending, _, _ in members:
+                    pending.object = name
+                uploader.put(name, parts)
+            finally:
+                buffers.give(buffer)
 
-        self._uploader.submit(run)
+        uploader.submit(run)
 
 
 def _chunker() -> Any:
@@ -335,8 +383,9 @@ def save_tree(
             until a collection).
     """
     uploader = _Uploader(store, max(workers, _MIN_WORKERS))
-    packer = _Packer(uploader, codec)  # small files
-    chunks = _Packer(uploader, codec)  # the new chunks of one larger file at a time
+    buffers = _Buffers()
+    packer = _Packer(uploader, codec, buffers)  # small files
+    chunks = _Packer(uploader, codec, buffers)  # the new chunks of one larger file at a time
     chunker = _chunker()
     fresh: dict[str, Blob | _Pending] = {}  # new this save, by hash
     refs: list[_FileRefs | Entry] = []
@@ -389,7 +438,7 @@ def save_tree(
                     reused += len(piece)
                     file.parts.append(found)
                     continue
-                pending = (packer if small else chunks).add(digest, bytes(piece))
+                pending = (packer if small else chunks).add(digest, piece)
                 fresh[digest] = pending
                 file.parts.append(pending)
             chunks.seal()
@@ -583,6 +632,49 @@ def _place(
             progress(len(raw))
 
 
+@contextlib.contextmanager
+def _mapped(
+    store: Store, manifest: Manifest, name: str, local: str, url: str
+) -> Iterator[memoryview]:
+    """The object ``name`` of a store on the local disk, mapped rather than read.
+
+    Measured on a 2-core VM (bench_incremental, 512 MB): reading each 8 MiB object into a
+    fresh buffer and writing from it took 0.35 s against 0.18 s for a plain copy of the
+    files; hashing straight from the page cache through the map, then writing, saves the
+    buffer and its copy. Objects are replaced, never written in place, so the bytes
+    written are the ones hashed.
+    """
+    key = f"{OBJECTS}/{name}"
+    expected = (manifest.objects or {}).get(name)
+    try:
+        fd = os.open(local, os.O_RDONLY)
+    except FileNotFoundError:
+        _mark_broken(store, name)
+        raise CheckpointCorruptError(
+            f"checkpoint {url} needs object {store.url_of(key)}, which is missing", url=url
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != expected:
+            _mark_broken(store, name)
+            raise CheckpointCorruptError(
+                f"object {store.url_of(key)} of checkpoint {url} is damaged: {size} bytes, "
+                f"expected {expected}",
+                url=url,
+            )
+        if size == 0:
+            yield memoryview(b"")
+            return
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        try:
+            yield memoryview(mapped)
+        finally:
+            with contextlib.suppress(BufferError):  # views kept by a traceback: GC unmaps
+                mapped.close()
+    finally:
+        os.close(fd)
+
+
 def _download(
     store: Store,
     manifest: Manifest,
@@ -605,8 +697,13 @@ def _download(
 
     def one(index: str) -> None:
         name, start, end, members = jobs[int(index)]
-        data = memoryview(_read_span(store, manifest, name, start, end, url))
-        _place(store, data, start, members, url, progress)
+        local = store.local_path(f"{OBJECTS}/{name}")
+        if local is not None:
+            with _mapped(store, manifest, name, local, url) as data:
+                _place(store, data, 0, members, url, progress)
+        else:
+            data = memoryview(_read_span(store, manifest, name, start, end, url))
+            _place(store, data, start, members, url, progress)
 
     _run_all(workers, one, [str(i) for i in range(len(jobs))])
 
