@@ -86,11 +86,12 @@ CHUNK_AVG = 512 * 1024
 """FastCDC's average chunk size (minimum a quarter, maximum four times).
 
 Measured by ``bench/bench_incremental.py`` (README, "Incremental saves"): per save, over one
-``.ckpt``, Lightning's ``save_last=True`` uploads 1.005 at 128 KiB, 1.007 at 512 KiB and
-1.058 at 2 MiB (the chunk that straddles each difference between ``last.ckpt`` and the
+``.ckpt``, Lightning's ``save_last=True`` uploads 1.003 at 128 KiB, 1.011 at 512 KiB and
+1.088 at 2 MiB (the chunk that straddles each difference between ``last.ckpt`` and the
 epoch file is resent, and a larger chunk resends more); an HF ``output_dir`` uploads 0.99-1.0
-of one ``checkpoint-N`` at every size. 128 KiB saves 0.2% of the bytes for four times the
-objects (requests, manifest entries), so 512 KiB stays."""
+of one ``checkpoint-N`` at every size. 128 KiB saves 0.8% of the bytes for four times the
+chunks (manifest entries, hashing and lookups; requests no longer, chunks being packed),
+so 512 KiB stays."""
 _MIN_WORKERS = 8
 
 
