@@ -203,7 +203,10 @@ def hf_case(url: str, options: dict[str, Any], tmp: Path) -> _Recorder:
         save_total_limit=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
         disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0,
     )
-    ckpt = taskpoint.Checkpoint(url, storage_options=options, workdir=tmp / "restores")
+    # In this process, so that _chunk_avg's override reaches the saves (an upload process
+    # would chunk at the default size whatever --chunks says).
+    ckpt = taskpoint.Checkpoint(url, storage_options=options, workdir=tmp / "restores",
+                                background_upload="thread")
 
     def newest() -> int:
         folders = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -237,7 +240,10 @@ def lightning_case(url: str, options: dict[str, Any], tmp: Path) -> _Recorder:
     data = torch.utils.data.TensorDataset(torch.randn(16, 1024))
     loader = torch.utils.data.DataLoader(data, batch_size=8)
     out = tmp / "pl-out"
-    ckpt = taskpoint.Checkpoint(url, storage_options=options, workdir=tmp / "restores")
+    # In this process, so that _chunk_avg's override reaches the saves (an upload process
+    # would chunk at the default size whatever --chunks says).
+    ckpt = taskpoint.Checkpoint(url, storage_options=options, workdir=tmp / "restores",
+                                background_upload="thread")
 
     def one_ckpt() -> int:
         return max(p.stat().st_size for p in out.glob("epoch=*.ckpt"))

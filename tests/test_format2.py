@@ -145,6 +145,115 @@ def test_a_kept_file_restores_its_hard_links_too(store_url: str, tmp_path: Path)
     assert (into / "h").stat().st_ino == (into / "b").stat().st_ino
 
 
+def _reads(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[str]]:
+    """The files saves read, and the files restores into a folder hash, by name."""
+    from taskpoint import tree as tree_module
+
+    read: list[str] = []
+    hashed: list[str] = []
+    pieces, matches = tree_module._pieces, tree_module._matches
+
+    def counting_pieces(path: Path, *args: Any) -> Any:
+        read.append(path.name)
+        return pieces(path, *args)
+
+    def counting_matches(path: Path, entry: Any) -> bool:
+        hashed.append(path.name)
+        return matches(path, entry)
+
+    monkeypatch.setattr(tree_module, "_pieces", counting_pieces)
+    monkeypatch.setattr(tree_module, "_matches", counting_matches)
+    return read, hashed
+
+
+def _settle() -> None:
+    """Wait until files written so far have times a stat cache may trust."""
+    from taskpoint._statcache import SLACK_NS
+
+    time.sleep(2 * SLACK_NS / 1e9)
+
+
+def test_a_save_reads_only_files_whose_stat_changed(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree = _shards(tmp_path / "tree", n=3)
+    _settle()
+    read, _ = _reads(monkeypatch)
+    ckpt = Checkpoint(store_url, keep=3)
+    stats = _stats(ckpt)
+    ckpt.save_sync(tree)
+    assert "shard-0.bin" in read
+    read.clear()
+    ckpt.save_sync(tree)
+    assert read == [] and stats[-1].uploaded == 0 and stats[-1].reused == stats[-1].size
+    # Same size, and the old mtime put back: the ctime still tells.
+    shard = tree / "shard-1.bin"
+    old = shard.stat()
+    shard.write_bytes(_data(42, MiB))
+    os.utime(shard, ns=(old.st_atime_ns, old.st_mtime_ns))
+    (tree / "new.txt").write_text("written just before the save")
+    ckpt.save_sync(tree)
+    assert sorted(read) == ["new.txt", "shard-1.bin"] and stats[-1].uploaded >= MiB
+    restored = Checkpoint(store_url).load_sync()
+    assert restored is not None
+    _same_tree(tree, restored)
+    # Another Checkpoint object knows nothing: it reads everything.
+    read.clear()
+    Checkpoint(store_url, keep=3).save_sync(tree)
+    assert len(read) == len([p for p in tree.rglob("*") if p.is_file()])
+
+
+def test_files_changed_too_recently_to_tell_are_read_again(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from taskpoint import _statcache
+
+    tree = _shards(tmp_path / "tree", n=2)
+    monkeypatch.setattr(_statcache, "SLACK_NS", 10**15)  # every time is too recent
+    monkeypatch.setattr(_statcache, "COARSE_SLACK_NS", 10**15)
+    read, hashed = _reads(monkeypatch)
+    ckpt = Checkpoint(store_url)
+    ckpt.save_sync(tree)
+    read.clear()
+    ckpt.save_sync(tree)
+    assert "shard-0.bin" in read and "config.json" in read
+    into = tmp_path / "into"
+    ckpt.load_sync(into=into)
+    ckpt.load_sync(into=into)
+    assert "shard-0.bin" in hashed
+
+
+def test_a_restore_into_a_folder_trusts_only_files_it_wrote_and_nobody_touched(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree = _shards(tmp_path / "tree", n=3)
+    writer = Checkpoint(store_url)
+    writer.save_sync(tree)
+    _settle()
+    _, hashed = _reads(monkeypatch)
+    into = tmp_path / "into"
+    ckpt = Checkpoint(store_url)
+    assert ckpt.load_sync(into=into) == into
+    assert hashed == []  # nothing there yet
+    assert ckpt.load_sync(into=into) == into
+    assert hashed == []  # all known: none hashed, none fetched
+    _same_tree(tree, into)
+    # Edited in place, same size, old times put back: hashed, found wrong, fetched again.
+    shard = into / "shard-2.bin"
+    old = shard.stat()
+    with open(shard, "r+b") as fh:
+        fh.write(b"edited")
+    os.utime(shard, ns=(old.st_atime_ns, old.st_mtime_ns))
+    assert shard.stat().st_size == old.st_size and shard.stat().st_mtime_ns == old.st_mtime_ns
+    assert ckpt.load_sync(into=into) == into
+    assert hashed == ["shard-2.bin"]
+    _same_tree(tree, into)
+    # A save of the restored folder trusts the files the restore wrote.
+    read, _ = _reads(monkeypatch)
+    ckpt.save_sync(into)
+    assert read == []
+
+
 def test_a_missing_or_damaged_object_falls_back_naming_it(store_url: str, tmp_path: Path) -> None:
     tree = _shards(tmp_path / "tree", n=2)
     ckpt = Checkpoint(store_url, keep=2)

@@ -26,6 +26,7 @@ from pathlib import Path
 from taskpoint import archive, tree
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Digest, HashingReader, Progress, digest_file
+from taskpoint._statcache import StatCache, now_ns
 from taskpoint.errors import (
     CheckpointCoordinationError,
     CheckpointCorruptError,
@@ -63,11 +64,19 @@ class Loader:
         workdir: the local folder restores go to without ``into``; a temporary folder,
             removed at interpreter exit, when ``None``.
         progress: called with the number of payload bytes moved.
+        seen: files known unchanged by their stat, shared with the checkpoint's saver
+            (see :mod:`taskpoint._statcache`): a restore into a folder trusts those it
+            knows, and records every file of a tree it restored.
     """
 
     def __init__(
-        self, catalog: Catalog, workdir: Path | None = None, progress: Progress | None = None
+        self,
+        catalog: Catalog,
+        workdir: Path | None = None,
+        progress: Progress | None = None,
+        seen: StatCache | None = None,
     ) -> None:
+        self._seen = seen
         self._catalog = catalog
         self._store = catalog.store
         self._workdir = workdir
@@ -111,6 +120,11 @@ class Loader:
             url=self._store.url,
         )
 
+
+    def _remember(self, manifest: Manifest, root: Path, clock: int) -> None:
+        """Record the files of the tree just restored at ``root`` as known unchanged."""
+        if self._seen is not None and manifest.is_tree:
+            self._seen.record_restored(root, manifest.entries or (), clock)
 
     def _load_newest(
         self, names: list[str], into: Path | None = None, part: int | None = None
@@ -199,13 +213,14 @@ class Loader:
     def _restore(self, manifest: Manifest, into: Path | None = None) -> Path:
         key = f"{CHECKPOINTS}/{manifest.payload}"
         url = self._store.url_of(key)
+        clock = now_ns()
         staging = self._restore_dir(manifest) if into is None else self._staging_in(into)
         path = staging / (manifest.name or BYTES_NAME)
         try:
             if manifest.is_tree:
                 tree.restore_tree(
                     self._store, manifest, path, existing=into, progress=self._progress,
-                    workers=max(16, self._store.transfer.concurrency),
+                    workers=max(16, self._store.transfer.concurrency), seen=self._seen,
                 )
                 digest = None
             elif manifest.kind == "directory":
@@ -238,10 +253,12 @@ class Loader:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         if into is None:
+            self._remember(manifest, path, clock)
             return path
         try:
             if manifest.kind == "directory":
                 tree.swap_into(path, into)
+                self._remember(manifest, into, clock)
                 return into
             os.replace(path, into / path.name)
             return into / path.name

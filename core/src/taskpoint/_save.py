@@ -29,6 +29,7 @@ from typing import BinaryIO, Literal
 from taskpoint import archive, retention, tree
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
+from taskpoint._statcache import StatCache
 from taskpoint.history import SaveStats
 from taskpoint.manifest import (
     CHECKPOINTS,
@@ -116,6 +117,8 @@ class Saver:
         store_format: 1 (one payload per checkpoint) or 2 (content-addressed trees).
         keep: how many intact checkpoints a commit keeps.
         progress: called with the number of payload bytes moved.
+        seen: files known unchanged by their stat, shared with the checkpoint's loader
+            (see :mod:`taskpoint._statcache`); each committed tree's files are recorded.
     """
 
     def __init__(
@@ -126,7 +129,9 @@ class Saver:
         store_format: int,
         keep: int,
         progress: Progress | None = None,
+        seen: StatCache | None = None,
     ) -> None:
+        self._seen = seen
         self._catalog = catalog
         self._store = catalog.store
         self._codec = codec
@@ -171,6 +176,7 @@ class Saver:
             saved = tree.save_tree(
                 self._store, source.path, known, codec=self._codec,
                 workers=self._store.transfer.concurrency, progress=self._progress,
+                seen=self._seen,
             )
             stats = SaveStats(
                 url=self._store.url_of(key), attempt=attempt, seq=seq, kind=source.kind,
@@ -187,6 +193,8 @@ class Saver:
             lease.check()
             self._store.write_atomic(key, manifest.to_json())
         self._catalog.remember(manifest)
+        if self._seen is not None and source.snapshot is None:  # a snapshot is gone next time
+            self._seen.replace(source.path, saved.seen)
         stats = self._timed(stats, source, upload_started)
         log.info(
             "committed directory checkpoint %s (%d bytes, %d uploaded) in %.2fs",

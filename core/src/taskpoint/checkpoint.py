@@ -41,6 +41,7 @@ from taskpoint._digest import Progress
 from taskpoint._load import Loader
 from taskpoint._save import Background, Saver, Snapshot, Source, check_snapshot, classify
 from taskpoint._save import take_snapshot as _take_snapshot
+from taskpoint._statcache import StatCache
 from taskpoint.coordination import Coordinator
 from taskpoint.errors import CheckpointError
 from taskpoint.history import ATTEMPTS, SaveStats
@@ -148,12 +149,13 @@ class Checkpoint:
         self._seq_base: int | None = None
         self._progress = progress
         self._catalog = Catalog(self._store, progress)
+        seen = StatCache()  # files this checkpoint saved or restored, by stat
         self._saver = Saver(
             self._catalog, codec=self._codec, store_format=store_format, keep=keep,
-            progress=progress,
+            progress=progress, seen=seen,
         )
         self._loader = Loader(
-            self._catalog, Path(workdir) if workdir is not None else None, progress
+            self._catalog, Path(workdir) if workdir is not None else None, progress, seen
         )
         self._background = Background(self._save)
         self._listeners: list[Callable[[SaveStats], object]] = []

@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, TypeVar
 
 import fsspec
@@ -449,6 +449,19 @@ class Store:
         """The whole object ``name``. Raises FileNotFoundError when it does not exist."""
         return self._call("read", name, lambda: bytes(self.fs.cat_file(self._path(name))))
 
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end`` (exclusive) of the object ``name``: one ranged GET on
+        object stores. Fewer bytes come back where the object is shorter. Raises
+        FileNotFoundError when it does not exist."""
+        return self._call(
+            "read", name, lambda: bytes(self.fs.cat_file(self._path(name), start=start, end=end))
+        )
+
+    def local_path(self, name: str) -> str | None:
+        """The operating system's path of ``name`` when the store is the local disk, so a
+        reader can map it instead of copying it; ``None`` elsewhere."""
+        return self._path(name) if self.is_local else None
+
     def write_atomic(self, name: str, data: bytes) -> None:
         """Write ``data`` to ``name`` so readers see either nothing or all of it."""
 
@@ -470,6 +483,31 @@ class Store:
                 self.fs.pipe_file(path, data)
 
         self._call("write", name, run)
+
+    def write_parts(self, name: str, parts: Sequence[bytes | memoryview]) -> None:
+        """:meth:`write_atomic` of the concatenation of ``parts``, which on a local disk
+        are written one after another rather than joined first."""
+        if self.is_local:
+
+            def run() -> None:
+                self._makedirs(name)
+                path = self._path(name)
+                tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+                try:
+                    with open(tmp, "wb") as fh:
+                        for part in parts:
+                            fh.write(part)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                    os.replace(tmp, path)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+
+            self._call("write", name, run)
+            return
+        self.write_atomic(name, parts[0] if len(parts) == 1 and isinstance(parts[0], bytes)
+                          else b"".join(parts))
 
     def create_exclusive(self, name: str, data: bytes) -> bool:
         """Create ``name`` holding ``data`` unless it exists; whether this call created it.

@@ -3,23 +3,27 @@
 Saving walks the tree and stores each file's content as *blobs*: a small file (below
 :data:`SMALL_FILE`) is one blob, packed with the save's other new small files into pack
 objects of about :data:`PACK_SIZE`; a larger file is cut by content-defined chunking
-(FastCDC 2020, from ``pyfastcdc``) into blobs of :data:`CHUNK_AVG` bytes on average, each
-its own object, so that a near-copy of a file (Lightning's ``last.ckpt`` beside the epoch
-checkpoint) shares all but the chunks around its differences. A blob the run's store
-already holds, by the manifests committed there (read once, then kept in memory), is
-referenced, not uploaded. Each new object is compressed where a 64 KiB sample says it pays
-(text yes, fp32 weights no), named by the XXH3-128 of its stored bytes, and uploaded by a
-thread pool while hashing and chunking go on; nothing is spooled to local disk.
+(FastCDC 2020, from ``pyfastcdc``) into blobs of :data:`CHUNK_AVG` bytes on average, so
+that a near-copy of a file (Lightning's ``last.ckpt`` beside the epoch checkpoint) shares
+all but the chunks around its differences. A blob the run's store already holds, by the
+manifests committed there (read once, then kept in memory), is referenced, not uploaded.
+The new chunks of one file are packed, in order, into objects of about :data:`PACK_SIZE`
+too: deduplication stays per chunk (a blob is a range of an object), while a save and a
+restore make one request per 8 MiB rather than per 512 KiB chunk. Each blob is
+compressed where a 64 KiB sample says it pays (text yes, fp32 weights no); each object is
+named by the XXH3-128 of its stored bytes and uploaded by a thread pool while hashing and
+chunking go on; nothing is spooled to local disk.
 
 Restoring checks every path with :class:`taskpoint.archive.Extractor` (the rules that guard
-tar restores), downloads each object once, in parallel, verifies it against its name and
-each blob against its hash, and writes blobs straight to their offsets. Restoring into a
-directory that already holds some files keeps every file whose size and hash match.
+tar restores), reads in parallel each object whole, or the stretches of it that the tree
+uses by ranged reads, verifies each blob against its hash, and writes blobs straight to
+their offsets. Restoring into a directory that already holds some files keeps every file
+whose size and hash match.
 
 An object that a restore or a verification finds missing or damaged is remembered for the
 store (in this process) and no save references it again: the next save that holds its
-content uploads it anew, which rewrites a chunk's object under its own name and so repairs
-it for the older checkpoints too.
+content uploads it anew (for an unchanged file, packed the same way, so under the same
+name, which repairs it for the older checkpoints too).
 
 Example::
 
@@ -31,7 +35,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import mmap
 import os
 import shutil
 import stat
@@ -49,6 +55,7 @@ import xxhash
 
 from taskpoint import archive
 from taskpoint._digest import Progress
+from taskpoint._statcache import Record, StatCache, StatKey, now_ns, settled, stat_key
 from taskpoint.errors import CheckpointCorruptError, CheckpointStoreError
 from taskpoint.manifest import Blob, Codec, Entry, Manifest
 from taskpoint.retention import OBJECTS
@@ -69,16 +76,22 @@ __all__ = [
 SMALL_FILE = 256 * 1024
 """Files smaller than this are packed with others instead of being chunked."""
 PACK_SIZE = 8 * 2**20
-"""About how many stored bytes one pack object gathers."""
+"""About how many raw bytes one pack object gathers (small files, or one file's chunks).
+
+Measured by ``bench/bench_incremental.py`` on SeaweedFS (2-core VM): restoring 512 MB
+stored as one object per 512 KiB chunk took 8.7 s against 1.9 s for a raw parallel get of
+the same files, and 1.05 s (raw get 1.3 s) with the chunks packed into 8 MiB objects: the
+server's and the client's cost is per request. 8 MiB is also the default part size."""
 CHUNK_AVG = 512 * 1024
 """FastCDC's average chunk size (minimum a quarter, maximum four times).
 
 Measured by ``bench/bench_incremental.py`` (README, "Incremental saves"): per save, over one
-``.ckpt``, Lightning's ``save_last=True`` uploads 1.005 at 128 KiB, 1.007 at 512 KiB and
-1.058 at 2 MiB (the chunk that straddles each difference between ``last.ckpt`` and the
+``.ckpt``, Lightning's ``save_last=True`` uploads 1.003 at 128 KiB, 1.011 at 512 KiB and
+1.088 at 2 MiB (the chunk that straddles each difference between ``last.ckpt`` and the
 epoch file is resent, and a larger chunk resends more); an HF ``output_dir`` uploads 0.99-1.0
-of one ``checkpoint-N`` at every size. 128 KiB saves 0.2% of the bytes for four times the
-objects (requests, manifest entries), so 512 KiB stays."""
+of one ``checkpoint-N`` at every size. 128 KiB saves 0.8% of the bytes for four times the
+chunks (manifest entries, hashing and lookups; requests no longer, chunks being packed),
+so 512 KiB stays."""
 _MIN_WORKERS = 8
 
 
@@ -142,6 +155,9 @@ class SavedTree:
     size: int
     uploaded: int
     reused: int
+    seen: dict[str, Record] = field(default_factory=dict)
+    """The files to trust unchanged while their stat stays (see :mod:`taskpoint._statcache`),
+    once the save has committed."""
 
 
 def _codec_for(data: bytes | memoryview, wanted: Codec) -> Codec:
@@ -195,32 +211,38 @@ class _FileRefs:
 
 
 class _Uploader:
-    """Uploads objects from a thread pool, at most ``2 * workers`` in flight."""
+    """Uploads objects from a thread pool, at most ``limit`` jobs in flight.
+
+    Each job is one pack of about :data:`PACK_SIZE` raw bytes, so ``limit * PACK_SIZE``
+    bounds the memory a save holds (64 MiB with the defaults, as much as one multipart
+    transfer of :class:`taskpoint.transfer.Transfer`'s defaults, plus the buffer being
+    filled and, for an object store, each pack's joined copy)."""
 
     def __init__(self, store: Store, workers: int) -> None:
         self._store = store
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-put")
-        self._limit = 2 * workers
+        self.limit = workers
         self._futures: set[Future[None]] = set()
         self.objects: dict[str, int] = {}
         self.uploaded = 0
         self._lock = threading.Lock()
 
-    def submit(self, fn: Callable[[], tuple[str, bytes]]) -> None:
-        """Run ``fn`` (which returns an object's name and stored bytes) and upload them."""
-        while len(self._futures) >= self._limit:
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` in the pool (it calls :meth:`put`), once fewer than ``limit`` run."""
+        while len(self._futures) >= self.limit:
             done, self._futures = wait(self._futures, return_when=FIRST_COMPLETED)
             for future in done:
                 future.result()
-        self._futures.add(self._pool.submit(self._run, fn))
+        self._futures.add(self._pool.submit(job))
 
-    def _run(self, fn: Callable[[], tuple[str, bytes]]) -> None:
-        name, data = fn()
-        self._store.write_atomic(f"{OBJECTS}/{name}", data)
+    def put(self, name: str, parts: list[bytes | memoryview]) -> None:
+        """Store the object ``name`` holding ``parts`` in order."""
+        self._store.write_parts(f"{OBJECTS}/{name}", parts)
         _mark_written(self._store, name)
+        size = sum(len(p) for p in parts)
         with self._lock:
-            self.objects[name] = len(data)
-            self.uploaded += len(data)
+            self.objects[name] = size
+            self.uploaded += size
 
     def finish(self) -> None:
         try:
@@ -235,36 +257,97 @@ class _Uploader:
         self._pool.shutdown(wait=True)
 
 
-class _Packer:
-    """Gathers new small blobs, each encoded on its own, into pack objects."""
+class _Buffers:
+    """Pack buffers, reused within a save.
 
-    def __init__(self, uploader: _Uploader, codec: Codec) -> None:
+    Copying each new chunk into a fresh ``bytes`` and joining a pack's chunks into another
+    touched about twice the saved bytes of new memory, and new memory costs a page fault
+    per 4 KiB: a fresh 200 MB save to ``file://`` on the (shared) 2-core VM of the
+    benchmarks took a median 0.37 s that way (0.22-0.80 s), against 0.26 s (0.21-0.29 s)
+    with chunks copied once into reused buffers and written from there (a raw put: 0.06 s).
+    A save holds at most one buffer per upload worker plus one being filled (about 90 MiB
+    with the defaults).
+    """
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            for i, buffer in enumerate(self._free):
+                if len(buffer) >= size:
+                    return self._free.pop(i)
+        return bytearray(size)
+
+    def give(self, buffer: bytearray) -> None:
+        with self._lock:
+            self._free.append(buffer)
+
+
+class _Packer:
+    """Gathers new blobs into pack objects of about :data:`PACK_SIZE` raw bytes.
+
+    Blobs are copied into a reused buffer; each is encoded on its own (so it can be read
+    back alone, by a ranged read) in the upload pool, which then names the pack by the
+    hash of its stored bytes and writes it from the buffer.
+    """
+
+    def __init__(self, uploader: _Uploader, codec: Codec, buffers: _Buffers) -> None:
         self._uploader = uploader
         self._codec = codec
-        self._parts: list[bytes] = []
-        self._members: list[_Pending] = []
-        self._size = 0
+        self._buffers = buffers
+        self._capacity = PACK_SIZE + 4 * CHUNK_AVG  # room for one more chunk at most
+        self._buffer: bytearray | None = None
+        self._members: list[tuple[_Pending, int, int]] = []  # blob, where in the buffer
+        self._used = 0
 
-    def add(self, digest: str, data: bytes) -> _Pending:
-        codec = _codec_for(data, self._codec)
-        stored = _encode(data, codec)
-        pending = _Pending(digest, len(data), codec, offset=self._size, length=len(stored))
-        self._parts.append(stored)
-        self._members.append(pending)
-        self._size += len(stored)
-        if self._size >= PACK_SIZE:
+    def add(self, digest: str, data: bytes | memoryview) -> _Pending:
+        size = len(data)
+        if self._buffer is not None and self._used + size > len(self._buffer):
+            self.seal()
+        if self._buffer is None:
+            self._buffer = self._buffers.take(max(self._capacity, size))
+        self._buffer[self._used : self._used + size] = data
+        pending = _Pending(digest, size)
+        self._members.append((pending, self._used, size))
+        self._used += size
+        if self._used >= PACK_SIZE:
             self.seal()
         return pending
 
     def seal(self) -> None:
-        if not self._members:
+        buffer, members = self._buffer, self._members
+        self._buffer, self._members, self._used = None, [], 0
+        if buffer is None:
             return
-        data = b"".join(self._parts)
-        name = _hash(data)
-        for member in self._members:
-            member.object = name
-        self._uploader.submit(lambda: (name, data))
-        self._parts, self._members, self._size = [], [], 0
+        if not members:
+            self._buffers.give(buffer)
+            return
+        codec, uploader, buffers = self._codec, self._uploader, self._buffers
+
+        def run() -> None:
+            try:
+                view = memoryview(buffer)
+                parts: list[bytes | memoryview] = []
+                digest = xxhash.xxh3_128()
+                offset = 0
+                for pending, at, size in members:
+                    raw = view[at : at + size]
+                    pending.codec = _codec_for(raw, codec)
+                    stored = raw if pending.codec == "none" else _encode(raw, pending.codec)
+                    pending.offset, pending.length = offset, len(stored)
+                    offset += len(stored)
+                    digest.update(stored)
+                    parts.append(stored)
+                name = digest.hexdigest()
+                for pending, _, _ in members:
+                    pending.object = name
+                uploader.put(name, parts)
+            finally:
+                buffers.give(buffer)
+
+        uploader.submit(run)
 
 
 def _chunker() -> Any:
@@ -286,19 +369,24 @@ def save_tree(
     codec: Codec = "gzip",
     workers: int = _MIN_WORKERS,
     progress: Progress | None = None,
+    seen: StatCache | None = None,
 ) -> SavedTree:
     """Store the tree under ``root`` as content objects; the entries a manifest lists.
 
     Content in ``known`` is referenced, not uploaded, unless its object was found missing
-    or damaged since (by a restore or verification in this process). The caller has checked the tree
-    (:func:`taskpoint.archive.check_tree`) before calling.
+    or damaged since (by a restore or verification in this process). A file that ``seen``
+    knows unchanged since a committed save or a restore is not read again, if every object
+    its blobs lie in is in ``known`` and not found damaged. The caller has checked the
+    tree (:func:`taskpoint.archive.check_tree`) before calling.
 
     Raises:
         CheckpointStoreError: an upload failed (objects already sent stay, unreferenced,
             until a collection).
     """
     uploader = _Uploader(store, max(workers, _MIN_WORKERS))
-    packer = _Packer(uploader, codec)
+    buffers = _Buffers()
+    packer = _Packer(uploader, codec, buffers)  # small files
+    chunks = _Packer(uploader, codec, buffers)  # the new chunks of one larger file at a time
     chunker = _chunker()
     fresh: dict[str, Blob | _Pending] = {}  # new this save, by hash
     refs: list[_FileRefs | Entry] = []
@@ -306,6 +394,8 @@ def save_tree(
     broken = _broken_in(store)
     reused = 0
     total = 0
+    clock = now_ns()
+    trusted: dict[str, StatKey] = {}  # files read (or known) whose stat can be trusted
     try:
         for rel, st, path in _walk(root):
             if stat.S_ISDIR(st.st_mode):
@@ -319,7 +409,21 @@ def save_tree(
                 if first != rel:
                     refs.append(Entry(rel, "hardlink", target=first))
                     continue
+            known_entry = seen.lookup(root, rel, st) if seen is not None else None
+            if known_entry is not None and all(
+                b.object in known.objects and b.object not in broken for b in known_entry.blobs
+            ):
+                refs.append(dataclasses.replace(
+                    known_entry, path=rel, mode=stat.S_IMODE(st.st_mode), mtime_ns=st.st_mtime_ns
+                ))
+                trusted[rel] = stat_key(st)
+                reused += known_entry.size
+                total += known_entry.size
+                if progress is not None:
+                    progress(known_entry.size)
+                continue
             whole = xxhash.xxh3_128()
+            small = st.st_size < SMALL_FILE
             file = _FileRefs(rel, stat.S_IMODE(st.st_mode), st.st_mtime_ns, 0, "")
             for piece in _pieces(path, st.st_size, chunker):
                 whole.update(piece)
@@ -335,16 +439,15 @@ def save_tree(
                     reused += len(piece)
                     file.parts.append(found)
                     continue
-                if len(piece) < SMALL_FILE:
-                    pending = packer.add(digest, bytes(piece))
-                else:
-                    pending = _Pending(digest, len(piece))
-                    uploader.submit(_chunk_job(pending, bytes(piece), codec))
+                pending = (packer if small else chunks).add(digest, piece)
                 fresh[digest] = pending
                 file.parts.append(pending)
+            chunks.seal()
             file.hash = f"xxh3-128:{whole.hexdigest()}"
             total += file.size
             refs.append(file)
+            if seen is not None and settled(st, clock) and _unchanged(path, st):
+                trusted[rel] = stat_key(st)
         packer.seal()
         uploader.finish()
     except BaseException:
@@ -355,18 +458,18 @@ def save_tree(
     for entry in entries:
         for blob in entry.blobs:
             objects[blob.object] = uploader.objects.get(blob.object) or known.objects[blob.object]
-    return SavedTree(entries, objects, total, uploader.uploaded, reused)
+    records = {
+        e.path: Record(trusted[e.path], e) for e in entries if e.path in trusted
+    }
+    return SavedTree(entries, objects, total, uploader.uploaded, reused, records)
 
 
-def _chunk_job(pending: _Pending, data: bytes, codec: Codec) -> Callable[[], tuple[str, bytes]]:
-    def run() -> tuple[str, bytes]:
-        pending.codec = _codec_for(data, codec)
-        stored = _encode(data, pending.codec)
-        pending.length = len(stored)
-        pending.object = _hash(stored)
-        return pending.object, stored
-
-    return run
+def _unchanged(path: Path, before: os.stat_result) -> bool:
+    """Whether ``path`` still has the stat ``before`` (taken before it was read)."""
+    try:
+        return stat_key(path.lstat()) == stat_key(before)
+    except OSError:
+        return False
 
 
 def _pieces(path: Path, size: int, chunker: Any) -> Iterator[memoryview | bytes]:
@@ -440,24 +543,137 @@ def _fetch(store: Store, manifest: Manifest, name: str, url: str) -> bytes:
     return data
 
 
-def _blob_bytes(store: Store, data: bytes, blob: Blob, url: str) -> bytes:
+def _blob_bytes(store: Store, data: bytes | memoryview, blob: Blob, url: str) -> bytes | memoryview:
+    """The decoded bytes of ``blob``, which ``data`` holds whole, checked against its hash."""
     try:
-        raw = _decode(memoryview(data)[blob.offset : blob.offset + blob.length], blob.codec)
+        raw = _decode(data, blob.codec) if blob.codec != "none" else data
     except Exception as exc:
         _mark_broken(store, blob.object)
         raise CheckpointCorruptError(
             f"a blob of object {store.url_of(f'{OBJECTS}/{blob.object}')} of checkpoint "
-            f"{url} cannot be decoded ({type(exc).__name__}: {exc})",
+            f"{url} cannot be decoded ({type(exc).__name__}: {exc}): the object is damaged",
             url=url,
         ) from exc
     if len(raw) != blob.size or _hash(raw) != blob.hash:
         _mark_broken(store, blob.object)
         raise CheckpointCorruptError(
             f"a blob of object {store.url_of(f'{OBJECTS}/{blob.object}')} of checkpoint "
-            f"{url} does not match its hash {blob.hash}",
+            f"{url} does not match its hash {blob.hash}: the object is damaged",
             url=url,
         )
     return raw
+
+
+_GAP = 2**20
+"""Blobs of one object this close together are fetched by one read, gap included."""
+
+
+def _spans(places: list[_Place]) -> list[tuple[int, int, list[_Place]]]:
+    """The byte ranges of an object to read for ``places``, each with the places in it."""
+    spans: list[tuple[int, int, list[_Place]]] = []
+    for place in sorted(places, key=lambda p: p.blob.offset):
+        start, end = place.blob.offset, place.blob.offset + place.blob.length
+        if spans and start - spans[-1][1] <= _GAP:
+            first, last, members = spans[-1]
+            spans[-1] = (first, max(last, end), [*members, place])
+        else:
+            spans.append((start, end, [place]))
+    return spans
+
+
+def _read_span(
+    store: Store, manifest: Manifest, name: str, start: int, end: int, url: str
+) -> bytes:
+    """Bytes ``start:end`` of object ``name``: the whole object when that is what they are."""
+    key = f"{OBJECTS}/{name}"
+    size = (manifest.objects or {}).get(name)
+    try:
+        if start == 0 and end == size:
+            data = store.read_bytes(key)
+        else:
+            data = store.read_range(key, start, end)
+    except FileNotFoundError:
+        _mark_broken(store, name)
+        raise CheckpointCorruptError(
+            f"checkpoint {url} needs object {store.url_of(key)}, which is missing", url=url
+        ) from None
+    if len(data) != end - start:
+        _mark_broken(store, name)
+        raise CheckpointCorruptError(
+            f"object {store.url_of(key)} of checkpoint {url} is damaged: bytes {start}-{end} "
+            f"of its {size} read back as {len(data)}",
+            url=url,
+        )
+    return data
+
+
+def _place(
+    store: Store,
+    data: memoryview,
+    start: int,
+    members: list[_Place],
+    url: str,
+    progress: Progress | None,
+) -> None:
+    """Check the blobs of ``members`` in ``data`` (an object's bytes from ``start`` on) and
+    write each where it goes."""
+    checked: dict[Blob, bytes | memoryview] = {}
+    for place in members:
+        blob = place.blob
+        raw = checked.get(blob)
+        if raw is None:
+            at = blob.offset - start
+            raw = checked[blob] = _blob_bytes(store, data[at : at + blob.length], blob, url)
+        fd = os.open(place.path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            os.pwrite(fd, raw, place.offset)
+        finally:
+            os.close(fd)
+        if progress is not None:
+            progress(len(raw))
+
+
+@contextlib.contextmanager
+def _mapped(
+    store: Store, manifest: Manifest, name: str, local: str, url: str
+) -> Iterator[memoryview]:
+    """The object ``name`` of a store on the local disk, mapped rather than read.
+
+    Measured on a 2-core VM (bench_incremental, 512 MB): reading each 8 MiB object into a
+    fresh buffer and writing from it took 0.35 s against 0.18 s for a plain copy of the
+    files; hashing straight from the page cache through the map, then writing, saves the
+    buffer and its copy. Objects are replaced, never written in place, so the bytes
+    written are the ones hashed.
+    """
+    key = f"{OBJECTS}/{name}"
+    expected = (manifest.objects or {}).get(name)
+    try:
+        fd = os.open(local, os.O_RDONLY)
+    except FileNotFoundError:
+        _mark_broken(store, name)
+        raise CheckpointCorruptError(
+            f"checkpoint {url} needs object {store.url_of(key)}, which is missing", url=url
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != expected:
+            _mark_broken(store, name)
+            raise CheckpointCorruptError(
+                f"object {store.url_of(key)} of checkpoint {url} is damaged: {size} bytes, "
+                f"expected {expected}",
+                url=url,
+            )
+        if size == 0:
+            yield memoryview(b"")
+            return
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        try:
+            yield memoryview(mapped)
+        finally:
+            with contextlib.suppress(BufferError):  # views kept by a traceback: GC unmaps
+                mapped.close()
+    finally:
+        os.close(fd)
 
 
 def _download(
@@ -468,21 +684,29 @@ def _download(
     workers: int,
     progress: Progress | None,
 ) -> None:
-    """Fetch each object of ``places`` once and write its blobs where they go."""
+    """Fetch what each object of ``places`` holds for them and write its blobs where they go.
 
-    def one(name: str) -> None:
-        data = _fetch(store, manifest, name, url)
-        for place in places[name]:
-            raw = _blob_bytes(store, data, place.blob, url)
-            fd = os.open(place.path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                os.pwrite(fd, raw, place.offset)
-            finally:
-                os.close(fd)
-            if progress is not None:
-                progress(len(raw))
+    An object is read whole when its blobs cover it (a pack written by one save), else by
+    ranged reads of the stretches they lie in. Every blob is checked against its hash,
+    which covers every byte written (an object's own hash would only add a second pass).
+    """
+    jobs = [
+        (name, start, end, members)
+        for name, of_object in places.items()
+        for start, end, members in _spans(of_object)
+    ]
 
-    _run_all(workers, one, places)
+    def one(index: str) -> None:
+        name, start, end, members = jobs[int(index)]
+        local = store.local_path(f"{OBJECTS}/{name}")
+        if local is not None:
+            with _mapped(store, manifest, name, local, url) as data:
+                _place(store, data, 0, members, url, progress)
+        else:
+            data = memoryview(_read_span(store, manifest, name, start, end, url))
+            _place(store, data, start, members, url, progress)
+
+    _run_all(workers, one, [str(i) for i in range(len(jobs))])
 
 
 def _run_all(workers: int, fn: Callable[[str], None], items: Iterable[str]) -> None:
@@ -511,9 +735,9 @@ def verify_tree(store: Store, manifest: Manifest, *, workers: int = _MIN_WORKERS
             by_object[blob.object].append(blob)
 
     def one(name: str) -> None:
-        data = _fetch(store, manifest, name, url)
+        data = memoryview(_fetch(store, manifest, name, url))
         for blob in by_object[name]:
-            _blob_bytes(store, data, blob, url)
+            _blob_bytes(store, data[blob.offset : blob.offset + blob.length], blob, url)
 
     try:
         _run_all(max(workers, _MIN_WORKERS), one, by_object)
@@ -559,8 +783,15 @@ def _matches(path: Path, entry: Entry) -> bool:
         return False
 
 
-def _reusable(existing: Path | None, entries: tuple[Entry, ...], workers: int) -> dict[str, Path]:
-    """Files already at ``existing`` that match their entry, by path."""
+def _reusable(
+    existing: Path | None, entries: tuple[Entry, ...], workers: int, seen: StatCache | None
+) -> dict[str, Path]:
+    """Files already at ``existing`` that match their entry, by path.
+
+    A file ``seen`` knows unchanged since taskpoint wrote or read it with the entry's
+    content is taken without being read (see :mod:`taskpoint._statcache`); any other is
+    hashed.
+    """
     if existing is None:
         return {}
     candidates = {
@@ -569,6 +800,17 @@ def _reusable(existing: Path | None, entries: tuple[Entry, ...], workers: int) -
     }
     by_path = {e.path: e for e in entries}
     found: dict[str, Path] = {}
+    if seen is not None:
+        for rel, path in list(candidates.items()):
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            known = seen.lookup(existing, rel, st)
+            if known is not None and (known.size, known.hash) == (
+                by_path[rel].size, by_path[rel].hash
+            ):
+                found[rel] = candidates.pop(rel)
 
     def check(rel: str) -> None:
         if _matches(candidates[rel], by_path[rel]):
@@ -586,11 +828,12 @@ def restore_tree(
     existing: Path | None = None,
     workers: int = 16,
     progress: Progress | None = None,
+    seen: StatCache | None = None,
 ) -> int:
     """Restore ``manifest``'s tree into the new directory ``dest``; the bytes downloaded.
 
     Files of ``existing`` (a directory) that match an entry's size and hash are linked
-    (or copied) instead of downloaded.
+    (or copied) instead of downloaded; ``seen`` vouches for the files it knows unchanged.
 
     Raises:
         CheckpointUnsafeError: an entry is absolute, climbs out with ``..``, is listed
@@ -601,7 +844,7 @@ def restore_tree(
     """
     url = store.url_of(f"checkpoints/{manifest.key}")
     entries = manifest.entries or ()
-    keep = _reusable(existing, entries, workers)
+    keep = _reusable(existing, entries, workers, seen)
     by_path = {e.path: e for e in entries if e.type == "file"}
     places: dict[str, list[_Place]] = defaultdict(list)
     kept: list[tuple[Path, Path]] = []
