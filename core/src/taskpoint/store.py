@@ -464,50 +464,32 @@ class Store:
 
     def write_atomic(self, name: str, data: bytes) -> None:
         """Write ``data`` to ``name`` so readers see either nothing or all of it."""
-
-        def run() -> None:
-            self._makedirs(name)
-            path = self._path(name)
-            if self.is_local:
-                tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-                try:
-                    with open(tmp, "wb") as fh:
-                        fh.write(data)
-                        fh.flush()
-                        os.fsync(fh.fileno())
-                    os.replace(tmp, path)
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp)
-            else:
-                self.fs.pipe_file(path, data)
-
-        self._call("write", name, run)
+        self.write_parts(name, [data])
 
     def write_parts(self, name: str, parts: Sequence[bytes | memoryview]) -> None:
         """:meth:`write_atomic` of the concatenation of ``parts``, which on a local disk
         are written one after another rather than joined first."""
-        if self.is_local:
 
-            def run() -> None:
-                self._makedirs(name)
-                path = self._path(name)
-                tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-                try:
-                    with open(tmp, "wb") as fh:
-                        for part in parts:
-                            fh.write(part)
-                        fh.flush()
-                        os.fsync(fh.fileno())
-                    os.replace(tmp, path)
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp)
+        def run() -> None:
+            self._makedirs(name)
+            path = self._path(name)
+            if not self.is_local:
+                whole = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+                self.fs.pipe_file(path, whole)
+                return
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                with open(tmp, "wb") as fh:
+                    for part in parts:
+                        fh.write(part)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
 
-            self._call("write", name, run)
-            return
-        self.write_atomic(name, parts[0] if len(parts) == 1 and isinstance(parts[0], bytes)
-                          else b"".join(parts))
+        self._call("write", name, run)
 
     def create_exclusive(self, name: str, data: bytes) -> bool:
         """Create ``name`` holding ``data`` unless it exists; whether this call created it.
