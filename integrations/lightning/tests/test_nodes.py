@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import taskpoint
 import taskpoint_lightning_testlib as lib
 import torch
 
@@ -61,6 +62,11 @@ def test_ddp_killed_on_two_nodes_resumes_exactly(tmp_path: Path) -> None:
     for node, launch in enumerate(resumed):
         assert launch.returncode == 0, launch.stdout[-3000:]
         assert f"rank {node}: STARTED 2 6" in launch.stdout, launch.stdout[-3000:]
+    # every rank took part in each commit (a sharded strategy's shards would reach the
+    # store from their own node); rank 1's disk held nothing rank 0's lacked
+    newest = taskpoint.Checkpoint(store).committed()[0]
+    assert newest.parts is not None and sorted(newest.parts) == ["0", "1"]
+    assert newest.parts["1"] == ()
     for rank in (0, 1):
         lib.assert_bitwise_equal(
             torch.load(tmp_path / "results" / f"run-rank{rank}.pt"),
