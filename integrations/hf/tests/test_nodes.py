@@ -51,6 +51,19 @@ def _nodes(
     return done
 
 
+def _one_disk(root: Path, store: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """Both ranks on one node (one shared ``output_dir``): ``torchrun --standalone``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    (root / "shared").mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(CHILD), "--store", store, "--results", str(root / "results"), *extra,
+    ]
+    return subprocess.run(
+        command, cwd=root / "shared", env=env, capture_output=True, text=True, timeout=400
+    )
+
+
 def _load(path: Path) -> kit.Result:
     return kit.Result.from_dict(torch.load(path, weights_only=False))
 
@@ -127,3 +140,21 @@ def test_ranks_naming_different_checkpoints_fail_before_any_upload(tmp_path: Pat
         stored = tmp_path / name
         assert not stored.exists() or not list(stored.rglob("*.manifest.json"))
         assert not (stored / "objects").exists()
+
+
+def test_a_shared_disk_is_uploaded_once_and_restored_once(tmp_path: Path, reference: Path) -> None:
+    store = f"file://{tmp_path / 'store'}"
+    killed = _one_disk(tmp_path, store, "--stop", "7")
+    assert killed.returncode != 0
+    finished = _one_disk(tmp_path, store)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: resumed from out/checkpoint-6" in finished.stdout
+        kit.assert_same_run(
+            _load(tmp_path / "results" / f"run-rank{rank}.pt"),
+            _load(reference / f"reference-rank{rank}.pt"),
+        )
+    # rank 0 staged the shared output_dir, rank 1 nothing: no file uploaded twice
+    newest = taskpoint.Checkpoint(store).committed()[0]
+    assert newest.parts is not None and newest.parts["1"] == ()
+    assert "checkpoint-12/rng_state_1.pth" in newest.parts["0"]
