@@ -260,8 +260,9 @@ class Checkpoint:
         Args:
             path: this rank's local directory.
             coordinator: the ranks writing the checkpoint (a
-                :class:`taskpoint.StoreCoordinator`, or ``taskpoint_pytorch.TorchCoordinator``
-                under ``torch.distributed``). Its timeout bounds how long a rank waits for
+                :class:`taskpoint.StoreCoordinator`, or
+                ``taskpoint.torch_coordination.TorchCoordinator`` under
+                ``torch.distributed``). Its timeout bounds how long a rank waits for
                 the others at each step, uploads included.
 
         Raises:

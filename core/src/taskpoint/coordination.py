@@ -4,9 +4,10 @@ A checkpoint written by several processes (:meth:`taskpoint.Checkpoint.save_part
 needs only three things from the processes' group: each one's rank, the world size, and an
 all-gather of small JSON values with a timeout (a broadcast from rank 0 is derived from it).
 :class:`Coordinator` is that protocol. Under ``torch.distributed``,
-``taskpoint_pytorch.TorchCoordinator`` implements it on the process group; where no process
-group is up (Ray tasks, MPI, ``srun``), :class:`StoreCoordinator` implements it through the
-store itself, so core never imports a training framework.
+``taskpoint.torch_coordination.TorchCoordinator`` (re-exported by ``taskpoint_pytorch``)
+implements it on the process group, importing torch only when built; where no process group
+is up (Ray tasks, MPI, ``srun``), :class:`StoreCoordinator` implements it through the store
+itself, so ``import taskpoint`` never imports a training framework.
 
 Example (each of 4 processes, started by any launcher)::
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextvars
 import logging
+import shutil
 import threading
 import time
 import weakref
@@ -43,6 +44,7 @@ from typing import Protocol
 from taskpoint._save import Source, classify, discard, lower_priority, take_snapshot
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import Checkpoint
+from taskpoint.coordination import Coordinator
 from taskpoint.history import SaveStats
 
 __all__ = [
@@ -219,6 +221,7 @@ class _Save:
     commit: SaveStats | None = None  # what the checkpoint reported, if it does
     committed: bool = False
     reported: bool = False
+    part: bool = False  # a multi-writer save, run by the mirror's own thread
 
 
 class FolderMirror:
@@ -306,6 +309,74 @@ class FolderMirror:
             if self._blocking:
                 self._current = None
 
+    def save_part(
+        self,
+        part: Path,
+        *,
+        coordinator: Coordinator,
+        step: int | None = None,
+        remove: Path | None = None,
+    ) -> None:
+        """Commit ``part`` with every other rank's, through
+        :meth:`taskpoint.Checkpoint.save_part_sync`, then remove ``remove`` (by default
+        ``part`` itself).
+
+        ``part`` must be a folder nothing else writes (a staging folder of hard links, see
+        :func:`taskpoint.nodes.stage_part`): it is the snapshot. Every rank of
+        ``coordinator`` calls this once per save, in the same order. In the background the
+        protocol's collectives run in the mirror's thread, so ``coordinator`` must be one
+        no other thread uses while it runs (a :class:`~taskpoint.StoreCoordinator`, or a
+        ``TorchCoordinator`` of its own). Waits first for the previous upload.
+
+        Raises:
+            TypeError: the mirror's checkpoint is not a :class:`~taskpoint.Checkpoint`.
+            CheckpointError: the previous upload failed, or, when blocking, this one did
+                (on every rank: a failed rank fails the save everywhere).
+        """
+        checkpoint = self._checkpoint
+        remove = part if remove is None else remove
+        if not isinstance(checkpoint, Checkpoint):
+            shutil.rmtree(remove, ignore_errors=True)
+            raise TypeError(
+                "a checkpoint written by several processes needs a taskpoint.Checkpoint; "
+                f"got {type(checkpoint).__name__}"
+            )
+        started = time.monotonic()
+        try:
+            self.wait()
+        except BaseException:
+            shutil.rmtree(remove, ignore_errors=True)
+            raise
+        record = _Save(step, background=not self._blocking, started=started, part=True)
+
+        def job() -> None:
+            began = time.monotonic()
+            try:
+                checkpoint.save_part_sync(part, coordinator=coordinator)
+            finally:
+                shutil.rmtree(remove, ignore_errors=True)
+            with self._cond:
+                record.upload_s = time.monotonic() - began
+
+        with self._cond:
+            self._current = record
+        try:
+            if self._blocking:
+                job()
+                with self._cond:
+                    record.committed = True
+            else:
+                self._worker.start(job)
+        except BaseException:
+            with self._cond:
+                self._current = None
+            raise
+        with self._cond:
+            record.blocked_s = time.monotonic() - started
+            self._report(record)
+            if self._blocking:
+                self._current = None
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the upload in flight has committed.
 
@@ -324,7 +395,7 @@ class FolderMirror:
             return True
         try:
             done = (
-                self._wait_native(timeout) if self._native is not None
+                self._wait_native(timeout) if self._native is not None and not record.part
                 else self._worker.wait(timeout)
             )
         except BaseException:

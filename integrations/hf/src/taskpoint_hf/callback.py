@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import taskpoint
-from taskpoint import CheckpointLike
+from taskpoint import CheckpointLike, nodes
 from taskpoint.mirror import FolderMirror, combined_metrics
+from taskpoint.torch_coordination import TorchCoordinator
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from taskpoint_hf import _distributed
@@ -34,6 +36,15 @@ from taskpoint_hf.resume import _scan, _step
 __all__ = ["TaskpointTrainerCallback"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Nodes:
+    """A multi-process job's coordinators (one per thread) and its disks."""
+
+    main: TorchCoordinator
+    uploads: TorchCoordinator
+    disks: nodes.Disks
 
 
 def _written_dir(args: TrainingArguments) -> Path:
@@ -50,10 +61,21 @@ class TaskpointTrainerCallback(TrainerCallback):
     The save happens in ``on_save``, which the Trainer (and TRL's trainers built on it,
     such as ``SFTTrainer``) calls once ``checkpoint-N`` is completely written and the
     ``save_total_limit`` rotation has deleted old ones, so the store holds exactly the
-    checkpoints the Trainer kept. In a distributed job every rank first waits until all
-    ranks have written their part (each writes its own RNG state, sharded strategies their
-    shards), then only world process zero saves. Works with ``save_strategy`` ``"steps"``
-    and ``"epoch"``, full models and PEFT adapters alike.
+    checkpoints the Trainer kept. Works with ``save_strategy`` ``"steps"`` and ``"epoch"``,
+    full models and PEFT adapters alike.
+
+    In a distributed job (a ``torch.distributed`` process group of several processes, with
+    a :class:`taskpoint.Checkpoint`) every node's files reach one checkpoint, with or
+    without a shared disk and whatever ``save_on_each_node`` says: at training start the
+    ranks find out which of them share ``output_dir`` (a token file each); at each save,
+    once every rank has written its files (its RNG state, sharded strategies their
+    shards), the first rank of each disk stages that disk's files, a later disk adding
+    only what the first lacks (its ranks' ``rng_state_<rank>.pth``, its shards), so a
+    shared disk is uploaded once; then every rank commits its part with
+    :meth:`taskpoint.Checkpoint.save_part_sync` over a gloo group of its own. A failure on
+    any rank fails the save on every rank, and a rank that never arrives fails the others
+    after ``timeout`` seconds. With another system's checkpoint, world process zero saves
+    its own ``output_dir`` alone (as before multi-writer checkpoints).
 
     By default the upload runs in the background: world process zero takes a snapshot of
     ``output_dir`` (hard links where the disk allows, a copy otherwise; the Trainer never
@@ -95,11 +117,13 @@ class TaskpointTrainerCallback(TrainerCallback):
             checkpoint on before a background upload lands.
         preempt_timeout: how many seconds a SIGTERM waits for the upload in flight;
             ``None`` waits as long as it takes.
+        timeout: in a distributed job, how many seconds a rank waits for the others at
+            each step of a save (the uploads included).
 
     Raises:
         TypeError: ``checkpoint`` lacks the checkpoint methods, or ``output_dir`` is not a
             path.
-        ValueError: ``preempt_timeout`` is negative.
+        ValueError: ``preempt_timeout`` is negative, or ``timeout`` not positive.
     """
 
     def __init__(
@@ -109,6 +133,7 @@ class TaskpointTrainerCallback(TrainerCallback):
         *,
         blocking: bool | None = None,
         preempt_timeout: float | None = 60.0,
+        timeout: float = 600.0,
     ) -> None:
         if not isinstance(checkpoint, CheckpointLike):
             raise TypeError(
@@ -124,6 +149,10 @@ class TaskpointTrainerCallback(TrainerCallback):
             raise ValueError(
                 f"preempt_timeout must be a number of seconds >= 0 or None; got {preempt_timeout!r}"
             )
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
+        self._timeout = float(timeout)
+        self._nodes: _Nodes | None = None
         self._checkpoint = checkpoint
         self._output_dir = Path(os.fspath(output_dir)) if output_dir is not None else None
         self._mirrored_step: int | None = None
@@ -181,6 +210,7 @@ class TaskpointTrainerCallback(TrainerCallback):
             )
         newest = _scan(folder).complete
         self._mirrored_step = _step(newest[-1]) if newest else None
+        self._nodes = self._nodes or self._find_nodes(folder)
         if state.is_world_process_zero:
             self._wait_on_preempt()
         if (
@@ -237,14 +267,45 @@ class TaskpointTrainerCallback(TrainerCallback):
         behind = step is not None and (self._mirrored_step is None or step > self._mirrored_step)
         if any(_distributed.all_gather_object(behind)):
             self._mirror(args, state, step)
-        if state.is_world_process_zero:
+        if self._nodes is not None:  # every rank takes part in the upload
+            nodes.run_everywhere(self._nodes.main, self._uploads.wait, "finish the last upload")
+        elif state.is_world_process_zero:
             self._uploads.wait()
+        if state.is_world_process_zero:
             metrics = self._take_metrics()
             if metrics:  # no log follows on_train_end: keep them in the log history
                 state.log_history.append({**metrics, "step": state.global_step})
 
+    def _find_nodes(self, folder: Path) -> _Nodes | None:
+        """In a multi-process job saving to a taskpoint.Checkpoint: the coordinators and
+        which ranks share a disk (collectives: every rank calls this once)."""
+        ranks = _distributed.current_ranks()
+        if ranks.world_size < 2 or not ranks.grouped:
+            return None
+        if not isinstance(self._checkpoint, taskpoint.Checkpoint):
+            if ranks.rank == 0:
+                log.warning(
+                    "%r is not a taskpoint.Checkpoint: only world process zero's output_dir "
+                    "is saved (other nodes' own files, such as their RNG states, are not)",
+                    self._checkpoint,
+                )
+            return None
+        main = TorchCoordinator(timeout=self._timeout)
+        uploads = TorchCoordinator(timeout=self._timeout)  # used by the upload thread only
+        disks = nodes.find_disks(main, folder)
+        if disks.leads(main.rank):
+            nodes.discard_stale_parts(folder)
+        log.info(
+            "rank %d: %d process(es) write %s on %d disk(s)",
+            main.rank, main.world_size, folder, disks.count,
+        )
+        return _Nodes(main, uploads, disks)
+
     def _mirror(self, args: TrainingArguments, state: TrainerState, step: int | None) -> None:
         _distributed.barrier()  # every rank has written its files into checkpoint-N
+        if self._nodes is not None:
+            self._mirror_parts(args, self._nodes, step)
+            return
         if not self._uploads.blocking:
             if state.is_world_process_zero:
                 self._save(args, step)
@@ -254,6 +315,19 @@ class TaskpointTrainerCallback(TrainerCallback):
                 self._save(args, step)
         finally:
             _distributed.barrier()  # nobody writes the next checkpoint during the upload
+
+    def _mirror_parts(self, args: TrainingArguments, ranks: _Nodes, step: int | None) -> None:
+        folder = self._folder(args)
+        nodes.run_everywhere(  # the previous upload's error, on whichever rank, everywhere
+            ranks.main, self._uploads.wait, "finish the previous upload"
+        )
+        part = nodes.stage_part(ranks.main, folder, ranks.disks)
+        if ranks.main.rank == 0:
+            log.info("saving %s (step %s) to %r from every node", folder, step, self._checkpoint)
+        self._uploads.save_part(
+            part, coordinator=ranks.uploads, step=step, remove=part.parent
+        )
+        self._mirrored_step = step
 
     def _save(self, args: TrainingArguments, step: int | None) -> None:
         folder = self._folder(args)

@@ -24,10 +24,17 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
-from taskpoint import CheckpointError, CheckpointLike, TaskpointWarning
+from taskpoint import (
+    CheckpointCoordinationError,
+    CheckpointError,
+    CheckpointLike,
+    TaskpointWarning,
+    nodes,
+)
 from taskpoint.mirror import settle_uploads
+from taskpoint.torch_coordination import TorchCoordinator
 
 from taskpoint_hf import _distributed
 
@@ -137,10 +144,10 @@ def _step(path: Path) -> int:
     return step
 
 
-def _target(output_dir: OutputDir) -> tuple[Path, bool, _distributed.Ranks]:
-    """The output folder, whether each node restores its own copy, and this rank."""
+def _target(output_dir: OutputDir) -> tuple[Path, _distributed.Ranks]:
+    """The output folder and this rank."""
     if isinstance(output_dir, (str, os.PathLike)):
-        folder, per_node, ranks = Path(os.fspath(output_dir)), False, _distributed.current_ranks()
+        folder, ranks = Path(os.fspath(output_dir)), _distributed.current_ranks()
     else:
         args = output_dir
         named = getattr(args, "output_dir", None)
@@ -150,7 +157,6 @@ def _target(output_dir: OutputDir) -> tuple[Path, bool, _distributed.Ranks]:
                 f"the Trainer's TrainingArguments (with an output_dir); got {type(output_dir).__name__}"
             )
         folder = Path(os.fspath(named))
-        per_node = bool(getattr(args, "save_on_each_node", False))
         ranks = _distributed.Ranks(
             rank=int(args.process_index),
             local_rank=int(args.local_process_index),
@@ -164,10 +170,12 @@ def _target(output_dir: OutputDir) -> tuple[Path, bool, _distributed.Ranks]:
             "checkpoint: build the TrainingArguments first (that starts the process group) "
             "and pass them instead of the output_dir"
         )
-    return folder, per_node, ranks
+    return folder, ranks
 
 
-def restore_last_checkpoint(checkpoint: CheckpointLike, output_dir: OutputDir) -> Path | None:
+def restore_last_checkpoint(
+    checkpoint: CheckpointLike, output_dir: OutputDir, *, timeout: float = 600.0
+) -> Path | None:
     """Restore the Trainer's output directory and return its newest complete checkpoint.
 
     Loads the newest committed state from ``checkpoint`` (what
@@ -182,63 +190,118 @@ def restore_last_checkpoint(checkpoint: CheckpointLike, output_dir: OutputDir) -
     Uploads this process still runs (a failed attempt's, retried in the same process) are
     waited for first, so the newest checkpoint is found.
 
-    In a distributed job one process restores (the main process of each node when
-    ``save_on_each_node`` is set, else global rank 0) while the others wait; every rank
-    gets the same checkpoint back.
+    In a distributed job the ranks first find out which of them share ``output_dir`` (a
+    token file each), and the first rank of each disk restores the whole checkpoint (every
+    node's files) into it while the others wait, so a node without a shared disk gets its
+    own copy, whatever ``save_on_each_node`` says. Every rank then checks that it sees the
+    restored ``checkpoint-N`` and its own ``rng_state_<rank>.pth``. Each step ends with
+    every rank's outcome gathered (waiting at most ``timeout`` seconds for a rank), so a
+    failure on one rank raises on every rank instead of leaving the others blocked in
+    the Trainer's first collective.
 
     Args:
         checkpoint: where the callback saved the output directory (any
             :class:`~taskpoint.CheckpointLike`).
         output_dir: the Trainer's ``output_dir``, or (recommended in distributed jobs) its
             ``TrainingArguments``.
+        timeout: in a distributed job, how many seconds a rank waits for the others at
+            each step (the restore included).
 
     Returns:
         ``output_dir / "checkpoint-N"`` for the newest complete checkpoint, ready for
         ``trainer.train(resume_from_checkpoint=...)``; ``None`` when nothing was saved yet.
 
     Raises:
-        CheckpointError: the store holds something other than a directory, or the ranks of
-            a distributed job could not agree on a checkpoint (and the store's own errors).
+        CheckpointError: the store holds something other than a directory (and the store's
+            own errors).
+        CheckpointCoordinationError: on every rank of a distributed job: the ranks name
+            different checkpoints or world sizes, a rank failed to restore or cannot see
+            the restored checkpoint, the restoring ranks found different checkpoints, or a
+            rank did not arrive within ``timeout``.
         RuntimeError: a distributed job without a process group was given a plain path.
+
+    Warns:
+        TaskpointWarning: the restored checkpoint lacks this rank's RNG state (it was
+            saved by a job of another size, or by a version of the adapter that saved world
+            process zero's output_dir alone): the resumed run will not repeat the
+            uninterrupted one exactly.
     """
     if not isinstance(checkpoint, CheckpointLike):
         raise TypeError(
             "checkpoint must be a taskpoint.Checkpoint or another CheckpointLike (with "
             f"save/save_sync/load/load_sync); got {type(checkpoint).__name__}"
         )
-    folder, per_node, ranks = _target(output_dir)
+    folder, ranks = _target(output_dir)
     settle_uploads()  # a failed attempt's upload, when retried in this process
-    restores = ranks.local_rank == 0 if per_node else ranks.rank == 0
-    outcome: tuple[str, int | str | None] | None = None
-    failure: BaseException | None = None
-    if restores:
-        try:
-            outcome = ("ok", _restore(checkpoint, folder))
-        except Exception as exc:
-            failure = exc
-            outcome = ("error", f"{type(exc).__name__}: {exc}")
-    outcomes = _distributed.all_gather_object(outcome)
-    if failure is not None:
-        raise failure
-    for rank, other in enumerate(outcomes):
-        if other is not None and other[0] == "error":
-            raise CheckpointError(f"rank {rank} failed to restore {folder}: {other[1]}")
-    steps = {other[1] for other in outcomes if other is not None}
-    if len(steps) != 1:
-        raise CheckpointError(
+    if ranks.world_size < 2:
+        step = _restore(checkpoint, folder)
+        return _resumed(folder, step, ranks)
+
+    coordinator = TorchCoordinator(timeout=timeout)
+    url = getattr(checkpoint, "url", None)  # another system's checkpoint may have none
+    where = str(url) if url is not None else repr(checkpoint)
+    hellos = coordinator.all_gather(
+        {"url": None if url is None else where, "world_size": ranks.world_size}
+    )
+    _check_agreement(hellos, coordinator.rank)
+    disks = nodes.find_disks(coordinator, folder)
+    steps = nodes.run_everywhere(
+        coordinator,
+        lambda: _restore(checkpoint, folder) if disks.leads(coordinator.rank) else "-",
+        f"restore {where} into its output_dir",
+    )
+    found = {step for rank, step in enumerate(steps) if disks.leads(rank)}
+    if len(found) != 1:
+        raise CheckpointCoordinationError(
             f"the ranks restoring {folder} found different checkpoints (steps "
-            f"{sorted(steps, key=str)}); was the store written to while they read it?"
+            f"{sorted(found, key=str)}); was the store written to while they read it?"
         )
-    step = steps.pop()
+    step = found.pop()
+    assert step is None or isinstance(step, int)
+    nodes.run_everywhere(
+        coordinator, lambda: _check_visible(folder, step, ranks.rank),
+        "see the restored checkpoint",
+    )
+    return _resumed(folder, step, ranks)
+
+
+def _check_agreement(hellos: list[Any], rank: int) -> None:
+    """Raise on every rank when the ranks name different checkpoints or world sizes."""
+    urls = [h.get("url") for h in hellos]
+    worlds = [h.get("world_size") for h in hellos]
+    if len(set(urls)) > 1 or len(set(worlds)) > 1:
+        listed = ", ".join(
+            f"rank {r}: {u!r} (world size {w})" for r, (u, w) in enumerate(zip(urls, worlds, strict=True))
+        )
+        raise CheckpointCoordinationError(
+            f"rank {rank}: the ranks disagree about the checkpoint location or the world size "
+            f"({listed}); every rank must restore the same checkpoint. Nothing was restored",
+            ranks=list(range(len(hellos))),
+        )
+
+
+def _check_visible(folder: Path, step: int | None, rank: int) -> None:
+    if step is None:
+        return
+    path = folder / f"checkpoint-{step}"
+    reason = _incomplete_reason(path)
+    if reason is not None:
+        raise CheckpointError(
+            f"rank {rank} cannot use the restored {path}: {reason}; was its output_dir "
+            "changed or removed while the checkpoint was restored?"
+        )
+
+
+def _resumed(folder: Path, step: int | None, ranks: _distributed.Ranks) -> Path | None:
     if step is None:
         return None
-    assert isinstance(step, int)
     path = folder / f"checkpoint-{step}"
-    if _incomplete_reason(path) is not None:
-        raise CheckpointError(
-            f"rank {ranks.rank} cannot see the restored {path}: its output_dir is not shared "
-            "with the rank that restored it; set save_on_each_node=True in the "
-            "TrainingArguments and pass them to restore_last_checkpoint"
+    if ranks.world_size > 1 and not (path / f"rng_state_{ranks.rank}.pth").is_file():
+        _warn(
+            f"rank {ranks.rank}: {path} holds no rng_state_{ranks.rank}.pth, so this rank "
+            "resumes with fresh random state and the run will not repeat an uninterrupted "
+            "one exactly (the checkpoint was saved by a job of another size, or without "
+            "this rank's node's files)"
         )
     log.info("resuming from %s", path)
     return path

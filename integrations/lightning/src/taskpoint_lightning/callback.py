@@ -23,14 +23,16 @@ import os
 import time
 import warnings
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import taskpoint
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
-from taskpoint import CheckpointLike, TaskpointWarning
+from taskpoint import CheckpointLike, TaskpointWarning, nodes
 from taskpoint.mirror import FolderMirror
+from taskpoint.torch_coordination import TorchCoordinator
 
 from taskpoint_lightning._mirror import flush_async_io, unfinished_files, unshare
 from taskpoint_lightning._rng import capture_rng, pick_rng, restore_rng
@@ -63,6 +65,15 @@ def _check_checkpoint(checkpoint: object, owner: str) -> CheckpointLike:
     return checkpoint
 
 
+@dataclass(frozen=True)
+class _Nodes:
+    """A multi-process job's coordinators (one per thread) and its disks."""
+
+    main: TorchCoordinator
+    uploads: TorchCoordinator
+    disks: nodes.Disks
+
+
 def _describe(checkpoint: CheckpointLike) -> str:
     return str(getattr(checkpoint, "url", None) or type(checkpoint).__name__)
 
@@ -85,9 +96,17 @@ class _TaskpointMirror:
         *args: Any,
         blocking: bool | None = None,
         preempt_timeout: float | None = 60.0,
+        timeout: float = 600.0,
         **kwargs: Any,
     ) -> None:
         self._taskpoint = _check_checkpoint(checkpoint, type(self).__name__)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(
+                f"{type(self).__name__}: timeout must be a positive number of seconds; got "
+                f"{timeout!r}"
+            )
+        self._timeout = float(timeout)
+        self._nodes: _Nodes | None = None
         if preempt_timeout is not None and not preempt_timeout >= 0:
             raise ValueError(
                 f"{type(self).__name__}: preempt_timeout must be a number of seconds >= 0 or "
@@ -137,6 +156,24 @@ class _TaskpointMirror:
         self._trainer_ref = weakref.ref(trainer)
         if trainer.is_global_zero:
             self._wait_on_preempt()
+        if self._nodes is None and self.dirpath is not None:
+            self._nodes = self._find_nodes(trainer, Path(self.dirpath))
+
+    def _find_nodes(self, trainer: pl.Trainer, root: Path) -> _Nodes | None:
+        """Several processes saving to a taskpoint.Checkpoint: the coordinators and which
+        ranks share ``dirpath``'s disk (collectives: every rank calls this once)."""
+        import torch.distributed as dist
+
+        if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return None
+        if not isinstance(self._taskpoint, taskpoint.Checkpoint):
+            return None  # another system's checkpoint: global rank zero mirrors alone
+        main = TorchCoordinator(timeout=self._timeout)
+        uploads = TorchCoordinator(timeout=self._timeout)  # used by the upload thread only
+        disks = nodes.find_disks(main, root)
+        if disks.leads(main.rank):
+            nodes.discard_stale_parts(root)
+        return _Nodes(main, uploads, disks)
 
     # -- saving: note each change Lightning makes to dirpath ----------------------------
 
@@ -152,7 +189,9 @@ class _TaskpointMirror:
         # save_last="link" only (re)makes a link, often to the file it already names.
         before = _last_state(self.last_model_path)
         super()._save_last_checkpoint(trainer, monitor_candidates)  # type: ignore[misc]
-        if _last_state(self.last_model_path) != before:
+        # Several processes decide together whether to mirror: every rank must agree, and
+        # only global rank zero makes the link, so any call counts there.
+        if self._nodes is not None or _last_state(self.last_model_path) != before:
             self._unmirrored = True
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
@@ -186,7 +225,8 @@ class _TaskpointMirror:
     ) -> None:
         super().on_exception(trainer, pl_module, exception)  # type: ignore[misc]
         try:
-            self._mirror(trainer)
+            if self._nodes is None:  # the other ranks may not be here: no collective
+                self._mirror(trainer)
             # A SIGTERM (Lightning's SIGTERMException, taskpoint's Preempted) or another
             # failure: the attempt ends once the upload in flight is done.
             if trainer.is_global_zero and not self._uploads.wait(self._preempt_timeout):
@@ -210,6 +250,8 @@ class _TaskpointMirror:
 
     def _finish(self, trainer: pl.Trainer) -> None:
         """Wait for the mirror in flight (raising its error) and log what is left."""
+        if self._nodes is not None:  # every rank takes part in the upload
+            nodes.run_everywhere(self._nodes.main, self._uploads.wait, "finish the last mirror")
         if trainer.is_global_zero:
             self._uploads.wait()
             self._log_stats(trainer)
@@ -249,6 +291,9 @@ class _TaskpointMirror:
             self._log_stats(trainer)
         if not self._unmirrored:
             return
+        if self._nodes is not None and self.dirpath is not None:
+            self._mirror_parts(trainer, self._nodes, Path(self.dirpath), final=final)
+            return
         if not trainer.is_global_zero or self.dirpath is None:
             self._unmirrored = False
             return
@@ -275,6 +320,37 @@ class _TaskpointMirror:
             "mirrored" if self._uploads.blocking else "started mirroring", root,
             _describe(self._taskpoint), trainer.global_step, time.monotonic() - started,
         )
+
+    def _mirror_parts(
+        self, trainer: pl.Trainer, ranks: _Nodes, root: Path, *, final: bool
+    ) -> None:
+        """Every rank commits its disk's share of ``dirpath`` (sharded checkpoints are
+        written by every rank) as one checkpoint."""
+        flush_async_io(trainer.strategy.checkpoint_io)
+        problems = (
+            unfinished_files(root, [self._last_checkpoint_saved])
+            if trainer.is_global_zero else []
+        )
+        problems = nodes.run_everywhere(
+            ranks.main, lambda: problems, "check its checkpoint files"
+        )[0]
+        if problems:
+            if trainer.is_global_zero:
+                message = (
+                    f"not mirroring {root} to {_describe(self._taskpoint)} yet: "
+                    + "; ".join(problems)
+                )
+                if final:
+                    log.warning(message)
+                else:
+                    log.info("%s; trying again after the next save", message)
+            return
+        nodes.run_everywhere(ranks.main, self._uploads.wait, "finish the previous mirror")
+        part = nodes.stage_part(ranks.main, root, ranks.disks)
+        self._uploads.save_part(
+            part, coordinator=ranks.uploads, step=trainer.global_step, remove=part.parent
+        )
+        self._unmirrored = False
 
     # -- random state ------------------------------------------------------------------
 
@@ -349,6 +425,15 @@ class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
     linked, top-k pruning done), global rank zero saves the whole ``dirpath`` to the store
     as one checkpoint, so the store never holds a deleted or partially written file.
 
+    With several processes (a ``torch.distributed`` process group) and a
+    :class:`taskpoint.Checkpoint`, every rank takes part instead: at setup the ranks find
+    out which of them share ``dirpath`` (a token file each); at each mirror the first rank
+    of each disk stages its share (another disk adds only the files inside top-level
+    folders rank 0's disk also has, such as its shards of a sharded checkpoint's folder),
+    and all parts are committed as one checkpoint with
+    :meth:`taskpoint.Checkpoint.save_part_sync`. A failure on one rank fails the mirror on
+    every rank; a rank that never arrives fails the others after ``timeout`` seconds.
+
     By default the upload runs in the background: rank zero takes a snapshot of
     ``dirpath`` (hard links where the disk allows, a copy otherwise), starts uploading it
     and training goes on. A file Lightning writes again (``last.ckpt``) is written as a
@@ -388,14 +473,16 @@ class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
             checkpoint on before a background upload lands.
         preempt_timeout: how many seconds an exception or SIGTERM waits for the upload in
             flight; ``None`` waits as long as it takes.
+        timeout: with several processes, how many seconds a rank waits for the others at
+            each step of a mirror (the uploads included).
         **kwargs: ``ModelCheckpoint``'s keyword arguments: ``dirpath``, ``filename``,
             ``monitor``, ``save_last`` (``True`` or ``"link"``), ``save_top_k``,
             ``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval``, ...
 
     Raises:
         TypeError: ``checkpoint`` is not checkpoint-like (``None`` included).
-        ValueError: ``preempt_timeout`` is negative; at setup, ``dirpath`` is not a local
-            folder.
+        ValueError: ``preempt_timeout`` is negative, ``timeout`` not positive; at setup,
+            ``dirpath`` is not a local folder.
         taskpoint.CheckpointError: a mirror failed (after the store's own retries); the
             training stops and a retry resumes from the previous mirror. A mirror failing
             while Lightning handles another exception is logged instead, so that

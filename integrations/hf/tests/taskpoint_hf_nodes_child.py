@@ -1,0 +1,73 @@
+"""One node's training process for the two-node tests (``test_nodes.py``).
+
+    torchrun --nnodes=2 --node_rank=K ... taskpoint_hf_nodes_child.py --store URL
+        --results DIR [--reference] [--stop STEP] [--fail-restore] [--set KEY=VALUE ...]
+
+Runs the tiny classifier with ``output_dir="out"``, relative to the node's own working
+directory (so each node has its own disk), against the checkpoint ``URL``, and writes
+``DIR/<run>-rank<R>.pt`` when it finishes. ``--reference`` instead runs it uninterrupted,
+without a checkpoint (``output_dir="reference"``). ``--stop`` makes the last rank die
+(``os._exit(137)``) at that step. ``--fail-restore`` makes the restore fail on node 1 (its
+store read raises). Any error is printed as ``rank R: error: ...`` before exiting non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--results", required=True, type=Path)
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--stop", type=int, default=None)
+    parser.add_argument("--fail-restore", action="store_true")
+    parser.add_argument("--set", action="append", default=[])
+    opts = parser.parse_args()
+
+    torch.set_num_threads(1)
+    import taskpoint
+    import taskpoint_hf_testkit as kit
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    node = int(os.environ["GROUP_RANK"])
+    overrides = {k: (v == "true" if v in ("true", "false") else v)
+                 for k, v in (item.split("=", 1) for item in opts.set)}
+    opts.results.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        if opts.reference:
+            result = kit.run_classifier(None, Path("reference"), **overrides)
+            torch.save(result.to_dict(), opts.results / f"reference-rank{rank}.pt")
+            return 0
+        checkpoint = taskpoint.Checkpoint(opts.store)
+        if opts.fail_restore and node == 1:
+            def unreadable(**kwargs: object) -> None:
+                raise OSError("simulated: node 1 cannot read the store")
+            checkpoint.load_sync = unreadable  # type: ignore[method-assign]
+        stop = kit.StopAt(opts.stop, how="exit") if opts.stop and rank == world - 1 else None
+        result = kit.run_classifier(checkpoint, Path("out"), stop=stop, **overrides)
+    except Exception as exc:
+        traceback.print_exc()
+        print(
+            f"rank {rank}: error after {time.monotonic() - started:.1f}s: "
+            f"{type(exc).__name__}: {exc}",
+            flush=True,
+        )
+        return 1
+    print(f"rank {rank}: resumed from {result.resumed_from}", flush=True)
+    torch.save(result.to_dict(), opts.results / f"run-rank{rank}.pt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Two nodes without a shared disk: ``torchrun --nnodes=2`` launched twice on loopback, each
+from its own working directory, with a relative ``output_dir`` (issue #20)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import taskpoint
+import taskpoint_hf_testkit as kit
+import torch
+
+CHILD = Path(__file__).with_name("taskpoint_hf_nodes_child.py")
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _nodes(
+    root: Path, stores: tuple[str, str], *extra: str, timeout: float = 400
+) -> list[subprocess.CompletedProcess[str]]:
+    """Both nodes' torchrun, each in ``root/node<K>``; their completed processes."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launched = []
+    for node, store in enumerate(stores):
+        cwd = root / f"node{node}"
+        cwd.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+            str(CHILD), "--store", store, "--results", str(root / "results"), *extra,
+        ]
+        launched.append(subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        ))
+    done = []
+    for process in launched:
+        out, _ = process.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(process.args, process.returncode, out, ""))
+    return done
+
+
+def _one_disk(root: Path, store: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """Both ranks on one node (one shared ``output_dir``): ``torchrun --standalone``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    (root / "shared").mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(CHILD), "--store", store, "--results", str(root / "results"), *extra,
+    ]
+    return subprocess.run(
+        command, cwd=root / "shared", env=env, capture_output=True, text=True, timeout=400
+    )
+
+
+def _load(path: Path) -> kit.Result:
+    return kit.Result.from_dict(torch.load(path, weights_only=False))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted two-node run's results (``reference-rank<R>.pt``)."""
+    root = tmp_path_factory.mktemp("reference")
+    unused = f"file://{root / 'store'}"
+    launched = _nodes(root, (unused, unused), "--reference")
+    assert all(r.returncode == 0 for r in launched), launched[1].stdout[-3000:]
+    return root / "results"
+
+
+@pytest.mark.parametrize("each_node", [True, False], ids=["save_on_each_node", "node0_saves"])
+def test_killed_two_node_run_resumes_exactly_with_each_nodes_rng(
+    tmp_path: Path, reference: Path, each_node: bool
+) -> None:
+    _killed_and_resumed(tmp_path, reference, f"file://{tmp_path / 'store'}", each_node)
+
+
+@pytest.mark.parametrize("store_url", ["seaweedfs"], indirect=True)
+def test_killed_two_node_run_resumes_exactly_through_seaweedfs_s3(
+    tmp_path: Path, reference: Path, store_url: str
+) -> None:
+    _killed_and_resumed(tmp_path, reference, store_url, each_node=False)
+
+
+def _killed_and_resumed(tmp_path: Path, reference: Path, store: str, each_node: bool) -> None:
+    both = (store, store)
+    setting = ("--set", f"save_on_each_node={'true' if each_node else 'false'}")
+
+    killed = _nodes(tmp_path, both, "--stop", "7", *setting)  # rank 1 dies at step 7
+    assert any(r.returncode != 0 for r in killed)
+    assert not list((tmp_path / "results").glob("run-rank*.pt"))
+
+    for node in (0, 1):  # the nodes' disks are gone: a fresh machine each
+        for leftover in (tmp_path / f"node{node}" / "out").glob("checkpoint-*"):
+            subprocess.run(["rm", "-rf", str(leftover)], check=True)
+
+    finished = _nodes(tmp_path, both, *setting)
+    for node, launch in enumerate(finished):
+        assert launch.returncode == 0, launch.stdout[-3000:]
+        # each node resumed from its own restored copy, which held its rank's RNG state
+        # (restore_last_checkpoint warns when it does not)
+        assert f"rank {node}: resumed from out/checkpoint-6" in launch.stdout
+        assert "TaskpointWarning" not in launch.stdout, launch.stdout[-3000:]
+    for rank in (0, 1):
+        kit.assert_same_run(
+            _load(tmp_path / "results" / f"run-rank{rank}.pt"),
+            _load(reference / f"reference-rank{rank}.pt"),
+        )
+    # the store's newest checkpoint holds both nodes' files, written once
+    newest = taskpoint.Checkpoint(store).load_sync()
+    assert newest is not None and newest.name == "out"
+    files = {p.name for p in (newest / "checkpoint-12").iterdir()}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= files
+    assert not [p for p in newest.iterdir() if p.name.startswith(".taskpoint-")]
+
+
+def test_a_restore_failing_on_node_1_fails_every_rank_promptly(tmp_path: Path) -> None:
+    store = f"file://{tmp_path / 'store'}"
+    started = time.monotonic()
+    failed = _nodes(tmp_path, (store, store), "--fail-restore", timeout=300)
+    took = time.monotonic() - started
+    for node, launch in enumerate(failed):
+        assert launch.returncode != 0, launch.stdout[-3000:]
+        assert f"rank {node}: error" in launch.stdout, launch.stdout[-3000:]
+        assert "node 1 cannot read the store" in launch.stdout
+    assert took < 200
+
+
+def test_ranks_naming_different_checkpoints_fail_before_any_upload(tmp_path: Path) -> None:
+    stores = (f"file://{tmp_path / 'store-a'}", f"file://{tmp_path / 'store-b'}")
+    failed = _nodes(tmp_path, stores, timeout=300)
+    for node, launch in enumerate(failed):
+        assert launch.returncode != 0, launch.stdout[-3000:]
+        assert f"rank {node}: error" in launch.stdout, launch.stdout[-3000:]
+        assert "disagree about the checkpoint location" in launch.stdout
+    for name in ("store-a", "store-b"):
+        stored = tmp_path / name
+        assert not stored.exists() or not list(stored.rglob("*.manifest.json"))
+        assert not (stored / "objects").exists()
+
+
+def test_a_shared_disk_is_uploaded_once_and_restored_once(tmp_path: Path, reference: Path) -> None:
+    store = f"file://{tmp_path / 'store'}"
+    killed = _one_disk(tmp_path, store, "--stop", "7")
+    assert killed.returncode != 0
+    finished = _one_disk(tmp_path, store)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: resumed from out/checkpoint-6" in finished.stdout
+        kit.assert_same_run(
+            _load(tmp_path / "results" / f"run-rank{rank}.pt"),
+            _load(reference / f"reference-rank{rank}.pt"),
+        )
+    # rank 0 staged the shared output_dir, rank 1 nothing: no file uploaded twice
+    newest = taskpoint.Checkpoint(store).committed()[0]
+    assert newest.parts is not None and newest.parts["1"] == ()
+    assert "checkpoint-12/rng_state_1.pth" in newest.parts["0"]

@@ -1,0 +1,61 @@
+"""One node's process for the two-node tests (``test_nodes.py``), started by torchrun.
+
+Usage: torchrun --nnodes=2 --node_rank=K ... nodes_script.py STORE_URL RESULTS
+[--reference] [--kill-at N]. Trains TinyModule with DDP on 2 nodes x 1 CPU process, its
+``dirpath`` ("ckpts") relative to the node's own working directory, mirroring after each
+epoch and resuming from the store; ``--reference`` trains uninterrupted without a store.
+Every rank writes its final weights to ``RESULTS/<run>-rank<R>.pt`` and prints
+``rank R: STARTED <epoch> <step>``; ``--kill-at`` makes every rank die at that global step
+(once the mirror in flight has committed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lightning as L
+import testlib as lib
+import torch
+from taskpoint import Checkpoint
+from taskpoint_lightning import TaskpointModelCheckpoint, resume_ckpt_path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("store")
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--kill-at", type=int, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    args.results.mkdir(parents=True, exist_ok=True)
+
+    L.seed_everything(0)
+    model = lib.TinyModule(kill_at=args.kill_at)
+    callbacks: list[object] = []
+    ckpt_path = None
+    if not args.reference:
+        ckpt = Checkpoint(args.store)
+        mc = TaskpointModelCheckpoint(ckpt, dirpath="ckpts", save_last=True, every_n_epochs=1)
+        model.before_kill = mc.wait
+        callbacks.append(mc)
+        ckpt_path = resume_ckpt_path(ckpt, dirpath="ckpts")
+    trainer = lib.trainer(
+        callbacks, default_root_dir=".", num_nodes=2, devices=1, strategy="ddp",
+        enable_checkpointing=not args.reference,
+    )
+    trainer.fit(model, lib.loader("shuffle"), ckpt_path=ckpt_path)
+    assert model.started_at is not None
+    name = "reference" if args.reference else "run"
+    torch.save(lib.weights(model), args.results / f"{name}-rank{rank}.pt")
+    print(f"rank {rank}: STARTED", *model.started_at, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""``taskpoint.nodes``: which ranks share a disk, what each stages, and failures everywhere.
+
+The ranks are threads meeting through a :class:`taskpoint.StoreCoordinator` on a local
+folder (the real multi-node runs are the adapters' ``test_nodes.py``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import taskpoint
+from taskpoint import nodes
+from taskpoint.mirror import FolderMirror
+
+
+def _on_ranks(tmp_path: Path, world: int, work: Callable[[taskpoint.Coordinator], Any]) -> list[Any]:
+    """Run ``work`` on ``world`` threads, each its own rank; their results or errors."""
+    session = uuid.uuid4().hex[:12]
+
+    def one(rank: int) -> Any:
+        coordinator = taskpoint.StoreCoordinator(
+            str(tmp_path / "meet"), rank=rank, world_size=world, session=session, timeout=20,
+            poll=0.02,
+        )
+        try:
+            return work(coordinator)
+        except Exception as exc:
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        return list(pool.map(one, range(world)))
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def _disks(tmp_path: Path) -> list[Path]:
+    """Ranks 0 and 1 share disk ``a``; rank 2 has ``b`` to itself."""
+    a, b = tmp_path / "a" / "out", tmp_path / "b" / "out"
+    return [a, a, b]
+
+
+def test_ranks_sharing_a_folder_have_one_leader_and_the_tokens_go(tmp_path: Path) -> None:
+    folders = _disks(tmp_path)
+    found = _on_ranks(tmp_path, 3, lambda c: nodes.find_disks(c, folders[c.rank]))
+    assert [d.leaders for d in found] == [(0, 0, 2)] * 3
+    assert found[0].count == 2 and found[0].leads(2) and not found[0].leads(1)
+    assert not list((tmp_path / "a" / "out").iterdir())
+    assert not list((tmp_path / "b" / "out").iterdir())
+
+
+def test_each_disk_stages_only_what_the_first_disk_lacks(tmp_path: Path) -> None:
+    folders = _disks(tmp_path)
+    _write(folders[0], {
+        "checkpoint-6/model.bin": "m", "checkpoint-6/rng_state_0.pth": "r0",
+        "checkpoint-6/rng_state_1.pth": "r1", "runs/log": "l",
+    })
+    _write(folders[2], {
+        "checkpoint-6/model.bin": "m", "checkpoint-6/rng_state_2.pth": "r2",
+        "checkpoint-3/rng_state_2.pth": "old",  # rotated away on the first disk
+        "runs/log2": "l2", "top.txt": "t",
+    })
+
+    def stage(c: taskpoint.Coordinator) -> list[str]:
+        disks = nodes.find_disks(c, folders[c.rank])
+        part = nodes.stage_part(c, folders[c.rank], disks)
+        assert part.name == "out" and part.parent.name.startswith(nodes.PRIVATE_PREFIX)
+        return nodes.list_files(part)
+
+    staged = _on_ranks(tmp_path, 3, stage)
+    assert staged[0] == [
+        "checkpoint-6/model.bin", "checkpoint-6/rng_state_0.pth",
+        "checkpoint-6/rng_state_1.pth", "runs/log",
+    ]
+    assert staged[1] == []
+    assert staged[2] == ["checkpoint-6/rng_state_2.pth", "runs/log2"]
+    assert nodes.list_files(folders[0])[0] == "checkpoint-6/model.bin"  # parts not listed
+
+
+def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    def step(c: taskpoint.Coordinator) -> list[Any]:
+        def action() -> int:
+            if c.rank == 1:
+                raise OSError("disk full")
+            return c.rank
+        return nodes.run_everywhere(c, action, "restore")
+
+    results = _on_ranks(tmp_path, 3, step)
+    assert isinstance(results[1], OSError)
+    for rank in (0, 2):
+        assert isinstance(results[rank], taskpoint.CheckpointCoordinationError)
+        assert "rank 1: OSError: disk full" in str(results[rank])
+
+
+def test_mirror_commits_every_ranks_part_in_the_background(tmp_path: Path) -> None:
+    folders = _disks(tmp_path)
+    _write(folders[0], {"checkpoint-6/model.bin": "m", "checkpoint-6/rng_state_0.pth": "r0"})
+    _write(folders[2], {"checkpoint-6/rng_state_2.pth": "r2"})
+    url = str(tmp_path / "store")
+
+    def save(c: taskpoint.Coordinator) -> None:
+        disks = nodes.find_disks(c, folders[c.rank])
+        part = nodes.stage_part(c, folders[c.rank], disks)
+        mirror = FolderMirror(taskpoint.Checkpoint(url), blocking=False)
+        mirror.save_part(part, coordinator=c, step=6, remove=part.parent)
+        assert mirror.wait(30)
+        assert not part.parent.exists()
+
+    assert _on_ranks(tmp_path, 3, save) == [None, None, None]
+    restored = taskpoint.Checkpoint(url).load_sync()
+    assert restored is not None and restored.name == "out"
+    assert nodes.list_files(restored) == [
+        "checkpoint-6/model.bin", "checkpoint-6/rng_state_0.pth", "checkpoint-6/rng_state_2.pth",
+    ]
+
+
+def test_mirror_refuses_parts_for_another_systems_checkpoint(tmp_path: Path) -> None:
+    class Other:
+        def save_sync(self, data: Any) -> None: ...
+        async def save(self, data: Any) -> None: ...
+        def load_sync(self) -> None: ...
+        async def load(self) -> None: ...
+
+    part = tmp_path / "part"
+    part.mkdir()
+    coordinator = taskpoint.StoreCoordinator(str(tmp_path), rank=0, world_size=1, session="s")
+    with pytest.raises(TypeError, match=r"taskpoint\.Checkpoint"):
+        FolderMirror(Other()).save_part(part, coordinator=coordinator)
+    assert not part.exists()
