@@ -395,24 +395,18 @@ class TaskpointState:
     ) -> None:
         """Every rank: gather RNG states, agree the bundle's rest is valid, ``dcp.save``."""
         rank, world = rank_and_size()
-        local_error: Exception | None = None
-        rng_state: dict[str, Any] | None = None
-        try:
+
+        def prepare() -> None:
             if background:
                 raise ValueError("sharded=True saves are blocking: background=True is refused")
             _check_sharded_checkpoint(checkpoint)
-            epoch = _check_counter("epoch", epoch)
-            step = _check_counter("step", step)
-            extra_state = _check_extra(extra)
-            rng_state = capture_rng() if self._rng else None
-        except Exception as exc:
-            local_error = exc
-        gathered = all_gather((rng_state, _describe_error(local_error)))
-        _raise_first_failure(local_error, [message for _, message in gathered], "save the state")
+
+        epoch, step, extra_state, rng_states = self._agree_to_save(prepare, epoch, step, extra)
         save_id = broadcast_from_zero(uuid.uuid4().hex)
         rest: dict[str, Any] = {}
+        local_error: Exception | None = None
         try:
-            rest = self._rest(epoch, step, extra_state, [r for r, _ in gathered], world, save_id)
+            rest = self._rest(epoch, step, extra_state, rng_states, world, save_id)
             for key, value in rest.items():
                 check_weights_only(value, key)
         except Exception as exc:
@@ -468,26 +462,18 @@ class TaskpointState:
         Rank 0 first waits for its background save in flight: its failure fails the save
         on every rank."""
         rank, world = rank_and_size()
-        local_error: Exception | None = None
-        rng_state: dict[str, Any] | None = None
-        try:
+
+        def prepare() -> None:
             if rank == 0:
                 self._uploads.wait()
             _check_checkpoint(checkpoint)
-            epoch = _check_counter("epoch", epoch)
-            step = _check_counter("step", step)
-            extra_state = _check_extra(extra)
-            # First, before anything could draw a random number.
-            rng_state = capture_rng() if self._rng else None
-        except Exception as exc:
-            local_error = exc
-        gathered = all_gather((rng_state, _describe_error(local_error)))
-        _raise_first_failure(local_error, [message for _, message in gathered], "save the state")
+
+        epoch, step, extra_state, rng_states = self._agree_to_save(prepare, epoch, step, extra)
         staged = _Staged(rank=rank)
         if rank != 0:
             return staged
         try:
-            bundle = self._bundle(epoch, step, extra_state, [r for r, _ in gathered], world)
+            bundle = self._bundle(epoch, step, extra_state, rng_states, world)
             for key, value in bundle.items():
                 check_weights_only(value, key)
             if copy:
@@ -504,6 +490,40 @@ class TaskpointState:
             staged.error = exc
             staged.path = None
         return staged
+
+    def _agree_to_save(
+        self,
+        prepare: Callable[[], None],
+        epoch: int,
+        step: int,
+        extra: Mapping[str, Any] | None,
+    ) -> tuple[int, int, dict[str, Any], list[dict[str, Any] | None]]:
+        """Every rank: run ``prepare``, check the counters and ``extra``, capture this
+        rank's RNG state, and gather them all (a collective).
+
+        Returns:
+            The checked epoch, step and extra state, and every rank's RNG state in rank
+            order.
+
+        Raises:
+            Exception: what ``prepare`` or a check raised here, or :class:`StateError`
+                when another rank failed: every rank raises, none goes on to save.
+        """
+        local_error: Exception | None = None
+        rng_state: dict[str, Any] | None = None
+        extra_state: dict[str, Any] = {}
+        try:
+            prepare()
+            epoch = _check_counter("epoch", epoch)
+            step = _check_counter("step", step)
+            extra_state = _check_extra(extra)
+            # After the checks (they draw no random numbers), before anything that could.
+            rng_state = capture_rng() if self._rng else None
+        except Exception as exc:
+            local_error = exc
+        gathered = all_gather((rng_state, _describe_error(local_error)))
+        _raise_first_failure(local_error, [message for _, message in gathered], "save the state")
+        return epoch, step, extra_state, [state for state, _ in gathered]
 
     def _bundle(
         self,
