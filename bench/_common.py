@@ -320,3 +320,25 @@ def s3_server(nice: int = 0) -> Weed | Moto:
     except Exception as exc:
         print(f"SeaweedFS unavailable ({exc}); falling back to moto", flush=True)
         return Moto()
+
+
+@contextlib.contextmanager
+def bench_store(kind: str, prefix: str) -> Iterator[tuple[str, dict[str, Any], Path]]:
+    """A scratch folder and a fresh checkpoint location on ``kind`` (``file``: the local
+    disk; ``s3``: a server from :func:`s3_server`), as ``(url, storage_options, scratch)``;
+    the server stops and the folder goes on exit."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    server: Weed | Moto | None = None
+    try:
+        if kind == "file":
+            url, options = f"file://{tmp / 'store'}", {}
+            print("store file:// (local disk)", flush=True)
+        else:
+            server = s3_server()
+            url, options = f"s3://bench/{tmp.name}", server.options
+            print(f"store s3:// ({server.name} on 127.0.0.1)", flush=True)
+        yield url, options, tmp
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -32,7 +32,6 @@ import contextlib
 import os
 import shutil
 import tarfile
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -47,14 +46,12 @@ import numpy as np  # noqa: E402
 import taskpoint  # noqa: E402
 from _common import (  # noqa: E402
     FreshSaves,
-    Moto,
-    Weed,
+    bench_store,
     make_data,
     note,
     raw_get_s,
     raw_put_s,
     report,
-    s3_server,
     timed,
 )
 from taskpoint import tree  # noqa: E402
@@ -303,26 +300,12 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs; taskpoint {taskpoint.__version__}; "
           f"default chunk {default_kib} KiB", flush=True)
     for store in args.stores.split(","):
-        tmp = Path(tempfile.mkdtemp(prefix="tp-bench-inc-"))
-        server: Weed | Moto | None = None
-        try:
-            if store == "file":
-                url, options = f"file://{tmp / 'store'}", {}
-                print("store file:// (local disk)", flush=True)
-            else:
-                server = s3_server()
-                url, options = f"s3://bench/{tmp.name}", server.options
-                print(f"store s3:// ({server.name} on 127.0.0.1)", flush=True)
+        with bench_store(store, "tp-bench-inc-") as (url, options, tmp):
             if "tree" not in skip:
                 tree_cases(store, url, options, args.size_mb, args.fresh_mb, args.repeat, tmp)
             if "frameworks" not in skip:
                 framework_cases(store, url, options,
                                 chunks if store == args.stores.split(",")[0] else chunks[:1], tmp)
-        finally:
-            if server is not None:
-                server.stop()
-            shutil.rmtree(tmp, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()

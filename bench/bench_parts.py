@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import taskpoint
-from _common import Moto, Weed, make_data, peak_rss, s3_server
+from _common import bench_store, make_data, peak_rss
 
 
 def _writer(
@@ -133,22 +132,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs; taskpoint {taskpoint.__version__}", flush=True)
     for store in args.stores.split(","):
-        tmp = Path(tempfile.mkdtemp(prefix="tp-bench-parts-"))
-        server: Weed | Moto | None = None
-        try:
-            if store == "file":
-                url, options = f"file://{tmp / 'store'}", {}
-                print("store file:// (local disk)", flush=True)
-            else:
-                server = s3_server()
-                url, options = f"s3://bench/{tmp.name}", server.options
-                print(f"store s3:// ({server.name} on 127.0.0.1)", flush=True)
+        with bench_store(store, "tp-bench-parts-") as (url, options, tmp):
             cases(store, url, options, tmp, args)
-        finally:
-            if server is not None:
-                server.stop()
-            shutil.rmtree(tmp, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()
