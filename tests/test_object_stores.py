@@ -19,6 +19,7 @@ from typing import Any
 import _servers
 import pytest
 from taskpoint import Checkpoint, CheckpointStoreError, RetryPolicy
+from taskpoint import tree as tree_module
 
 BUCKET = "taskpoint-tests"
 MiB = 2**20
@@ -248,12 +249,20 @@ def test_large_objects_upload_in_parts_and_round_trip(
     assert restored is not None
     assert (restored / "shards" / "a.bin").read_bytes() == (tree / "shards" / "a.bin").read_bytes()
 
-    # Format 2: the large file goes up as content-defined chunks, each its own object.
+    # Format 2: the large file is cut into content-defined chunks, which go up packed, in
+    # order, into objects of about PACK_SIZE (8 MiB): 12 MiB makes at least two.
     proxy.requests.clear()
     through(proxy, kind, url, keep=1).save_sync(tree)  # keep=1: its own commit, no re-reads
-    objects = [t for m, t in proxy.requests if m in ("PUT", "POST") and "objects" in t]
+    objects = {
+        t.split("?")[0].rsplit("/", 1)[-1]
+        for m, t in proxy.requests if m in ("PUT", "POST") and "objects" in t
+    }
     if kind != "gcs":  # GCS names small objects in the request body, not the URL
-        assert len(objects) >= 6, proxy.requests
+        assert len(objects) >= 12 * MiB // tree_module.PACK_SIZE, proxy.requests
+    (manifest,) = direct(proxy.server, url).committed()
+    (entry,) = [e for e in manifest.entries or () if e.path == "shards/a.bin"]
+    assert len(entry.blobs) >= 6  # chunks of about 512 KiB
+    assert len({blob.object for blob in entry.blobs}) >= 12 * MiB // tree_module.PACK_SIZE
     restored = direct(proxy.server, url).load_sync()
     assert restored is not None
     assert (restored / "shards" / "a.bin").read_bytes() == (tree / "shards" / "a.bin").read_bytes()
