@@ -283,9 +283,8 @@ class FolderMirror:
         started = time.monotonic()
         self.wait()
         record = _Save(step, background=not self._blocking, started=started)
-        with self._cond:
-            self._current = record
-        try:
+
+        def start() -> None:
             if self._blocking:
                 self._checkpoint.save_sync(folder)
                 upload_s = time.monotonic() - started
@@ -299,15 +298,8 @@ class FolderMirror:
             else:
                 source = take_snapshot(classify(folder, started), "link")
                 self._worker.start(lambda: self._upload(record, source))
-        except BaseException:
-            with self._cond:
-                self._current = None
-            raise
-        with self._cond:
-            record.blocked_s = time.monotonic() - started
-            self._report(record)
-            if self._blocking:
-                self._current = None
+
+        self._record(record, start)
 
     def save_part(
         self,
@@ -358,21 +350,30 @@ class FolderMirror:
             with self._cond:
                 record.upload_s = time.monotonic() - began
 
-        with self._cond:
-            self._current = record
-        try:
+        def start() -> None:
             if self._blocking:
                 job()
                 with self._cond:
                     record.committed = True
             else:
                 self._worker.start(job)
+
+        self._record(record, start)
+
+    def _record(self, record: _Save, start: Callable[[], None]) -> None:
+        """Make ``record`` the save in flight while ``start`` runs it (to the commit when
+        blocking, else until its upload is started), then report how long the caller was
+        blocked; a save that fails to start is no longer in flight."""
+        with self._cond:
+            self._current = record
+        try:
+            start()
         except BaseException:
             with self._cond:
                 self._current = None
             raise
         with self._cond:
-            record.blocked_s = time.monotonic() - started
+            record.blocked_s = time.monotonic() - record.started
             self._report(record)
             if self._blocking:
                 self._current = None
