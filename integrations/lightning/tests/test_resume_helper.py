@@ -46,6 +46,26 @@ def test_prefers_newest_last_then_newest_ckpt(store_url: str, tmp_path: Path) ->
     assert path is not None and Path(path).name == "epoch=3.ckpt"
 
 
+def test_a_sharded_checkpoint_folder_counts_dated_by_its_newest_file(
+    store_url: str, tmp_path: Path
+) -> None:
+    # FSDPStrategy(state_dict_type="sharded") writes each .ckpt as a folder of shard files
+    root = make_tree(tmp_path / "ckpts", {"epoch=1.ckpt": 100})
+    make_tree(root / "last.ckpt", {".metadata": 150, "__0_0.distcp": 50, "__1_0.distcp": 50})
+    make_tree(root / "epoch=3.ckpt", {".metadata": 300, "__0_0.distcp": 300})
+    (root / "epoch=4.ckpt").mkdir()  # an empty folder is no checkpoint
+    ckpt = taskpoint.Checkpoint(store_url)
+    ckpt.save_sync(root)
+    path = resume_ckpt_path(ckpt)
+    assert path is not None and Path(path).name == "last.ckpt" and Path(path).is_dir()
+
+    newer = make_tree(tmp_path / "b" / "ckpts", {"epoch=1.ckpt": 100})
+    make_tree(newer / "epoch=2.ckpt", {".metadata": 200})
+    ckpt.save_sync(newer)
+    path = resume_ckpt_path(ckpt)
+    assert path is not None and Path(path).name == "epoch=2.ckpt"
+
+
 def test_no_ckpt_in_the_mirror_gives_none(store_url: str, tmp_path: Path) -> None:
     ckpt = taskpoint.Checkpoint(store_url)
     ckpt.save_sync(make_tree(tmp_path / "ckpts", {"notes.txt": 1}))

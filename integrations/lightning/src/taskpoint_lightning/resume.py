@@ -41,6 +41,28 @@ def _is_global_zero() -> bool:
     return all(int(os.environ.get(name, "0")) == 0 for name in ("LOCAL_RANK", "NODE_RANK"))
 
 
+def _newest_ckpt(root: Path, pattern: str) -> Path | None:
+    """The newest ``.ckpt`` under ``root`` matching ``pattern``: a file, or a folder (a
+    sharded strategy's checkpoint, one file per rank), dated by its newest file."""
+    if root.is_file():
+        return latest_checkpoint(root, pattern)
+    newest: tuple[int, str] | None = None
+    found = None
+    for path in root.glob(pattern):
+        if path.is_dir():
+            files = [p for p in path.rglob("*") if p.is_file()]
+            if not files:
+                continue
+            when = max(latest.stat().st_mtime_ns for latest in files)
+        elif path.is_file():
+            when = path.stat().st_mtime_ns
+        else:
+            continue
+        if newest is None or (when, str(path)) > newest:
+            newest, found = (when, str(path)), path
+    return found
+
+
 def _replace_tree(restored: Path, target: Path) -> Path:
     """Make ``target`` hold exactly the restored tree (files moved, times kept)."""
     target.mkdir(parents=True, exist_ok=True)
@@ -70,7 +92,8 @@ def resume_ckpt_path(
 
     Returns:
         The newest ``last*.ckpt`` of the restored tree, else its newest ``*.ckpt``
-        (newest by modification time, which the store keeps); ``None`` when nothing was
+        (newest by modification time, which the store keeps; a sharded strategy's
+        checkpoint is a folder, dated by its newest file); ``None`` when nothing was
         mirrored yet (the first attempt) or the mirror holds no ``.ckpt`` file.
 
     Mirrors this process still uploads (a failed attempt's, retried in the same process)
@@ -87,7 +110,7 @@ def resume_ckpt_path(
     if dirpath is not None and restored.is_dir() and _is_global_zero():
         root = _replace_tree(restored, Path(dirpath))
         _filled.add(os.path.realpath(root))
-    found = latest_checkpoint(root, "**/last*.ckpt") or latest_checkpoint(root, "**/*.ckpt")
+    found = _newest_ckpt(root, "**/last*.ckpt") or _newest_ckpt(root, "**/*.ckpt")
     if found is None:
         log.warning("the restored checkpoint %s holds no .ckpt file; starting afresh", root)
         return None
