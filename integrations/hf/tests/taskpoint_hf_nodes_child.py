@@ -1,14 +1,17 @@
 """One node's training process for the two-node tests (``test_nodes.py``).
 
     torchrun --nnodes=2 --node_rank=K ... taskpoint_hf_nodes_child.py --store URL
-        --results DIR [--reference] [--stop STEP] [--fail-restore] [--set KEY=VALUE ...]
+        --results DIR [--reference] [--stop STEP] [--fail-restore] [--fsdp]
+        [--set KEY=VALUE ...]
 
 Runs the tiny classifier with ``output_dir="out"``, relative to the node's own working
 directory (so each node has its own disk), against the checkpoint ``URL``, and writes
 ``DIR/<run>-rank<R>.pt`` when it finishes. ``--reference`` instead runs it uninterrupted,
 without a checkpoint (``output_dir="reference"``). ``--stop`` makes the last rank die
 (``os._exit(137)``) at that step. ``--fail-restore`` makes the restore fail on node 1 (its
-store read raises). Any error is printed as ``rank R: error: ...`` before exiting non-zero.
+store read raises). ``--fsdp`` trains on the node's GPU with FSDP2 and
+``SHARDED_STATE_DICT`` (each rank writes its own model and optimizer shards), fully
+deterministic. Any error is printed as ``rank R: error: ...`` before exiting non-zero.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main() -> int:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--stop", type=int, default=None)
     parser.add_argument("--fail-restore", action="store_true")
+    parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--set", action="append", default=[])
     opts = parser.parse_args()
 
@@ -42,6 +46,11 @@ def main() -> int:
     node = int(os.environ["GROUP_RANK"])
     overrides = {k: (v == "true" if v in ("true", "false") else v)
                  for k, v in (item.split("=", 1) for item in opts.set)}
+    if opts.fsdp:
+        overrides.update(
+            use_cpu=False, full_determinism=True, fsdp=True,
+            fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"},
+        )
     opts.results.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:

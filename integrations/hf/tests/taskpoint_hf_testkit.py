@@ -184,7 +184,16 @@ def assert_same_run(got: Result, want: Result) -> None:
 
 def _result(trainer: Trainer, resumed: Path | None) -> Result:
     losses = [(int(h["step"]), float(h["loss"])) for h in trainer.state.log_history if "loss" in h]
-    weights = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+    if trainer.is_fsdp_enabled:  # gather the shards: every rank compares the whole model
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    else:
+        state = trainer.model.state_dict()
+    weights = {k: v.detach().cpu().clone() for k, v in state.items()}
     extra = {"log_history": [dict(entry) for entry in trainer.state.log_history]}
     return Result(
         trainer.state.global_step, losses, weights, str(resumed) if resumed else None, extra

@@ -26,15 +26,19 @@ def _free_port() -> int:
 
 
 def _nodes(
-    root: Path, stores: tuple[str, str], *extra: str, timeout: float = 400
+    root: Path, stores: tuple[str, str], *extra: str, timeout: float = 400, gpus: bool = False
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Both nodes' torchrun, each in ``root/node<K>``; their completed processes."""
+    """Both nodes' torchrun, each in ``root/node<K>``; their completed processes.
+
+    ``gpus``: node K sees only CUDA device K."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     launched = []
     for node, store in enumerate(stores):
         cwd = root / f"node{node}"
         cwd.mkdir(parents=True, exist_ok=True)
+        if gpus:
+            env = {**env, "CUDA_VISIBLE_DEVICES": str(node)}
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
             f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
@@ -165,3 +169,33 @@ def test_a_shared_disk_is_uploaded_once_and_restored_once(tmp_path: Path, refere
     newest = taskpoint.Checkpoint(store).committed()[0]
     assert newest.parts is not None and newest.parts["1"] == ()
     assert "checkpoint-12/rng_state_1.pth" in newest.parts["0"]
+
+
+@pytest.mark.gpu
+def test_fsdp_sharded_state_dict_on_two_nodes_resumes_exactly(tmp_path: Path) -> None:
+    """FSDP2 with ``SHARDED_STATE_DICT``, one GPU per node, no shared disk: each rank's
+    model and optimizer shards reach the store from its own node and come back to it."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (one per node; NCCL refuses two ranks on one)")
+    store = f"file://{tmp_path / 'store'}"
+    unused = f"file://{tmp_path / 'unused'}"
+    reference = _nodes(tmp_path, (unused, unused), "--reference", "--fsdp", gpus=True)
+    assert all(r.returncode == 0 for r in reference), reference[1].stdout[-3000:]
+    killed = _nodes(tmp_path, (store, store), "--stop", "7", "--fsdp", gpus=True)
+    assert any(r.returncode != 0 for r in killed)
+    for node in (0, 1):  # the nodes' disks are gone: a fresh machine each
+        subprocess.run(["rm", "-rf", str(tmp_path / f"node{node}" / "out")], check=True)
+
+    finished = _nodes(tmp_path, (store, store), "--fsdp", gpus=True)
+    for node, launch in enumerate(finished):
+        assert launch.returncode == 0, launch.stdout[-3000:]
+        assert f"rank {node}: resumed from out/checkpoint-6" in launch.stdout
+    for rank in (0, 1):
+        kit.assert_same_run(
+            _load(tmp_path / "results" / f"run-rank{rank}.pt"),
+            _load(tmp_path / "results" / f"reference-rank{rank}.pt"),
+        )
+    newest = taskpoint.Checkpoint(store).committed()[0]
+    assert newest.parts is not None
+    shards = [name for name in newest.parts["1"] if name.startswith("checkpoint-12/")]
+    assert any(name.endswith("__1_0.distcp") for name in shards), newest.parts["1"]
