@@ -135,3 +135,57 @@ def test_mirror_refuses_parts_for_another_systems_checkpoint(tmp_path: Path) -> 
     with pytest.raises(TypeError, match=r"taskpoint\.Checkpoint"):
         FolderMirror(Other()).save_part(part, coordinator=coordinator)
     assert not part.exists()
+
+
+def test_each_disk_restores_once_and_every_rank_gets_the_result(tmp_path: Path) -> None:
+    folders = _disks(tmp_path)
+    calls: list[int] = []
+
+    def restore_on(c: taskpoint.Coordinator) -> Any:
+        def restore() -> dict[str, int]:
+            calls.append(c.rank)
+            _write(folders[c.rank], {"checkpoint-6/model.bin": "m"})
+            return {"step": 6}
+
+        return nodes.restore_to_every_disk(
+            c, folders[c.rank], restore, location="s3://b/run", world_size=3
+        )
+
+    assert _on_ranks(tmp_path, 3, restore_on) == [{"step": 6}] * 3
+    assert sorted(calls) == [0, 2]  # the leader of each disk, once
+
+
+@pytest.mark.parametrize(
+    "case", ["location", "world_size", "one_rank_fails", "leaders_differ"]
+)
+def test_restoring_fails_on_every_rank_and_says_why(tmp_path: Path, case: str) -> None:
+    folders = _disks(tmp_path)
+    restored: list[int] = []
+
+    def restore_on(c: taskpoint.Coordinator) -> Any:
+        def restore() -> int:
+            if case == "one_rank_fails" and c.rank == 2:
+                raise OSError("disk b is read-only")
+            restored.append(c.rank)
+            return 6 if case != "leaders_differ" or c.rank == 0 else 9
+
+        location = "s3://b/other" if case == "location" and c.rank == 1 else "s3://b/run"
+        world = 4 if case == "world_size" and c.rank == 2 else 3
+        return nodes.restore_to_every_disk(
+            c, folders[c.rank], restore, location=location, world_size=world
+        )
+
+    outcomes = _on_ranks(tmp_path, 3, restore_on)
+    assert all(isinstance(o, Exception) for o in outcomes), outcomes
+    expected = {
+        "location": "disagree about the checkpoint location",
+        "world_size": "disagree about the checkpoint location or the world size",
+        "one_rank_fails": "disk b is read-only",
+        "leaders_differ": "found different checkpoints",
+    }[case]
+    assert all(expected in str(o) for o in outcomes), outcomes
+    if case in ("location", "world_size"):
+        assert restored == []  # nothing was restored
+    if case == "one_rank_fails":
+        assert isinstance(outcomes[2], OSError)
+        assert all(isinstance(o, taskpoint.CheckpointCoordinationError) for o in outcomes[:2])

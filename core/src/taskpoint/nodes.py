@@ -16,7 +16,9 @@ module, over a :class:`~taskpoint.coordination.Coordinator` spanning every rank,
   folder inside the folder, which :meth:`taskpoint.Checkpoint.save_part_sync` then commits
   with every other rank's;
 * run one step on every rank and fail every rank when one fails (:func:`run_everywhere`), so
-  a failure on one node never leaves the others waiting in a collective.
+  a failure on one node never leaves the others waiting in a collective;
+* restore a checkpoint into the folder once per disk, the ranks agreeing first on what
+  they restore and then on what they found (:func:`restore_to_every_disk`).
 
 Example (every rank, in the framework's save hook)::
 
@@ -31,6 +33,7 @@ restores in progress) are never uploaded.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -45,7 +48,7 @@ from taskpoint.errors import CheckpointCoordinationError
 
 __all__ = [
     "PRIVATE_PREFIX", "Disks", "discard_stale_parts", "find_disks", "list_files",
-    "run_everywhere", "stage_part",
+    "restore_to_every_disk", "run_everywhere", "stage_part",
 ]
 
 PRIVATE_PREFIX = ".taskpoint-"
@@ -153,6 +156,68 @@ def find_disks(coordinator: Coordinator, folder: Path) -> Disks:
         own.unlink(missing_ok=True)  # every rank has looked once the gather returns
     leaders = tuple(min(s) if isinstance(s, list) and s else r for r, s in enumerate(seen))
     return Disks(leaders)
+
+
+def restore_to_every_disk(
+    coordinator: Coordinator,
+    folder: Path,
+    restore: Callable[[], Any],
+    *,
+    location: str | None,
+    world_size: int,
+) -> Any:
+    """Restore a checkpoint into ``folder`` once on each disk (a collective).
+
+    First the ranks check that they all name the same checkpoint ``location`` and
+    ``world_size``; then they find which of them share ``folder`` (:func:`find_disks`), and
+    the leader of each disk runs ``restore`` while the others wait; last, the leaders'
+    results must be equal (they found the same checkpoint). Every step gathers every
+    rank's outcome, so a failure on one rank raises on all of them.
+
+    Args:
+        coordinator: every rank of the job.
+        folder: the local folder the checkpoint is restored into (shared by some ranks,
+            or each rank's own).
+        restore: fills ``folder`` and returns a small JSON value saying what it restored
+            (the checkpoint's step, say); run by each disk's leader only.
+        location: the checkpoint's URL as this rank names it (``None`` where the
+            checkpoint object has none).
+        world_size: the job's size as this rank sees it.
+
+    Returns:
+        What ``restore`` returned (the same on every rank).
+
+    Raises:
+        CheckpointCoordinationError: on every rank: the ranks name different locations or
+            world sizes (nothing was restored), a rank failed (naming it and its error),
+            the leaders restored different things, or a rank did not arrive in time.
+        Exception: on a rank whose own step failed, its own error.
+    """
+    rank = coordinator.rank
+    hellos = coordinator.all_gather({"url": location, "world_size": world_size})
+    urls = [h.get("url") for h in hellos]
+    worlds = [h.get("world_size") for h in hellos]
+    if len(set(urls)) > 1 or len(set(worlds)) > 1:
+        listed = ", ".join(
+            f"rank {r}: {u!r} (world size {w})" for r, (u, w) in enumerate(zip(urls, worlds, strict=True))
+        )
+        raise CheckpointCoordinationError(
+            f"rank {rank}: the ranks disagree about the checkpoint location or the world size "
+            f"({listed}); every rank must restore the same checkpoint. Nothing was restored",
+            ranks=list(range(len(hellos))),
+        )
+    disks = find_disks(coordinator, folder)
+    results = run_everywhere(
+        coordinator, lambda: restore() if disks.leads(rank) else None,
+        f"restore {location or 'the checkpoint'} into {str(folder)!r}",
+    )
+    found = {json.dumps(results[r], sort_keys=True) for r in set(disks.leaders)}
+    if len(found) != 1:
+        raise CheckpointCoordinationError(
+            f"the ranks restoring {str(folder)!r} found different checkpoints "
+            f"({', '.join(sorted(found))}); was the store written to while they read it?"
+        )
+    return results[0]
 
 
 def list_files(folder: Path) -> list[str]:

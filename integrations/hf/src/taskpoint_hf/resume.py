@@ -24,10 +24,9 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Union
 
 from taskpoint import (
-    CheckpointCoordinationError,
     CheckpointError,
     CheckpointLike,
     TaskpointWarning,
@@ -239,45 +238,16 @@ def restore_last_checkpoint(
 
     coordinator = TorchCoordinator(timeout=timeout)
     url = getattr(checkpoint, "url", None)  # another system's checkpoint may have none
-    where = str(url) if url is not None else repr(checkpoint)
-    hellos = coordinator.all_gather(
-        {"url": None if url is None else where, "world_size": ranks.world_size}
+    step = nodes.restore_to_every_disk(
+        coordinator, folder, lambda: _restore(checkpoint, folder),
+        location=None if url is None else str(url), world_size=ranks.world_size,
     )
-    _check_agreement(hellos, coordinator.rank)
-    disks = nodes.find_disks(coordinator, folder)
-    steps = nodes.run_everywhere(
-        coordinator,
-        lambda: _restore(checkpoint, folder) if disks.leads(coordinator.rank) else "-",
-        f"restore {where} into its output_dir",
-    )
-    found = {step for rank, step in enumerate(steps) if disks.leads(rank)}
-    if len(found) != 1:
-        raise CheckpointCoordinationError(
-            f"the ranks restoring {folder} found different checkpoints (steps "
-            f"{sorted(found, key=str)}); was the store written to while they read it?"
-        )
-    step = found.pop()
     assert step is None or isinstance(step, int)
     nodes.run_everywhere(
         coordinator, lambda: _check_visible(folder, step, ranks.rank),
         "see the restored checkpoint",
     )
     return _resumed(folder, step, ranks)
-
-
-def _check_agreement(hellos: list[Any], rank: int) -> None:
-    """Raise on every rank when the ranks name different checkpoints or world sizes."""
-    urls = [h.get("url") for h in hellos]
-    worlds = [h.get("world_size") for h in hellos]
-    if len(set(urls)) > 1 or len(set(worlds)) > 1:
-        listed = ", ".join(
-            f"rank {r}: {u!r} (world size {w})" for r, (u, w) in enumerate(zip(urls, worlds, strict=True))
-        )
-        raise CheckpointCoordinationError(
-            f"rank {rank}: the ranks disagree about the checkpoint location or the world size "
-            f"({listed}); every rank must restore the same checkpoint. Nothing was restored",
-            ranks=list(range(len(hellos))),
-        )
 
 
 def _check_visible(folder: Path, step: int | None, rank: int) -> None:
