@@ -255,6 +255,40 @@ def test_malformed_newest_manifest_counts_as_corrupt_and_falls_back(
     assert " ok" in listed.output and "Traceback" not in listed.output
 
 
+@pytest.mark.parametrize("where", ["file name", "tree path"])
+def test_a_name_no_file_system_takes_counts_as_corrupt_and_falls_back(
+    tmp_path: Path, where: str
+) -> None:
+    """A path component over 255 bytes could only come from a damaged or hostile store:
+    the load skips that checkpoint for the previous one instead of stopping."""
+    store = tmp_path / "store"
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "w.bin").write_bytes(b"good")
+    (tmp_path / "w.bin").write_bytes(b"newer")
+    Checkpoint(store, attempt=0, keep=2).save_sync(tree)
+    Checkpoint(store, attempt=5, keep=2).save_sync(
+        tmp_path / "w.bin" if where == "file name" else tree
+    )
+    newer = store / "checkpoints" / manifest_name(5, 0)
+    record = json.loads(newer.read_bytes())
+    long = "é" * 128  # 256 bytes in UTF-8
+    if where == "file name":
+        record["name"] = long
+    else:  # renamed as an attacker would: the entries' checksum made to match
+        import xxhash
+
+        for entry in record["entries"]:
+            entry["path"] = entry["path"].replace("sub", long, 1)
+        text = json.dumps(record["entries"], sort_keys=True, separators=(",", ":"))
+        record["checksum"] = f"xxh3-128:{xxhash.xxh3_128_hexdigest(text.encode())}"
+    newer.write_text(json.dumps(record))
+
+    with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
+        restored = Checkpoint(store, workdir=tmp_path / "work").load_sync()
+    assert restored is not None and (restored / "sub" / "w.bin").read_bytes() == b"good"
+
+
 def test_garbage_records_never_break_history_or_claims(tmp_path: Path) -> None:
     store = tmp_path / "store"
     (store / "attempts").mkdir(parents=True)

@@ -336,6 +336,7 @@ class Manifest:
         name = raw.get("name")
         if name is not None and (
             not isinstance(name, str) or "/" in name or "\x00" in name or name in ("", ".", "..")
+            or _too_long(name)
         ):  # no file system names a file so: never from a save
             raise bad("name")
         if raw["kind"] != "bytes" and name is None:
@@ -501,6 +502,15 @@ def parse_entries(raw: object, objects: dict[str, int], *, url: str) -> tuple[En
     return _entries(raw, _objects(objects, bad), bad)
 
 
+NAME_MAX = 255
+"""Bytes in one path component: no Linux or macOS file system takes a longer name, so no
+save wrote one, and a manifest holding one is damaged (a load falls back past it)."""
+
+
+def _too_long(component: str) -> bool:
+    return len(component.encode("utf-8", "surrogatepass")) > NAME_MAX
+
+
 def _entries(raw: object, objects: dict[str, int], bad: Any) -> tuple[Entry, ...]:
     """Entries with well-typed fields; path safety is the restorer's (archive.Extractor)."""
     if not isinstance(raw, list):
@@ -510,7 +520,7 @@ def _entries(raw: object, objects: dict[str, int], bad: Any) -> tuple[Entry, ...
         if not isinstance(item, dict) or item.get("type") not in ENTRY_TYPES:
             raise bad("entries")
         path, kind = item.get("path"), item["type"]
-        if not isinstance(path, str) or not path:
+        if not isinstance(path, str) or not path or any(map(_too_long, path.split("/"))):
             raise bad("entries")
         entry = Entry(path=path, type=kind)
         if kind in ("file", "dir"):
