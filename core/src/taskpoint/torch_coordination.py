@@ -38,12 +38,17 @@ it works beside an NCCL default group and never waits longer than the timeout: e
 first passes a ``monitored_barrier``, which names the ranks that did not arrive.
 
 :class:`TorchrunCoordinator` keeps, for round ``n`` of its session ``s``, one JSON record per
-rank at ``taskpoint/<TORCHELASTIC_RUN_ID>/restart-<TORCHELASTIC_RESTART_COUNT>/<s>/<n>/<rank>``
-(``{"rank", "world_size", "value"}``) in the agent's store; sessions are numbered in each
-process in the order its coordinators are built (every rank builds the same ones in the
-same order). The last rank to read a complete round removes it; a rank that gives up
-waiting removes its own record, so a later incarnation of the group that reuses the restart
-count never reads it.
+rank at ``taskpoint/<TORCHELASTIC_RUN_ID>/<s>/<n>/<rank>`` (``{"rank", "world_size",
+"value"}``) in the agent's store; sessions are numbered in each process in the order its
+coordinators are built (every rank builds the same ones in the same order). The agent's
+store outlives the workers when torchrun restarts them (``--max-restarts``, or a node
+joining or leaving), and ``TORCHELASTIC_RESTART_COUNT`` cannot tell the incarnations apart:
+each agent counts its own restarts, and an agent that restarts its workers because another
+node rejoined does not count it (pytorch/pytorch#135712), so keys carrying it would keep the
+ranks of one incarnation apart. Rounds are removed instead: the last rank to read a complete
+round removes it, and a rank that gives up waiting removes its own record. A rank killed
+while it waits in a round (its node restarted meanwhile) leaves its record behind, which
+the next incarnation may take for that rank's, once.
 """
 
 from __future__ import annotations
@@ -177,7 +182,6 @@ def _torchrun_variables() -> dict[str, str] | None:
     if not all(found.values()):
         return None
     found["TORCHELASTIC_RUN_ID"] = os.environ.get("TORCHELASTIC_RUN_ID") or "none"
-    found["TORCHELASTIC_RESTART_COUNT"] = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
     return found
 
 
@@ -197,9 +201,8 @@ class TorchrunCoordinator(Coordinator):
     ``--master_addr``/``--master_port``, and the c10d one, ``--rdzv-backend=c10d`` or
     ``--standalone``); ``init_process_group`` later connects to the same store. This
     coordinator connects to it as a client and gathers through keys under
-    ``taskpoint/<TORCHELASTIC_RUN_ID>/restart-<TORCHELASTIC_RESTART_COUNT>/`` (see the module
-    docstring), so it never touches the process group's keys. ``RANK`` and ``WORLD_SIZE``
-    give its rank and world size.
+    ``taskpoint/<TORCHELASTIC_RUN_ID>/`` (see the module docstring), so it never touches the
+    process group's keys. ``RANK`` and ``WORLD_SIZE`` give its rank and world size.
 
     Every rank must build one, in the same order as its other :class:`TorchrunCoordinator`
     objects, but building one does not wait for the others. Values are JSON, never pickles.
@@ -230,10 +233,7 @@ class TorchrunCoordinator(Coordinator):
             _env_int(variables, "RANK"), _env_int(variables, "WORLD_SIZE")
         )
         self._address = f"{variables['MASTER_ADDR']}:{variables['MASTER_PORT']}"
-        self._prefix = (
-            f"{TORCHRUN_PREFIX}/{variables['TORCHELASTIC_RUN_ID']}/"
-            f"restart-{variables['TORCHELASTIC_RESTART_COUNT']}/{next(_sessions)}"
-        )
+        self._prefix = f"{TORCHRUN_PREFIX}/{variables['TORCHELASTIC_RUN_ID']}/{next(_sessions)}"
         self._round = 0
         dist = _dist()
         try:
@@ -299,15 +299,26 @@ class TorchrunCoordinator(Coordinator):
                         ranks=missing,
                     ) from exc
             raw = _get_all(store, keys)
-            if store.add(f"{folder}/read", 1) == self._world:  # every rank has read it
-                for key in (*keys, f"{folder}/read"):
-                    store.delete_key(key)
         except RuntimeError as exc:  # the connection broke (DistNetworkError)
             raise CheckpointCoordinationError(
                 f"rank {self._rank} lost torchrun's store at {self._address} while gathering "
                 f"({_first_line(exc)}); did the launcher of node 0 exit?"
             ) from exc
+        self._tidy(folder, keys)
         return [self._value(rank, data) for rank, data in enumerate(raw)]
+
+    def _tidy(self, folder: str, keys: list[str]) -> None:
+        """Count this rank as having read the round; the last one to read removes it.
+
+        Best effort: the values are read already, and node 0's launcher (which serves the
+        store) may be exiting once its own rank has them.
+        """
+        try:
+            if self._store.add(f"{folder}/read", 1) == self._world:
+                for key in (*keys, f"{folder}/read"):
+                    self._store.delete_key(key)
+        except RuntimeError as exc:
+            log.debug("could not remove round %s from torchrun's store: %s", folder, exc)
 
     def _value(self, rank: int, data: bytes) -> Any:
         """The value in ``rank``'s record, after checking that it agrees on the world."""
