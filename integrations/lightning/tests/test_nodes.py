@@ -4,7 +4,9 @@ restore that fails on one node failing both, promptly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,12 +45,20 @@ def _nodes(
         ]
         launched.append(subprocess.Popen(
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
+            text=True, start_new_session=True,
         ))
     done = []
-    for process in launched:
-        out, _ = process.communicate(timeout=timeout)
-        done.append(subprocess.CompletedProcess(process.args, process.returncode, out, ""))
+    deadline = time.monotonic() + timeout
+    try:
+        for process in launched:
+            out, _ = process.communicate(timeout=max(deadline - time.monotonic(), 1))
+            done.append(subprocess.CompletedProcess(process.args, process.returncode, out, ""))
+    except subprocess.TimeoutExpired:
+        for process in launched:  # each torchrun and its workers: nothing outlives the test
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        outputs = [process.communicate()[0][-2000:] for process in launched]
+        pytest.fail(f"the nodes still ran after {timeout:g}s: {outputs}")
     return done
 
 
