@@ -110,7 +110,8 @@ def resume_ckpt_path(
     settle_uploads()
     coordinator = torch_job_coordinator(timeout=timeout)
     if coordinator is None:
-        if int(os.environ.get("WORLD_SIZE", "1") or "1") > 1:
+        world = os.environ.get("WORLD_SIZE", "").strip()
+        if world.isdigit() and int(world) > 1:
             log.debug("no store the ranks share before the process group: restoring alone")
         return _resume(checkpoint, dirpath)
     try:
