@@ -5,9 +5,10 @@ needs only three things from the processes' group: each one's rank, the world si
 all-gather of small JSON values with a timeout (a broadcast from rank 0 is derived from it).
 :class:`Coordinator` is that protocol. Under ``torch.distributed``,
 ``taskpoint.torch_coordination.TorchCoordinator`` (re-exported by ``taskpoint_pytorch``)
-implements it on the process group, importing torch only when built; where no process group
-is up (Ray tasks, MPI, ``srun``), :class:`StoreCoordinator` implements it through the store
-itself, so ``import taskpoint`` never imports a training framework.
+implements it on the process group, and ``TorchrunCoordinator`` through torchrun's store
+before a process group exists, both importing torch only when built; where neither is
+available (Ray tasks, MPI, ``srun``), :class:`StoreCoordinator` implements it through the
+store itself, so ``import taskpoint`` never imports a training framework.
 
 Example (each of 4 processes, started by any launcher)::
 
@@ -81,6 +82,13 @@ class Coordinator(abc.ABC):
                 it, where the implementation can tell), or the ranks disagree about the
                 world size.
         """
+
+    def close(self) -> None:
+        """Release what the coordinator holds (a process group, a connection); idempotent.
+
+        The coordinator must not gather afterwards. This base implementation holds nothing.
+        """
+        return None
 
     def broadcast(self, value: Any, *, timeout: float | None = None) -> Any:
         """Rank 0's ``value`` on every rank (the others' ``value`` is ignored).

@@ -1,12 +1,14 @@
 """One node's process for the two-node tests (``test_nodes.py``), started by torchrun.
 
 Usage: torchrun --nnodes=2 --node_rank=K ... nodes_script.py STORE_URL RESULTS
-[--reference] [--kill-at N]. Trains TinyModule with DDP on 2 nodes x 1 CPU process, its
-``dirpath`` ("ckpts") relative to the node's own working directory, mirroring after each
-epoch and resuming from the store; ``--reference`` trains uninterrupted without a store.
-Every rank writes its final weights to ``RESULTS/<run>-rank<R>.pt`` and prints
+[--reference] [--kill-at N] [--fail-restore]. Trains TinyModule with DDP on 2 nodes x 1 CPU
+process, its ``dirpath`` ("ckpts") relative to the node's own working directory, mirroring
+after each epoch and resuming from the store; ``--reference`` trains uninterrupted without a
+store. Every rank writes its final weights to ``RESULTS/<run>-rank<R>.pt`` and prints
 ``rank R: STARTED <epoch> <step>``; ``--kill-at`` makes every rank die at that global step
-(once the mirror in flight has committed).
+(once the mirror in flight has committed). ``--fail-restore`` makes the restore fail on
+node 1 (its store read raises). An error in ``resume_ckpt_path`` is printed as
+``rank R: error after <seconds>s: ...`` before exiting with status 1.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -31,6 +35,7 @@ def main() -> None:
     parser.add_argument("results", type=Path)
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--fail-restore", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -45,7 +50,21 @@ def main() -> None:
         mc = TaskpointModelCheckpoint(ckpt, dirpath="ckpts", save_last=True, every_n_epochs=1)
         model.before_kill = mc.wait
         callbacks.append(mc)
-        ckpt_path = resume_ckpt_path(ckpt, dirpath="ckpts")
+        if args.fail_restore and int(os.environ["GROUP_RANK"]) == 1:
+            def unreadable(**kwargs: object) -> None:
+                raise OSError("simulated: node 1 cannot read the store")
+            ckpt.load_sync = unreadable  # type: ignore[method-assign]
+        started = time.monotonic()
+        try:
+            ckpt_path = resume_ckpt_path(ckpt, dirpath="ckpts", timeout=60)
+        except Exception as exc:
+            traceback.print_exc()
+            print(
+                f"rank {rank}: error after {time.monotonic() - started:.1f}s: "
+                f"{type(exc).__name__}: {exc}",
+                flush=True,
+            )
+            sys.exit(1)
     trainer = lib.trainer(
         callbacks, default_root_dir=".", num_nodes=2, devices=1, strategy="ddp",
         enable_checkpointing=not args.reference,

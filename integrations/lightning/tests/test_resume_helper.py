@@ -31,6 +31,13 @@ def test_none_before_any_mirror(store_url: str, tmp_path: Path) -> None:
     assert not (tmp_path / "ckpts").exists()
 
 
+def test_a_timeout_that_is_not_a_positive_number_is_refused(tmp_path: Path) -> None:
+    ckpt = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}")
+    for bad in (0, -1.0, True, "60"):
+        with pytest.raises(ValueError, match="timeout"):
+            resume_ckpt_path(ckpt, timeout=bad)  # type: ignore[arg-type]
+
+
 def test_prefers_newest_last_then_newest_ckpt(store_url: str, tmp_path: Path) -> None:
     ckpt = taskpoint.Checkpoint(store_url)
     ckpt.save_sync(make_tree(tmp_path / "a" / "ckpts", {

@@ -237,6 +237,19 @@ def restore_last_checkpoint(
         return _resumed(folder, step, ranks)
 
     coordinator = TorchCoordinator(timeout=timeout)
+    try:
+        step = _restore_everywhere(checkpoint, folder, coordinator, ranks)
+    finally:
+        coordinator.close()  # its gloo group: the callback makes its own coordinators
+    return _resumed(folder, step, ranks)
+
+
+def _restore_everywhere(
+    checkpoint: CheckpointLike, folder: Path, coordinator: TorchCoordinator,
+    ranks: _distributed.Ranks,
+) -> int | None:
+    """The distributed restore's steps, each ending with every rank's outcome gathered;
+    the restored step."""
     url = getattr(checkpoint, "url", None)  # another system's checkpoint may have none
     step = nodes.restore_to_every_disk(
         coordinator, folder, lambda: _restore(checkpoint, folder),
@@ -247,7 +260,7 @@ def restore_last_checkpoint(
         coordinator, lambda: _check_visible(folder, step, ranks.rank),
         "see the restored checkpoint",
     )
-    return _resumed(folder, step, ranks)
+    return step
 
 
 def _check_visible(folder: Path, step: int | None, rank: int) -> None:
