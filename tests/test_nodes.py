@@ -7,6 +7,7 @@ folder (the real multi-node runs are the adapters' ``test_nodes.py``).
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +69,8 @@ def test_each_disk_stages_only_what_the_first_disk_lacks(tmp_path: Path) -> None
         "checkpoint-3/rng_state_2.pth": "old",  # rotated away on the first disk
         "runs/log2": "l2", "top.txt": "t",
     })
+    same = (folders[0] / "checkpoint-6" / "model.bin").stat().st_mtime_ns
+    os.utime(folders[2] / "checkpoint-6" / "model.bin", ns=(same, same))  # a tie: disk a
 
     def stage(c: taskpoint.Coordinator) -> list[str]:
         disks = nodes.find_disks(c, folders[c.rank])
@@ -85,6 +88,28 @@ def test_each_disk_stages_only_what_the_first_disk_lacks(tmp_path: Path) -> None
     assert nodes.list_files(folders[0])[0] == "checkpoint-6/model.bin"  # parts not listed
 
 
+def test_a_path_several_disks_hold_goes_up_from_the_newest_copy(tmp_path: Path) -> None:
+    """After a restore every disk holds every node's files; a file one node then rewrites
+    in place (its shard of a sharded ``last.ckpt``) must win over the stale copies."""
+    folders = _disks(tmp_path)
+    restored = {"last.ckpt/__0_0.distcp": "old0", "last.ckpt/__2_0.distcp": "old2"}
+    _write(folders[0], restored)
+    _write(folders[2], restored)
+    for folder in (folders[0], folders[2]):  # a restore keeps the saved times
+        for path in folder.rglob("*.distcp"):
+            os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    _write(folders[0], {"last.ckpt/__0_0.distcp": "new0"})  # each rank rewrites its shard
+    _write(folders[2], {"last.ckpt/__2_0.distcp": "new2"})
+
+    def stage(c: taskpoint.Coordinator) -> list[str]:
+        disks = nodes.find_disks(c, folders[c.rank])
+        part = nodes.stage_part(c, folders[c.rank], disks)
+        return [f"{p}={(part / p).read_text()}" for p in nodes.list_files(part)]
+
+    staged = _on_ranks(tmp_path, 3, stage)
+    assert staged == [["last.ckpt/__0_0.distcp=new0"], [], ["last.ckpt/__2_0.distcp=new2"]]
+
+
 def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     def step(c: taskpoint.Coordinator) -> list[Any]:
         def action() -> int:
@@ -97,7 +122,8 @@ def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     assert isinstance(results[1], OSError)
     for rank in (0, 2):
         assert isinstance(results[rank], taskpoint.CheckpointCoordinationError)
-        assert "rank 1: OSError: disk full" in str(results[rank])
+        assert "rank 1 (host " in str(results[rank])
+        assert "OSError: disk full" in str(results[rank])
 
 
 def test_mirror_commits_every_ranks_part_in_the_background(tmp_path: Path) -> None:

@@ -9,10 +9,12 @@ module, over a :class:`~taskpoint.coordination.Coordinator` spanning every rank,
   folder and reports which ranks' tokens it sees), so a shared disk is uploaded once and
   restored once;
 * stage each rank's part (:func:`stage_part`): the lowest rank on each disk lists the
-  folder; a path is uploaded by the first disk (in rank order) that has it, and a later
-  disk adds only files inside the top-level folders the first disk has (a node that does
-  not save the model still writes its ranks' RNG files into ``checkpoint-N``, and keeps old
-  ones the first node's rotation deleted). Hard links to those files go into a staging
+  folder; a later disk adds only files inside the top-level folders the first disk has (a
+  node that does not save the model still writes its ranks' RNG files into
+  ``checkpoint-N``, and keeps old ones the first node's rotation deleted), and a path
+  several disks hold is uploaded from the disk whose copy is newest (ties: the first in
+  rank order), so a file one node rewrites in place (its shard of Lightning's
+  ``last.ckpt``) wins over the stale copy a restore left on another disk. Hard links to those files go into a staging
   folder inside the folder, which :meth:`taskpoint.Checkpoint.save_part_sync` then commits
   with every other rank's;
 * run one step on every rank and fail every rank when one fails (:func:`run_everywhere`), so
@@ -37,6 +39,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,8 +77,8 @@ def run_everywhere(coordinator: Coordinator, action: Callable[[], Any], what: st
 
     Raises:
         Exception: this rank's own error, when ``action`` raised.
-        CheckpointCoordinationError: another rank's ``action`` raised (naming it and its
-            error), or a rank did not arrive within the coordinator's timeout.
+        CheckpointCoordinationError: another rank's ``action`` raised (naming it, its host
+            and its error), or a rank did not arrive within the coordinator's timeout.
     """
     own: BaseException | None = None
     value: Any = None
@@ -84,13 +87,14 @@ def run_everywhere(coordinator: Coordinator, action: Callable[[], Any], what: st
     except Exception as exc:
         own = exc
     outcomes = coordinator.all_gather(
-        {"error": None, "value": value} if own is None else {"error": _describe(own)}
+        {"error": None, "value": value} if own is None
+        else {"error": _describe(own), "host": socket.gethostname()}
     )
     if own is not None:
         raise own
-    failed = [(r, o.get("error")) for r, o in enumerate(outcomes) if o.get("error") is not None]
+    failed = [(r, o) for r, o in enumerate(outcomes) if o.get("error") is not None]
     if failed:
-        listed = "; ".join(f"rank {r}: {error}" for r, error in failed)
+        listed = "; ".join(f"rank {r} (host {o.get('host')}): {o['error']}" for r, o in failed)
         raise CheckpointCoordinationError(
             f"rank {coordinator.rank} cannot go on: another rank failed to {what} ({listed})",
             ranks=[r for r, _ in failed],
@@ -257,22 +261,21 @@ def stage_part(coordinator: Coordinator, folder: Path, disks: Disks) -> Path:
         CheckpointCoordinationError: another rank could not, or did not arrive in time.
     """
     rank = coordinator.rank
-    listings = run_everywhere(
-        coordinator, lambda: list_files(folder) if disks.leads(rank) else [],
-        f"list {str(folder)!r}",
-    )
-    first = listings[0] or []
-    tops = {p.split("/", 1)[0] for p in first if "/" in p}
-    taken: set[str] = set()
-    mine: list[str] = []
-    for other, listing in enumerate(listings):
-        wanted = [
-            p for p in listing or []
-            if p not in taken and (other == 0 or ("/" in p and p.split("/", 1)[0] in tops))
-        ]
-        if other == rank:
-            mine = wanted
-        taken.update(wanted)
+    def listing() -> list[tuple[str, int]]:
+        if not disks.leads(rank):
+            return []
+        return [(p, (folder / p).stat().st_mtime_ns) for p in list_files(folder)]
+
+    listings = run_everywhere(coordinator, listing, f"list {str(folder)!r}")
+    tops = {p.split("/", 1)[0] for p, _ in listings[0] or [] if "/" in p}
+    best: dict[str, tuple[int, int]] = {}  # path -> (modification time, rank uploading it)
+    for other, listed in enumerate(listings):
+        for path, mtime in listed or []:
+            if other and not ("/" in path and path.split("/", 1)[0] in tops):
+                continue
+            if path not in best or mtime > best[path][0]:
+                best[path] = (mtime, other)
+    mine = sorted(path for path, (_, owner) in best.items() if owner == rank)
 
     made: list[Path] = []
     name = folder.absolute().name or "output"

@@ -1,10 +1,13 @@
 """One node's process for the two-node tests (``test_nodes.py``), started by torchrun.
 
 Usage: torchrun --nnodes=2 --node_rank=K ... nodes_script.py STORE_URL RESULTS
-[--reference] [--kill-at N] [--fail-restore]. Trains TinyModule with DDP on 2 nodes x 1 CPU
-process, its ``dirpath`` ("ckpts") relative to the node's own working directory, mirroring
-after each epoch and resuming from the store; ``--reference`` trains uninterrupted without a
-store. Every rank writes its final weights to ``RESULTS/<run>-rank<R>.pt`` and prints
+[--reference] [--kill-at N] [--fail-restore] [--fsdp]. Trains TinyModule with DDP on 2 nodes
+x 1 CPU process
+(``--fsdp``: ShardedModule with ``FSDPStrategy(state_dict_type="sharded")``, each rank
+writing its own shard files), its ``dirpath`` ("ckpts") relative to the node's own working
+directory, mirroring after each epoch and resuming from the store; ``--reference`` trains
+uninterrupted without a store. Every rank writes its final state (DDP: weights; FSDP: the
+gathered weights and optimizer state) to ``RESULTS/<run>-rank<R>.pt`` and prints
 ``rank R: STARTED <epoch> <step>``; ``--kill-at`` makes every rank die at that global step
 (once the mirror in flight has committed). ``--fail-restore`` makes the restore fail on
 node 1 (its store read raises). An error in ``resume_ckpt_path`` is printed as
@@ -36,13 +39,14 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--fail-restore", action="store_true")
+    parser.add_argument("--fsdp", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     args.results.mkdir(parents=True, exist_ok=True)
 
     L.seed_everything(0)
-    model = lib.TinyModule(kill_at=args.kill_at)
+    model = (lib.ShardedModule if args.fsdp else lib.TinyModule)(kill_at=args.kill_at)
     callbacks: list[object] = []
     ckpt_path = None
     if not args.reference:
@@ -66,13 +70,15 @@ def main() -> None:
             )
             sys.exit(1)
     trainer = lib.trainer(
-        callbacks, default_root_dir=".", num_nodes=2, devices=1, strategy="ddp",
+        callbacks, default_root_dir=".", num_nodes=2, devices=1,
+        strategy=lib.cpu_fsdp_strategy() if args.fsdp else "ddp",
         enable_checkpointing=not args.reference,
     )
     trainer.fit(model, lib.loader("shuffle"), ckpt_path=ckpt_path)
     assert model.started_at is not None
     name = "reference" if args.reference else "run"
-    torch.save(lib.weights(model), args.results / f"{name}-rank{rank}.pt")
+    state = lib.full_state(model) if args.fsdp else lib.weights(model)
+    torch.save(state, args.results / f"{name}-rank{rank}.pt")
     print(f"rank {rank}: STARTED", *model.started_at, flush=True)
 
 

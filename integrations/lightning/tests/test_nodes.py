@@ -28,23 +28,50 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _own_disks_supported() -> bool:
+    try:
+        probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+requires_own_disks = pytest.mark.skipif(
+    not _own_disks_supported(),
+    reason="needs `unshare --mount` (root or user namespaces) to give each node its own disk",
+)
+
+
 def _nodes(
-    root: Path, store: str, *extra: str, timeout: float = 400
+    root: Path, store: str, *extra: str, timeout: float = 400, own_disks: bool = True
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Both nodes' torchrun, each in ``root/node<K>``; their completed processes."""
+    """Both nodes' torchrun and their completed processes.
+
+    With ``own_disks`` each node runs in its own mount namespace, where ``root/disk`` is
+    its own folder ``root/node<K>``: the same absolute path, as on two machines, but
+    another disk each. (Lightning makes ``dirpath`` absolute on rank 0 and hands that path
+    to every rank, so two working directories alone would leave the nodes sharing one
+    disk.) Without, node K just runs in ``root/node<K>``.
+    """
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    disk = root / "disk"
+    disk.mkdir(parents=True, exist_ok=True)  # where each node's own disk is mounted
     launched = []
     for node in (0, 1):
-        cwd = root / f"node{node}"
-        cwd.mkdir(parents=True, exist_ok=True)
+        own = root / f"node{node}"
+        own.mkdir(parents=True, exist_ok=True)
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
             f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
             str(SCRIPT), store, str(root / "results"), *extra,
         ]
+        if own_disks:
+            mounted = 'mount --bind "$1" "$2" && cd "$2" && shift 2 && exec "$@"'
+            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mounted,
+                       "sh", str(own), str(disk), *command]
         launched.append(subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            command, cwd=own, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
         ))
     done = []
@@ -62,25 +89,33 @@ def _nodes(
     return done
 
 
-def test_ddp_killed_on_two_nodes_resumes_exactly(tmp_path: Path) -> None:
+@requires_own_disks
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_killed_on_two_nodes_resumes_exactly(tmp_path: Path, strategy: str) -> None:
     store = f"file://{tmp_path / 'store'}"
-    reference = _nodes(tmp_path, store, "--reference")
+    flags = ["--fsdp"] if strategy == "fsdp" else []
+    reference = _nodes(tmp_path, store, "--reference", *flags)
     assert all(r.returncode == 0 for r in reference), reference[1].stdout[-3000:]
 
-    killed = _nodes(tmp_path, store, "--kill-at", "7")  # 3 steps an epoch: in epoch 2
+    killed = _nodes(tmp_path, store, "--kill-at", "7", *flags)  # 3 steps an epoch: epoch 2
     assert all(r.returncode != 0 for r in killed)
     for node in (0, 1):  # each node's local disk is gone: a fresh machine each
         subprocess.run(["rm", "-rf", str(tmp_path / f"node{node}" / "ckpts")], check=True)
 
-    resumed = _nodes(tmp_path, store)
+    resumed = _nodes(tmp_path, store, *flags)
     for node, launch in enumerate(resumed):
         assert launch.returncode == 0, launch.stdout[-3000:]
         assert f"rank {node}: STARTED 2 6" in launch.stdout, launch.stdout[-3000:]
-    # every rank took part in each commit (a sharded strategy's shards would reach the
-    # store from their own node); rank 1's disk held nothing rank 0's lacked
+    # every rank took part in each commit, its shards reaching the store from its own node
     newest = taskpoint.Checkpoint(store).committed()[0]
     assert newest.parts is not None and sorted(newest.parts) == ["0", "1"]
-    assert newest.parts["1"] == ()
+    if strategy == "ddp":  # rank 1 wrote nothing: DDP checkpoints are rank 0's
+        assert newest.parts["1"] == ()
+    else:  # each sharded .ckpt is a folder holding one shard file per rank
+        for name in ("last.ckpt", "epoch=4-step=15.ckpt"):
+            assert f"{name}/__1_0.distcp" in newest.parts["1"], newest.parts
+            assert f"{name}/__0_0.distcp" in newest.parts["0"], newest.parts
+            assert f"{name}/.metadata" in newest.parts["0"], newest.parts
     for rank in (0, 1):
         lib.assert_bitwise_equal(
             torch.load(tmp_path / "results" / f"run-rank{rank}.pt"),
@@ -93,7 +128,7 @@ def test_a_restore_failing_on_node_1_fails_every_rank_promptly(tmp_path: Path) -
     # through torchrun's store, node 0 would wait in init_process_group for 30 minutes
     store = f"file://{tmp_path / 'store'}"
     started = time.monotonic()
-    failed = _nodes(tmp_path, store, "--fail-restore", timeout=300)
+    failed = _nodes(tmp_path, store, "--fail-restore", timeout=300, own_disks=False)
     took = time.monotonic() - started
     for node, launch in enumerate(failed):
         assert launch.returncode != 0, launch.stdout[-3000:]

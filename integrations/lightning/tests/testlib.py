@@ -76,6 +76,62 @@ class TinyModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
+class ShardedModule(TinyModule):
+    """:class:`TinyModule` sharded by FSDP on CPU, trained with AdamW (sharded state too).
+
+    Lightning refuses ``FSDPStrategy`` without a GPU (its accelerator check) and FSDP
+    itself needs ``device_id`` on CPU, so the tests pair :func:`cpu_fsdp_strategy` with
+    this module, which wraps its network in ``configure_model`` with
+    ``device_id=torch.device("cpu")``: Lightning's path for a model the user wrapped
+    himself. Everything after the wrap (sharded save and load, DCP files per rank) is
+    Lightning's and torch's own code.
+    """
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not isinstance(self.net, FullyShardedDataParallel):
+            self.net = FullyShardedDataParallel(
+                self.net, device_id=torch.device("cpu"), use_orig_params=True
+            )
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def cpu_fsdp_strategy() -> Any:
+    """``FSDPStrategy(state_dict_type="sharded")`` over gloo, allowed on CPU (see
+    :class:`ShardedModule`): the connector refuses only the exact ``FSDPStrategy`` type
+    without a GPU, not a subclass."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        pass
+
+    return CPUFSDPStrategy(state_dict_type="sharded", process_group_backend="gloo")
+
+
+def full_state(module: L.LightningModule) -> dict[str, torch.Tensor]:
+    """The module's weights and optimizer state, gathered whole on every rank and
+    flattened to ``{name: tensor}`` (works for FSDP-sharded and plain modules alike)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    out = {f"model.{k}": v.detach().clone() for k, v in
+           get_model_state_dict(module, options=options).items()}
+    optimizer = module.trainer.optimizers[0]
+    state = get_optimizer_state_dict(module, optimizer, options=options)["state"]
+    for param, values in state.items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                out[f"optim.{param}.{key}"] = value.detach().clone()
+    return out
+
+
 class ResumableSampler(Sampler[int]):
     """A random permutation per epoch from the global generator, resumable mid-epoch."""
 
