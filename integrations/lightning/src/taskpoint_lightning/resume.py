@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 from pathlib import Path
-from typing import Any
 
 import torch
-from taskpoint import CheckpointCoordinationError, CheckpointLike, Coordinator, latest_checkpoint
+from taskpoint import CheckpointLike, Coordinator, latest_checkpoint, nodes
 from taskpoint.mirror import settle_uploads
 from taskpoint.torch_coordination import torch_job_coordinator
 
@@ -85,30 +83,36 @@ def resume_ckpt_path(
     *,
     timeout: float = 600.0,
 ) -> str | None:
-    """Restore the newest mirrored checkpoint folder; the file ``Trainer.fit`` resumes from.
+    """Restore the newest mirrored checkpoint folder; the path ``Trainer.fit`` resumes from.
 
-    Call it on every process, before ``Trainer.fit``. In a job of several processes whose
-    ranks can reach each other before Lightning starts its process group (started by
-    torchrun, whose agent serves a store to its workers, or with a ``torch.distributed``
-    process group already up), every rank restores, then the ranks gather each one's
-    outcome: when the restore failed on any rank, every rank raises, naming the failed
-    ranks and their errors, instead of the others going on into ``Trainer.fit`` and waiting
-    there for the failed one until the process group's timeout (30 minutes by default).
-    Under other launchers (``srun``, ``mpirun``, Lightning's own), the ranks cannot reach
-    each other yet: a failure raises on its own rank only.
+    Call it on every process, before ``Trainer.fit``.
+
+    In a job of several processes whose ranks can reach each other before Lightning starts
+    its process group (started by torchrun, whose agent serves a store to its workers, or
+    with a ``torch.distributed`` process group already up), the ranks restore together:
+    with ``dirpath``, they first check that they name the same checkpoint, find which of
+    them share ``dirpath``'s disk (a token file each), and the first rank of each disk
+    restores the whole tree into it while the others wait, so every node, with or without
+    a shared disk, holds the checkpoint at the same path (Lightning's sharded strategies
+    hand rank 0's path to every rank and read each rank's shards there). Each step gathers
+    every rank's outcome: when a rank fails, every rank raises, naming it and its error,
+    instead of the others going on into ``Trainer.fit`` and waiting there for the failed
+    one until the process group's timeout (30 minutes by default). Under other launchers
+    (``srun``, ``mpirun``, Lightning's own) the ranks cannot reach each other yet: global
+    rank zero restores into ``dirpath``, every other process reads a private copy, and a
+    failure raises on its own rank only.
 
     Args:
         checkpoint: the checkpoint given to
             :class:`~taskpoint_lightning.TaskpointModelCheckpoint`.
-        dirpath: the callback's ``dirpath``. When given, global rank zero restores the
-            tree into it, replacing what it holds, so Lightning's top-k bookkeeping finds
-            its files and the next mirror keeps them; other ranks (which never write
-            checkpoints) read a private restored copy. When ``None`` every process reads
-            a private restored copy.
-        timeout: in a job of several processes, how many seconds a rank that has restored
-            waits for the others to finish their restore (and for a rank that never gets
-            there, such as one killed meanwhile). A failed restore is reported at once; the
-            timeout only bounds how much longer one rank's restore may take than another's.
+        dirpath: the callback's ``dirpath``. When given, the tree is restored into it,
+            replacing what it holds, so Lightning's top-k bookkeeping finds its files and
+            the next mirror keeps them. When ``None`` every process reads a private
+            restored copy.
+        timeout: in a job of several processes, how many seconds a rank waits for the
+            others at each step (the restore included). A failed restore is reported at
+            once; the timeout bounds how much longer one rank may take than another, and
+            how long the others wait for a rank that never gets there.
 
     Returns:
         The newest ``last*.ckpt`` of the restored tree, else its newest ``*.ckpt``
@@ -120,12 +124,13 @@ def resume_ckpt_path(
     are waited for first, so the newest one is found.
 
     Raises:
-        taskpoint.CheckpointError: the store could not be read (on this rank alone, where
-            the ranks cannot reach each other).
-        taskpoint.CheckpointCoordinationError: on every rank, when the restore failed on
-            any rank (its ``ranks`` are those that failed; on a failed rank it is chained
-            from the rank's own error), or a rank did not get there within ``timeout``
-            seconds (naming it), or torchrun's store could not be reached.
+        taskpoint.CheckpointError: the store could not be read (on a rank whose own
+            restore failed).
+        taskpoint.CheckpointCoordinationError: on every other rank, when a rank failed
+            (naming it, its host and its error); on every rank when the ranks name
+            different checkpoints or world sizes, the ranks restoring found different
+            checkpoints, a rank did not get there within ``timeout`` seconds (naming it),
+            or torchrun's store could not be reached.
         ValueError: ``timeout`` is not a positive number.
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -136,22 +141,27 @@ def resume_ckpt_path(
         world = os.environ.get("WORLD_SIZE", "").strip()
         if world.isdigit() and int(world) > 1:
             log.debug("no store the ranks share before the process group: restoring alone")
-        return _resume(checkpoint, dirpath)
+        into = Path(dirpath) if dirpath is not None and _is_global_zero() else None
+        return _resume(checkpoint, into)
     try:
         return _resume_everywhere(checkpoint, dirpath, coordinator)
     finally:
         coordinator.close()
 
 
-def _resume(checkpoint: CheckpointLike, dirpath: str | os.PathLike[str] | None) -> str | None:
-    """This process's restore: the file to resume from, or ``None``."""
+def _resume(checkpoint: CheckpointLike, into: Path | None) -> str | None:
+    """Restore (into ``into``, else a private copy): the path to resume from, or ``None``."""
     restored = checkpoint.load_sync()
     if restored is None:
         return None
     root = restored
-    if dirpath is not None and restored.is_dir() and _is_global_zero():
-        root = _replace_tree(restored, Path(dirpath))
-        _filled.add(os.path.realpath(root))
+    if into is not None:
+        if restored.is_dir():
+            root = _replace_tree(restored, into)
+        else:  # a single file saved by hand: it goes into the folder all the same
+            into.mkdir(parents=True, exist_ok=True)
+            root = Path(shutil.move(os.fspath(restored), os.fspath(into / restored.name)))
+        _filled.add(os.path.realpath(into))
     found = _newest_ckpt(root, "**/last*.ckpt") or _newest_ckpt(root, "**/*.ckpt")
     if found is None:
         log.warning("the restored checkpoint %s holds no .ckpt file; starting afresh", root)
@@ -160,45 +170,37 @@ def _resume(checkpoint: CheckpointLike, dirpath: str | os.PathLike[str] | None) 
     return os.fspath(found)
 
 
-def _where() -> str:
-    """This process, for another rank's error message: its node (under torchrun) and host."""
-    node = os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK")
-    return f"node {node}, host {socket.gethostname()}" if node else f"host {socket.gethostname()}"
-
-
 def _resume_everywhere(
     checkpoint: CheckpointLike, dirpath: str | os.PathLike[str] | None, coordinator: Coordinator
 ) -> str | None:
-    """Restore on this rank, then fail every rank when any rank's restore failed."""
-    rank = coordinator.rank
-    own: Exception | None = None
-    found: str | None = None
-    try:
-        found = _resume(checkpoint, dirpath)
-    except Exception as exc:
-        own = exc
-    outcome: dict[str, Any] = {"error": None}
-    if own is not None:
-        outcome = {"error": f"{type(own).__name__}: {own}", "where": _where()}
-    try:
-        outcomes = coordinator.all_gather(outcome)
-    except CheckpointCoordinationError as exc:
-        if own is None:
-            raise
-        raise CheckpointCoordinationError(
-            f"rank {rank} ({_where()}) could not restore {checkpoint!r} ({outcome['error']}), "
-            f"and could not tell the other ranks: {exc}",
-            ranks=sorted({rank, *exc.ranks}),
-        ) from own
-    failed = [(r, o) for r, o in enumerate(outcomes) if o.get("error") is not None]
-    if not failed:
-        return found
-    listed = "; ".join(f"rank {r} ({o.get('where')}): {o['error']}" for r, o in failed)
-    error = CheckpointCoordinationError(
-        f"rank {rank}: resume_ckpt_path failed on {len(failed)} of {coordinator.world_size} "
-        f"rank(s), so no rank resumes: {listed}",
-        ranks=[r for r, _ in failed],
+    """Restore with every rank (see :func:`resume_ckpt_path`); a failure fails them all."""
+    if dirpath is None:  # each rank its own private copy
+        found = nodes.run_everywhere(
+            coordinator, lambda: _resume(checkpoint, None), f"restore {checkpoint!r}"
+        )
+        return found[coordinator.rank]  # type: ignore[no-any-return]
+    folder = Path(dirpath)
+
+    def restore() -> str | None:
+        path = _resume(checkpoint, folder)
+        return None if path is None else Path(path).relative_to(folder).as_posix()
+
+    url = getattr(checkpoint, "url", None)  # another system's checkpoint may have none
+    name = nodes.restore_to_every_disk(
+        coordinator, folder, restore, location=None if url is None else str(url),
+        world_size=coordinator.world_size,
     )
-    if own is not None:
-        raise error from own
-    raise error
+    if name is None:
+        return None
+    found = folder / str(name)
+
+    def check() -> None:
+        if not found.exists():
+            raise FileNotFoundError(
+                f"the restored {found} is missing: was dirpath changed or removed while the "
+                "checkpoint was restored?"
+            )
+        _filled.add(os.path.realpath(folder))
+
+    nodes.run_everywhere(coordinator, check, "see the restored checkpoint")
+    return os.fspath(found)
