@@ -1,10 +1,10 @@
 """The save path: what a save takes, its snapshot, writing it, the commit, background saves.
 
 A save is classified (:func:`classify`), snapshotted when it runs in the background
-(:func:`take_snapshot`), then committed by a :class:`Saver`: a format-2 directory through
-:func:`taskpoint.tree.save_tree` under a :class:`taskpoint.retention.Lease`, anything else
-as one format-1 payload (bytes, a file, or a tar archive of a directory) under a fresh
-name. The manifest, written last, is the commit; then older checkpoints are pruned.
+(:func:`take_snapshot`), then committed by a :class:`Saver`: a format-2 directory
+through :func:`taskpoint._tree_save.save_tree` under a :class:`taskpoint.retention.Lease`,
+anything else as one format-1 payload (bytes, a file, or a tar archive of a directory)
+under a fresh name. The manifest, written last, is the commit; then older checkpoints are pruned.
 :class:`Background` runs saves on an upload thread, holding at most one queued;
 :mod:`taskpoint._uploader` runs a :class:`Saver` in a separate process instead.
 :class:`Saves` runs one checkpoint's saves one at a time: it numbers each, commits it in
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from taskpoint import _parts, _uploader, archive, retention, tree
+from taskpoint import _parts, _tree_save, _uploader, archive, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
 from taskpoint._statcache import StatCache
@@ -178,8 +178,8 @@ class Saver:
         key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
         with retention.Lease(self._store, attempt, seq) as lease:
             upload_started = time.monotonic()
-            known = tree.BlobIndex.of(self._catalog.read_committed())
-            saved = tree.save_tree(
+            known = _tree_save.BlobIndex.of(self._catalog.read_committed())
+            saved = _tree_save.save_tree(
                 self._store, source.path, known, codec=self._codec,
                 workers=self._store.transfer.concurrency, progress=self._progress,
                 seen=self._seen,
@@ -546,7 +546,8 @@ class Saves:
             raise error
 
     def on_commit(self, callback: Callable[[SaveStats], object]) -> None:
-        """Call ``callback`` with each commit's stats (see :meth:`taskpoint.Checkpoint.on_commit`)."""
+        """Call ``callback`` with each commit's stats (see
+        :meth:`taskpoint.Checkpoint.on_commit`)."""
         self._listeners.append(callback)
 
     def _notify(self, stats: SaveStats) -> None:
