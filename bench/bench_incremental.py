@@ -54,7 +54,7 @@ from _common import (  # noqa: E402
     report,
     timed,
 )
-from taskpoint import tree  # noqa: E402
+from taskpoint import _tree_save  # noqa: E402
 
 MB = 2**20
 
@@ -65,12 +65,12 @@ def _tree_size(root: Path) -> int:
 
 @contextlib.contextmanager
 def _chunk_avg(kib: int) -> Iterator[None]:
-    saved = tree.CHUNK_AVG
-    tree.CHUNK_AVG = kib * 1024
+    saved = _tree_save.CHUNK_AVG
+    _tree_save.CHUNK_AVG = kib * 1024
     try:
         yield
     finally:
-        tree.CHUNK_AVG = saved
+        _tree_save.CHUNK_AVG = saved
 
 
 class _Recorder:
@@ -292,7 +292,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated: tree,frameworks")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
-    default_kib = tree.CHUNK_AVG // 1024
+    default_kib = _tree_save.CHUNK_AVG // 1024
     if default_kib in chunks:  # the default first: it is what every store runs
         chunks.remove(default_kib)
     chunks.insert(0, default_kib)

@@ -147,11 +147,11 @@ def test_a_kept_file_restores_its_hard_links_too(store_url: str, tmp_path: Path)
 
 def _reads(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[str]]:
     """The files saves read, and the files restores into a folder hash, by name."""
-    from taskpoint import tree as tree_module
+    from taskpoint import _tree_restore, _tree_save
 
     read: list[str] = []
     hashed: list[str] = []
-    pieces, matches = tree_module._pieces, tree_module._matches
+    pieces, matches = _tree_save._pieces, _tree_restore._matches
 
     def counting_pieces(path: Path, *args: Any) -> Any:
         read.append(path.name)
@@ -161,8 +161,8 @@ def _reads(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[str]]:
         hashed.append(path.name)
         return matches(path, entry)
 
-    monkeypatch.setattr(tree_module, "_pieces", counting_pieces)
-    monkeypatch.setattr(tree_module, "_matches", counting_matches)
+    monkeypatch.setattr(_tree_save, "_pieces", counting_pieces)
+    monkeypatch.setattr(_tree_restore, "_matches", counting_matches)
     return read, hashed
 
 

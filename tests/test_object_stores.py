@@ -18,8 +18,7 @@ from typing import Any
 
 import _servers
 import pytest
-from taskpoint import Checkpoint, CheckpointStoreError, RetryPolicy
-from taskpoint import tree as tree_module
+from taskpoint import Checkpoint, CheckpointStoreError, RetryPolicy, _tree_save
 
 BUCKET = "taskpoint-tests"
 MiB = 2**20
@@ -258,11 +257,11 @@ def test_large_objects_upload_in_parts_and_round_trip(
         for m, t in proxy.requests if m in ("PUT", "POST") and "objects" in t
     }
     if kind != "gcs":  # GCS names small objects in the request body, not the URL
-        assert len(objects) >= 12 * MiB // tree_module.PACK_SIZE, proxy.requests
+        assert len(objects) >= 12 * MiB // _tree_save.PACK_SIZE, proxy.requests
     (manifest,) = direct(proxy.server, url).committed()
     (entry,) = [e for e in manifest.entries or () if e.path == "shards/a.bin"]
     assert len(entry.blobs) >= 6  # chunks of about 512 KiB
-    assert len({blob.object for blob in entry.blobs}) >= 12 * MiB // tree_module.PACK_SIZE
+    assert len({blob.object for blob in entry.blobs}) >= 12 * MiB // _tree_save.PACK_SIZE
     restored = direct(proxy.server, url).load_sync()
     assert restored is not None
     assert (restored / "shards" / "a.bin").read_bytes() == (tree / "shards" / "a.bin").read_bytes()

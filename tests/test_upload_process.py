@@ -46,7 +46,7 @@ def test_background_saves_upload_in_another_process_and_commit_in_order(
     ckpt.wait()
     ckpt.save_sync(_tree(tmp_path / "second", 16, seed=2), background=True)
     deadline = time.monotonic() + 30
-    while not ckpt._background._running and time.monotonic() < deadline:
+    while not ckpt._saves._background._running and time.monotonic() < deadline:
         time.sleep(0.001)  # until the upload is in flight (a queued one would be superseded)
     ckpt.save_sync(b"third")  # waits for the upload in flight, then commits after it
     ckpt.wait()

@@ -9,7 +9,7 @@ process committed or restored it, or verified it) is never read through again.
 
 from __future__ import annotations
 
-from taskpoint import retention, tree
+from taskpoint import _tree_restore, retention
 from taskpoint._digest import Digest, HashingReader, Progress
 from taskpoint.errors import CheckpointCorruptError, CheckpointFormatError
 from taskpoint.manifest import CHECKPOINTS, Manifest, parse_manifest_name
@@ -115,7 +115,7 @@ class Catalog:
             CheckpointStoreError: the store failed.
         """
         if manifest.is_tree:
-            return tree.verify_tree(self.store, manifest)
+            return _tree_restore.verify_tree(self.store, manifest)
         try:
             with self.store.open_read(f"{CHECKPOINTS}/{manifest.payload}") as raw:
                 reader = HashingReader(raw, self.progress, Digest.matching(manifest.checksum))

@@ -5,9 +5,9 @@ or cannot be read back is skipped with a :class:`~taskpoint.TaskpointWarning`; o
 while it was read sends the search back to a fresh listing. Format-1 payloads are
 downloaded (a file) or streamed through :func:`taskpoint.archive.unpack_directory` (a
 directory) and checked against the manifest's checksum; format-2 trees are restored by
-:func:`taskpoint.tree.restore_tree`. A failure of the local disk (full, read-only, refused)
-is a :class:`~taskpoint.CheckpointRestoreError`, never taken for a bad checkpoint
-(:func:`is_local_write_error`).
+:func:`taskpoint._tree_restore.restore_tree`. A failure of the local disk (full,
+read-only, refused) is a :class:`~taskpoint.CheckpointRestoreError`, never taken for a bad
+checkpoint (:func:`is_local_write_error`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
-from taskpoint import archive, tree
+from taskpoint import _tree_restore, archive
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Digest, HashingReader, Progress, digest_file
 from taskpoint._statcache import StatCache, now_ns
@@ -218,7 +218,7 @@ class Loader:
         path = staging / (manifest.name or BYTES_NAME)
         try:
             if manifest.is_tree:
-                tree.restore_tree(
+                _tree_restore.restore_tree(
                     self._store, manifest, path, existing=into, progress=self._progress,
                     workers=max(16, self._store.transfer.concurrency), seen=self._seen,
                 )
@@ -257,7 +257,7 @@ class Loader:
             return path
         try:
             if manifest.kind == "directory":
-                tree.swap_into(path, into)
+                _tree_restore.swap_into(path, into)
                 self._remember(manifest, into, clock)
                 return into
             os.replace(path, into / path.name)

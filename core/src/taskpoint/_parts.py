@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from taskpoint import archive, retention, tree
+from taskpoint import _tree_save, archive, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Progress
 from taskpoint.coordination import Coordinator
@@ -173,8 +173,8 @@ def upload_part(
     """
     check_part(root)
     store = catalog.store
-    known = tree.BlobIndex.of(catalog.read_committed())
-    saved = tree.save_tree(
+    known = _tree_save.BlobIndex.of(catalog.read_committed())
+    saved = _tree_save.save_tree(
         store, root, known, codec=codec, workers=store.transfer.concurrency, progress=progress
     )
     return {

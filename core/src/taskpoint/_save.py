@@ -1,20 +1,25 @@
 """The save path: what a save takes, its snapshot, writing it, the commit, background saves.
 
 A save is classified (:func:`classify`), snapshotted when it runs in the background
-(:func:`take_snapshot`), then committed by a :class:`Saver`: a format-2 directory through
-:func:`taskpoint.tree.save_tree` under a :class:`taskpoint.retention.Lease`, anything else
-as one format-1 payload (bytes, a file, or a tar archive of a directory) under a fresh
-name. The manifest, written last, is the commit; then older checkpoints are pruned.
+(:func:`take_snapshot`), then committed by a :class:`Saver`: a format-2 directory
+through :func:`taskpoint._tree_save.save_tree` under a :class:`taskpoint.retention.Lease`,
+anything else as one format-1 payload (bytes, a file, or a tar archive of a directory)
+under a fresh name. The manifest, written last, is the commit; then older checkpoints are pruned.
 :class:`Background` runs saves on an upload thread, holding at most one queued;
 :mod:`taskpoint._uploader` runs a :class:`Saver` in a separate process instead.
+:class:`Saves` runs one checkpoint's saves one at a time: it numbers each, commits it in
+the caller's thread, on the upload thread or in the upload process, and tells the
+checkpoint's ``on_commit`` listeners.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
+import pickle
 import shutil
 import stat
 import tempfile
@@ -24,13 +29,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
-from taskpoint import archive, retention, tree
+from taskpoint import _parts, _tree_save, _uploader, archive, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
 from taskpoint._statcache import StatCache
-from taskpoint.history import SaveStats
+from taskpoint.history import Attempt, SaveStats
 from taskpoint.manifest import (
     CHECKPOINTS,
     TREE_FORMAT,
@@ -44,6 +49,7 @@ from taskpoint.manifest import (
 __all__ = [
     "Background",
     "Saver",
+    "Saves",
     "Snapshot",
     "Source",
     "check_snapshot",
@@ -172,8 +178,8 @@ class Saver:
         key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
         with retention.Lease(self._store, attempt, seq) as lease:
             upload_started = time.monotonic()
-            known = tree.BlobIndex.of(self._catalog.read_committed())
-            saved = tree.save_tree(
+            known = _tree_save.BlobIndex.of(self._catalog.read_committed())
+            saved = _tree_save.save_tree(
                 self._store, source.path, known, codec=self._codec,
                 workers=self._store.transfer.concurrency, progress=self._progress,
                 seen=self._seen,
@@ -419,3 +425,134 @@ def discard(source: Source) -> None:
     """Remove ``source``'s private snapshot, if it has one."""
     if source.snapshot is not None:
         shutil.rmtree(source.snapshot, ignore_errors=True)
+
+
+class Saves:
+    """One checkpoint's saves, one at a time: numbered, committed, announced.
+
+    A save commits in its caller's thread, or (a background save) on the
+    :class:`Background` thread, which hands it to the upload process
+    (:mod:`taskpoint._uploader`) when it can; a multi-writer commit
+    (:class:`taskpoint.PartsCommit`) takes its numbers here too. Each commit is announced to
+    the :meth:`on_commit` listeners.
+
+    Args:
+        saver: writes and commits one save.
+        catalog: the location's committed checkpoints (the saver's).
+        attempt: the checkpoint's attempt, which numbers the saves.
+        options: the checkpoint's constructor arguments, for the upload process.
+        background_upload: where background saves upload: ``"process"`` or ``"thread"``.
+    """
+
+    def __init__(
+        self,
+        saver: Saver,
+        catalog: Catalog,
+        attempt: Attempt,
+        *,
+        options: dict[str, Any],
+        background_upload: str,
+    ) -> None:
+        self.saver = saver
+        self._catalog = catalog
+        self._attempt = attempt
+        self._options = options
+        self._background_upload = background_upload
+        self.worker: _uploader.Worker | None = None
+        """The upload process's handle, once a background save started it."""
+        self._lock = threading.Lock()
+        self._tickets = itertools.count()
+        self._background = Background(self.run)
+        self._listeners: list[Callable[[SaveStats], object]] = []
+
+    def begin(self, data: object, snapshot: object, background: bool) -> tuple[Source, int]:
+        """Check and classify a save of ``data`` and give it its ticket (its place in
+        order); a blocking save drops an older background save still queued.
+
+        Raises:
+            TypeError, ValueError, FileNotFoundError, CheckpointUnsafeError: as
+                :meth:`taskpoint.Checkpoint.save_sync` says.
+            CheckpointError: what an earlier background save raised.
+        """
+        called = time.monotonic()
+        check_snapshot(snapshot)
+        self.raise_error()
+        source = classify(data, called)
+        ticket = next(self._tickets)
+        if not background:
+            self._background.supersede(ticket)
+        return source, ticket
+
+    def queue(self, source: Source, ticket: int) -> None:
+        """Commit ``source`` (a private snapshot) on the upload thread."""
+        self._background.submit(source, ticket)
+
+    def run(self, source: Source, ticket: int) -> None:
+        """Commit ``source`` now: in the upload process if it is a background save that
+        can go there, else in this thread; then tell the listeners."""
+        with self._lock:
+            attempt, seq = self._attempt.next_save(ticket)
+            if source.blocked_s is not None and self._upload_in_process:
+                if self.worker is None:
+                    self.worker = _uploader.Worker()
+                request = _uploader.Request(
+                    self._options, attempt, seq, source, frozenset(self._catalog.intact)
+                )
+                stats, intact = self.worker.run(request)
+                self._catalog.intact.add(intact)
+            else:
+                stats, _ = self.saver.commit(source, attempt, seq)
+        self._notify(stats)
+
+    @property
+    def _upload_in_process(self) -> bool:
+        """Whether background saves run in the upload process (see :mod:`taskpoint._uploader`)."""
+        if self._background_upload != "process" or self._catalog.progress is not None:
+            return False  # a progress callback cannot cross processes
+        if self._catalog.store.is_memory:
+            return False  # memory:// lives in this process alone
+        try:
+            pickle.dumps(self._options)
+        except Exception:  # storage_options holding a live client object, say
+            self._background_upload = "thread"
+            return False
+        return True
+
+    def begin_parts(self, called: float) -> _parts.PartsCommit:
+        """Number a multi-writer commit, begun at ``called`` (``time.monotonic()``), and
+        start it (see :meth:`taskpoint.Checkpoint.begin_parts`)."""
+        ticket = next(self._tickets)
+        self._background.supersede(ticket)
+        with self._lock:
+            attempt, seq = self._attempt.next_save(ticket)
+        return _parts.PartsCommit(
+            self._catalog, attempt, seq, called=called, committed=self._parts_committed
+        )
+
+    def _parts_committed(self, stats: SaveStats) -> None:
+        with self._lock:
+            self.saver.prune()
+        self._notify(stats)
+
+    def wait(self) -> None:
+        """Block until background saves have committed; raise what the last failed one raised."""
+        self._background.wait()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        """Raise what the last failed background save raised, once."""
+        error = self._background.take_error()
+        if error is not None:
+            raise error
+
+    def on_commit(self, callback: Callable[[SaveStats], object]) -> None:
+        """Call ``callback`` with each commit's stats (see
+        :meth:`taskpoint.Checkpoint.on_commit`)."""
+        self._listeners.append(callback)
+
+    def _notify(self, stats: SaveStats) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(stats)
+            except Exception:
+                log.exception("an on_commit listener of %s failed", self._catalog.store.url)

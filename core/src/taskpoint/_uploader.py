@@ -5,7 +5,7 @@ in a thread of the training process they take turns with the training loop for t
 (measured here: 0.53-0.88x of the loop's step rate while an upload ran). PyTorch's own
 asynchronous checkpointing moved its upload out of the training process for the same
 reason. A :class:`Worker` is one long-lived child process (running :func:`main`) per
-checkpoint, started at the first background save. Requests and
+checkpoint, started at the first background save and closed at interpreter exit. Requests and
 replies are pickled frames over its standard input and output; the child points its own
 ``sys.stdout`` at standard error first, so nothing it prints can corrupt a frame.
 
@@ -17,6 +17,7 @@ attempt's would, and a newer attempt's checkpoints outrank it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -54,18 +55,28 @@ def _child_nice() -> int:
     return min(os.getpriority(os.PRIO_PROCESS, os.getpid()) + NICE, 19)
 
 
+_workers: list[Worker] = []
+
+
+@atexit.register
+def _close_workers() -> None:
+    for worker in _workers:
+        worker.close()
+
+
 class WorkerDied(CheckpointError):
     """The upload process ended before it answered (killed, or out of memory)."""
 
 
 @dataclass(frozen=True)
 class Request:
-    """One save for the child to commit: what :meth:`Checkpoint._commit` needs, picklable."""
+    """One save for the child to commit: what :meth:`taskpoint._save.Saver.commit` needs,
+    picklable."""
 
     options: dict[str, Any]  # Checkpoint constructor arguments
     attempt: int
     seq: int
-    source: Any  # checkpoint._Source
+    source: Any  # taskpoint._save.Source
     intact: frozenset[tuple[str, str]]  # (manifest key, checksum) the parent knows intact
 
 
@@ -88,11 +99,15 @@ def _receive(stream: IO[bytes]) -> Any:
 
 
 class Worker:
-    """The parent's handle on one upload process; :meth:`run` is one request at a time."""
+    """The parent's handle on one upload process; :meth:`run` is one request at a time.
+
+    Every worker is closed at interpreter exit (:meth:`close`).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        _workers.append(self)
 
     def run(self, request: Request) -> Any:
         """Have the child commit ``request``; what it returned, or raise what it raised.

@@ -17,19 +17,20 @@ action's location and attempt.
 A save writes the payload under a fresh name, then its manifest (the commit), then prunes
 checkpoints beyond the newest ``keep``. A crash at any point leaves the newest committed
 checkpoint loadable; a reader never sees a half-written one.
+
+``Checkpoint`` is the public face; the work is done by its collaborators: saves by
+:class:`taskpoint._save.Saves` (ordering, background and upload-process saves, listeners)
+and :class:`taskpoint._save.Saver` (one commit), multi-writer commits by
+:mod:`taskpoint._parts`, loads by :class:`taskpoint._load.Loader`, the attempt and its run
+records by :class:`taskpoint.history.Attempt`, listing, verifying, pruning and collecting by
+:class:`taskpoint._catalog.Catalog`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import functools
-import itertools
-import json
-import logging
 import os
-import pickle
-import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -39,40 +40,17 @@ from taskpoint import _parts, _uploader, archive, history, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Progress
 from taskpoint._load import Loader
-from taskpoint._save import Background, Saver, Snapshot, Source, check_snapshot, classify
-from taskpoint._save import take_snapshot as _take_snapshot
+from taskpoint._save import Saver, Saves, Snapshot, take_snapshot
 from taskpoint._statcache import StatCache
 from taskpoint.coordination import Coordinator
-from taskpoint.errors import CheckpointError
-from taskpoint.history import ATTEMPTS, SaveStats
-from taskpoint.manifest import (
-    CHECKPOINTS,
-    FORMAT_VERSION,
-    TREE_FORMAT,
-    Codec,
-    Manifest,
-    check_format,
-    loads_record,
-    parse_manifest_name,
-)
+from taskpoint.history import SaveStats
+from taskpoint.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, Manifest
 from taskpoint.store import RetryPolicy, Store, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
 
-log = logging.getLogger(__name__)
-
 SaveInput = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 """What ``save`` accepts: raw bytes, or the path of a file or directory."""
-
-STATUS = "status.json"
-"""The object, under a checkpoint's URL, that records how the action finished."""
-_workers: list[_uploader.Worker] = []
-
-
-@atexit.register
-def _close_workers() -> None:
-    for worker in _workers:
-        worker.close()
 
 
 class Checkpoint:
@@ -135,31 +113,28 @@ class Checkpoint:
                 f'background_upload must be "process" or "thread"; got {background_upload!r}'
             )
         self._store = Store(url, storage_options, retry)
-        self._options: dict[str, Any] = {
-            "url": url, "keep": keep, "codec": codec, "retry": retry,
-            "storage_options": dict(storage_options or {}), "background_upload": "thread",
-            "store_format": store_format,
-        }
-        self._background_upload = background_upload
-        self._worker: _uploader.Worker | None = None
-        self._attempt = attempt
         self._keep = keep
-        self._save_lock = threading.Lock()
-        self._tickets = itertools.count()
-        self._seq_base: int | None = None
         self._progress = progress
         self._catalog = Catalog(self._store, progress)
+        self._attempt = history.Attempt(self._store, attempt)
         seen = StatCache()  # files this checkpoint saved or restored, by stat
-        self._saver = Saver(
-            self._catalog, codec=self._codec, store_format=store_format, keep=keep,
-            progress=progress, seen=seen,
+        self._saves = Saves(
+            Saver(
+                self._catalog, codec=self._codec, store_format=store_format, keep=keep,
+                progress=progress, seen=seen,
+            ),
+            self._catalog,
+            self._attempt,
+            options={
+                "url": url, "keep": keep, "codec": codec, "retry": retry,
+                "storage_options": dict(storage_options or {}), "background_upload": "thread",
+                "store_format": store_format,
+            },
+            background_upload=background_upload,
         )
         self._loader = Loader(
             self._catalog, Path(workdir) if workdir is not None else None, progress, seen
         )
-        self._background = Background(self._save)
-        self._listeners: list[Callable[[SaveStats], object]] = []
-        self._resumed: tuple[Manifest, float] | None = None  # recorded once claimed
 
     @classmethod
     def at(cls, url: str | os.PathLike[str], **options: Any) -> Checkpoint:
@@ -172,7 +147,9 @@ class Checkpoint:
         return cls(url, **options)
 
     def __repr__(self) -> str:
-        return f"Checkpoint({self._store.url!r}, attempt={self._attempt!r}, keep={self._keep})"
+        return (
+            f"Checkpoint({self._store.url!r}, attempt={self._attempt.number!r}, keep={self._keep})"
+        )
 
     @property
     def url(self) -> str:
@@ -182,7 +159,12 @@ class Checkpoint:
     @property
     def attempt(self) -> int | None:
         """The attempt number saves are made as; ``None`` until claimed from the store."""
-        return self._attempt
+        return self._attempt.number
+
+    @property
+    def _worker(self) -> _uploader.Worker | None:
+        """The upload process's handle, once a background save started it (for tests)."""
+        return self._saves.worker
 
     # -- saving -----------------------------------------------------------------------
 
@@ -216,32 +198,21 @@ class Checkpoint:
             CheckpointStoreError: the store failed (this save's, or an earlier background
                 save's); earlier checkpoints are untouched.
         """
-        called = time.monotonic()
-        check_snapshot(snapshot)
-        self._raise_background_error()
-        source = classify(data, called)
-        ticket = next(self._tickets)
+        source, ticket = self._saves.begin(data, snapshot, background)
         if background:
-            self._background.submit(_take_snapshot(source, snapshot), ticket)
+            self._saves.queue(take_snapshot(source, snapshot), ticket)
         else:
-            self._background.supersede(ticket)
-            self._save(source, ticket)
+            self._saves.run(source, ticket)
 
     async def save(
         self, data: SaveInput, *, background: bool = False, snapshot: Snapshot = "copy"
     ) -> None:
         """Async :meth:`save_sync`: the snapshot and upload run in worker threads."""
-        called = time.monotonic()
-        check_snapshot(snapshot)
-        self._raise_background_error()
-        source = classify(data, called)
-        ticket = next(self._tickets)
+        source, ticket = self._saves.begin(data, snapshot, background)
         if background:
-            private = await asyncio.to_thread(_take_snapshot, source, snapshot)
-            self._background.submit(private, ticket)
+            self._saves.queue(await asyncio.to_thread(take_snapshot, source, snapshot), ticket)
         else:
-            self._background.supersede(ticket)
-            await asyncio.to_thread(self._save, source, ticket)
+            await asyncio.to_thread(self._saves.run, source, ticket)
 
     def save_part_sync(
         self, path: str | os.PathLike[str], *, coordinator: Coordinator
@@ -282,10 +253,10 @@ class Checkpoint:
                 f"TorchCoordinator); got {type(coordinator).__name__}"
             )
         root = Path(os.fspath(path)).absolute()
-        self._raise_background_error()
+        self._saves.raise_error()
         _parts.save_part(
             lambda: _parts.check_part(root),
-            lambda: self._begin_parts(called),
+            lambda: self._saves.begin_parts(called),
             lambda: self.upload_part(root),
             coordinator,
             self._store.url,
@@ -316,22 +287,7 @@ class Checkpoint:
         Raises:
             CheckpointStoreError: the store failed.
         """
-        return self._begin_parts(time.monotonic())
-
-    def _begin_parts(self, called: float) -> _parts.PartsCommit:
-        ticket = next(self._tickets)
-        self._background.supersede(ticket)
-        with self._save_lock:
-            attempt = self._claim_attempt()
-            seq = self._next_seq(attempt, ticket)
-        return _parts.PartsCommit(
-            self._catalog, attempt, seq, called=called, committed=self._parts_committed
-        )
-
-    def _parts_committed(self, stats: SaveStats) -> None:
-        with self._save_lock:
-            self._saver.prune()
-        self._notify(stats)
+        return self._saves.begin_parts(time.monotonic())
 
     def upload_part(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Upload one rank's folder for a multi-writer commit (see :meth:`begin_parts`).
@@ -356,13 +312,7 @@ class Checkpoint:
         Raises:
             CheckpointError: what the last failed background save raised.
         """
-        self._background.wait()
-        self._raise_background_error()
-
-    def _raise_background_error(self) -> None:
-        error = self._background.take_error()
-        if error is not None:
-            raise error
+        self._saves.wait()
 
     def on_commit(self, callback: Callable[[SaveStats], object]) -> Callable[[SaveStats], object]:
         """Call ``callback`` with a :class:`~taskpoint.SaveStats` after each commit.
@@ -371,46 +321,8 @@ class Checkpoint:
         thread for background ones; what it raises is logged, never raised into a save.
         Usable as a decorator; returns ``callback``.
         """
-        self._listeners.append(callback)
+        self._saves.on_commit(callback)
         return callback
-
-    def _save(self, source: Source, ticket: int) -> None:
-        with self._save_lock:
-            attempt = self._claim_attempt()
-            seq = self._next_seq(attempt, ticket)
-            if source.blocked_s is not None and self._upload_in_process:
-                if self._worker is None:
-                    self._worker = _uploader.Worker()
-                    _workers.append(self._worker)
-                request = _uploader.Request(
-                    self._options, attempt, seq, source, frozenset(self._catalog.intact)
-                )
-                stats, intact = self._worker.run(request)
-                self._catalog.intact.add(intact)
-            else:
-                stats, _ = self._commit(source, attempt, seq)
-        self._notify(stats)
-
-    @property
-    def _upload_in_process(self) -> bool:
-        """Whether background saves run in the upload process (see :mod:`taskpoint._uploader`)."""
-        if self._background_upload != "process" or self._progress is not None:
-            return False  # a progress callback cannot cross processes
-        if self._store.is_memory:
-            return False  # memory:// lives in this process alone
-        try:
-            pickle.dumps(self._options)
-        except Exception:  # storage_options holding a live client object, say
-            self._background_upload = "thread"
-            return False
-        return True
-
-    def _commit(
-        self, source: Source, attempt: int, seq: int
-    ) -> tuple[SaveStats, tuple[str, str]]:
-        """Write ``source`` as save ``seq`` of ``attempt``, commit it, prune; with the save lock
-        held (or in the upload process). Returns its stats and its ``(key, checksum)``."""
-        return self._saver.commit(source, attempt, seq)
 
     def collect(self) -> retention.Collected:
         """Delete content objects that no committed checkpoint references.
@@ -423,39 +335,12 @@ class Checkpoint:
         """
         return self._catalog.collect()
 
-    def _notify(self, stats: SaveStats) -> None:
-        for listener in list(self._listeners):
-            try:
-                listener(stats)
-            except Exception:
-                log.exception("an on_commit listener of %s failed", self._store.url)
-
-    def _claim_attempt(self) -> int:
-        if self._attempt is None:
-            taken = history.attempt_numbers(self._store)
-            if taken:
-                self._check_marker(taken[-1])
-            self._attempt = history.claim_attempt(self._store, taken[-1] + 1 if taken else 0)
-            if self._resumed is not None:
-                history.record_resume(self._store, self._attempt, *self._resumed)
-        return self._attempt
-
-    def _check_marker(self, attempt: int) -> None:
-        """Refuse to add an attempt to an action a newer taskpoint has written to."""
-        key = f"{ATTEMPTS}/{attempt:06d}"
-        try:
-            record = loads_record(self._store.read_bytes(key))
-        except (FileNotFoundError, ValueError):
-            return  # a marker is a name first; its content is informational
-        check_format(record, url=self._store.url_of(key))
-
     def mark_started(self) -> None:
         """Record that this checkpoint's attempt started (its runner numbered it).
 
         Best effort, like every run record (see :mod:`taskpoint.history`).
         """
-        if self._attempt is not None:
-            history.mark_attempt(self._store, self._attempt)
+        self._attempt.started()
 
     def mark_ended(self, outcome: history.Outcome, error: str | None = None) -> None:
         """Record how this checkpoint's attempt ended; nothing if it never claimed one.
@@ -465,18 +350,7 @@ class Checkpoint:
         Raises:
             ValueError: ``outcome`` is not one of :data:`taskpoint.history.OUTCOMES`.
         """
-        if self._attempt is not None:
-            history.record_end(self._store, self._attempt, outcome, error)
-
-    def _next_seq(self, attempt: int, ticket: int) -> int:
-        if self._seq_base is None:
-            seqs = [
-                order[1]
-                for order in map(parse_manifest_name, self._store.list(CHECKPOINTS))
-                if order is not None and order[0] == attempt
-            ]
-            self._seq_base = max(seqs, default=-1) + 1
-        return self._seq_base + ticket
+        self._attempt.ended(outcome, error)
 
     def prune(self, keep: int) -> None:
         """Keep the newest ``keep`` intact checkpoints; delete what is older, and stale payloads.
@@ -525,13 +399,7 @@ class Checkpoint:
         Best effort: a store failure is logged, not raised, so it never hides the task's
         own outcome. ``taskpoint gc``/``rm`` treat actions without this record as unfinished.
         """
-        record = {
-            "format": FORMAT_VERSION, "state": state, "attempts": attempts, "finished": time.time()
-        }
-        try:
-            self._store.write_atomic(STATUS, json.dumps(record).encode())
-        except CheckpointError as exc:
-            log.warning("could not record %s as %s: %s", self._store.url, state, exc)
+        history.record_finished(self._store, state, attempts)
 
     def status(self) -> dict[str, Any] | None:
         """The record :meth:`mark_finished` wrote, or ``None`` while the action is unfinished.
@@ -540,12 +408,7 @@ class Checkpoint:
             CheckpointStoreError: the store failed.
             CheckpointFormatError: a newer taskpoint wrote the record.
         """
-        try:
-            raw = loads_record(self._store.read_bytes(STATUS))
-        except (FileNotFoundError, ValueError):
-            return None
-        check_format(raw, url=self._store.url_of(STATUS))
-        return raw if isinstance(raw, dict) else None
+        return history.read_status(self._store)
 
     # -- loading ----------------------------------------------------------------------
 
@@ -598,10 +461,7 @@ class Checkpoint:
         if found is None:
             return None
         path, manifest, elapsed = found
-        if self._attempt is not None:
-            history.record_resume(self._store, self._attempt, manifest, elapsed)
-        else:
-            self._resumed = (manifest, elapsed)  # recorded once an attempt is claimed
+        self._attempt.resumed(manifest, elapsed)
         return path
 
     async def load(
@@ -619,7 +479,7 @@ def commit_request(request: _uploader.Request) -> tuple[SaveStats, tuple[str, st
     """
     checkpoint = Checkpoint(**request.options, attempt=request.attempt)
     checkpoint._catalog.intact |= request.intact
-    return checkpoint._commit(request.source, request.attempt, request.seq)
+    return checkpoint._saves.saver.commit(request.source, request.attempt, request.seq)
 
 
 def latest_checkpoint(

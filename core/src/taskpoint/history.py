@@ -1,16 +1,20 @@
 """The run history: what each attempt did and what each save cost, kept beside the checkpoints.
 
-Records are small JSON objects under an action's ``attempts/`` folder (a public contract,
-see the README's layout section); store format 1 readers ignore the names they do not know::
+Records are small JSON objects under an action's ``attempts/`` folder, and one for the
+action (a public contract, see the README's layout section); store format 1 readers ignore
+the names they do not know::
 
     attempts/<n:06d>              the claim: {"format", "started", "pid", "host"}
     attempts/<n:06d>.resume.json  {"format", "at", "checkpoint", "restore_s", "size"}
     attempts/<n:06d>.end.json     {"format", "ended", "outcome", "error"}
+    status.json                   {"format", "state", "attempts", "finished"}
 
 ``outcome`` is ``"succeeded"``, ``"failed"``, ``"preempted"`` or ``"crashed"`` (the attempt's
 process died: a signal or an exit without an outcome). What a save cost is recorded in its
 manifest's ``stats`` object and handed to :meth:`taskpoint.Checkpoint.on_commit` listeners as
-a :class:`SaveStats`.
+a :class:`SaveStats`. An :class:`Attempt` is one :class:`taskpoint.Checkpoint`'s attempt:
+its number, claimed from the store at its first save unless its runner gave one, the
+numbers of its saves, and the records it writes.
 
 Records are informational: writing one is best effort (a failure is logged, never raised, so
 it cannot hide the task's own outcome), and a garbage record reads as unknown fields.
@@ -29,19 +33,30 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from taskpoint.errors import CheckpointError, CheckpointStoreError
-from taskpoint.manifest import FORMAT_VERSION, Manifest, loads_record
+from taskpoint.manifest import (
+    CHECKPOINTS,
+    FORMAT_VERSION,
+    Manifest,
+    check_format,
+    loads_record,
+    parse_manifest_name,
+)
 from taskpoint.store import Store
 
 __all__ = [
     "ATTEMPTS",
     "OUTCOMES",
+    "STATUS",
+    "Attempt",
     "AttemptRecord",
     "SaveStats",
     "attempt_numbers",
     "claim_attempt",
     "finite_number",
     "read_attempts",
+    "read_status",
     "record_end",
+    "record_finished",
     "record_resume",
 ]
 
@@ -49,6 +64,8 @@ log = logging.getLogger(__name__)
 
 ATTEMPTS = "attempts"
 """The folder, under a checkpoint's URL, that holds the attempt records."""
+STATUS = "status.json"
+"""The object, under a checkpoint's URL, that records how the action finished."""
 
 Outcome = Literal["succeeded", "failed", "preempted", "crashed"]
 OUTCOMES: tuple[Outcome, ...] = ("succeeded", "failed", "preempted", "crashed")
@@ -201,6 +218,112 @@ def _best_effort(store: Store, key: str, data: bytes) -> None:
         store.write_atomic(key, data)
     except CheckpointError as exc:
         log.warning("could not write the run record %s: %s", store.url_of(key), exc)
+
+
+def record_finished(store: Store, state: str, attempts: int) -> None:
+    """Record that the action ended as ``state`` after ``attempts``; best effort."""
+    record = _record(state=state, attempts=attempts, finished=time.time())
+    try:
+        store.write_atomic(STATUS, record)
+    except CheckpointError as exc:
+        log.warning("could not record %s as %s: %s", store.url, state, exc)
+
+
+def read_status(store: Store) -> dict[str, Any] | None:
+    """The record :func:`record_finished` wrote, or ``None`` while the action is unfinished.
+
+    Raises:
+        CheckpointStoreError: the store failed.
+        CheckpointFormatError: a newer taskpoint wrote the record.
+    """
+    try:
+        raw = loads_record(store.read_bytes(STATUS))
+    except (FileNotFoundError, ValueError):
+        return None
+    check_format(raw, url=store.url_of(STATUS))
+    return raw if isinstance(raw, dict) else None
+
+
+class Attempt:
+    """One checkpoint's attempt at its location: its number, its saves' numbers, its records.
+
+    Args:
+        store: the checkpoint location.
+        number: the attempt number its runner gave; ``None`` claims the next free number
+            from the store at the first save (:meth:`claim`), so two restarts never share
+            one.
+    """
+
+    def __init__(self, store: Store, number: int | None = None) -> None:
+        self.store = store
+        self.number = number
+        """The attempt number; ``None`` until claimed."""
+        self._seq_base: int | None = None
+        self._resumed: tuple[Manifest, float] | None = None  # recorded once claimed
+
+    def claim(self) -> int:
+        """The attempt number, claimed from the store first if it has none yet.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+            CheckpointFormatError: a newer taskpoint wrote the newest attempt's claim.
+        """
+        if self.number is None:
+            taken = attempt_numbers(self.store)
+            if taken:
+                self._check_marker(taken[-1])
+            self.number = claim_attempt(self.store, taken[-1] + 1 if taken else 0)
+            if self._resumed is not None:
+                record_resume(self.store, self.number, *self._resumed)
+        return self.number
+
+    def _check_marker(self, attempt: int) -> None:
+        """Refuse to add an attempt to an action a newer taskpoint has written to."""
+        key = _claim_key(attempt)
+        try:
+            record = loads_record(self.store.read_bytes(key))
+        except (FileNotFoundError, ValueError):
+            return  # a marker is a name first; its content is informational
+        check_format(record, url=self.store.url_of(key))
+
+    def next_save(self, ticket: int) -> tuple[int, int]:
+        """The attempt and save number of the save given ``ticket`` (the checkpoint's count
+        of saves begun), claiming the attempt first if need be; with the save lock held.
+
+        Raises:
+            CheckpointStoreError: the store failed.
+            CheckpointFormatError: a newer taskpoint wrote the newest attempt's claim.
+        """
+        attempt = self.claim()
+        if self._seq_base is None:
+            seqs = [
+                order[1]
+                for order in map(parse_manifest_name, self.store.list(CHECKPOINTS))
+                if order is not None and order[0] == attempt
+            ]
+            self._seq_base = max(seqs, default=-1) + 1
+        return attempt, self._seq_base + ticket
+
+    def started(self) -> None:
+        """Record that the attempt started, if its runner numbered it; best effort."""
+        if self.number is not None:
+            mark_attempt(self.store, self.number)
+
+    def ended(self, outcome: Outcome, error: str | None = None) -> None:
+        """Record how the attempt ended, if it has a number; best effort.
+
+        Raises:
+            ValueError: ``outcome`` is not one of :data:`OUTCOMES`.
+        """
+        if self.number is not None:
+            record_end(self.store, self.number, outcome, error)
+
+    def resumed(self, manifest: Manifest, restore_s: float) -> None:
+        """Record that the attempt resumed from ``manifest``: now, or once it is claimed."""
+        if self.number is not None:
+            record_resume(self.store, self.number, manifest, restore_s)
+        else:
+            self._resumed = (manifest, restore_s)
 
 
 def read_attempts(store: Store) -> list[AttemptRecord]:

@@ -17,10 +17,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from taskpoint.checkpoint import STATUS, Checkpoint
+from taskpoint.checkpoint import Checkpoint
 from taskpoint.context import ENV_ROOT, root_from
 from taskpoint.errors import CheckpointError, CheckpointFormatError, CheckpointStoreError
-from taskpoint.history import ATTEMPTS, AttemptRecord, attempt_numbers, read_attempts
+from taskpoint.history import (
+    ATTEMPTS,
+    STATUS,
+    AttemptRecord,
+    attempt_numbers,
+    read_attempts,
+)
 from taskpoint.manifest import (
     CHECKPOINTS,
     Manifest,

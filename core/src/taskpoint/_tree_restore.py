@@ -1,0 +1,461 @@
+"""Restoring and verifying a format-2 tree (see :mod:`taskpoint.tree`).
+
+Restoring checks every path with :class:`taskpoint.archive.Extractor` (the rules that guard
+tar restores), reads in parallel each object whole, or the stretches of it that the tree
+uses by ranged reads, verifies each blob against its hash, and writes blobs straight to
+their offsets. Restoring into a directory that already holds some files keeps every file
+whose size and hash match. An object found missing or damaged is marked broken
+(:func:`taskpoint.tree.mark_broken`), so that no later save references it.
+
+Example::
+
+    restore_tree(store, manifest, Path("restored"))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import shutil
+import stat
+import tarfile
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import xxhash
+
+from taskpoint import archive
+from taskpoint._digest import Progress
+from taskpoint._statcache import StatCache
+from taskpoint.errors import CheckpointCorruptError, CheckpointStoreError
+from taskpoint.manifest import Blob, Entry, Manifest
+from taskpoint.retention import OBJECTS
+from taskpoint.store import Store
+from taskpoint.tree import MIN_WORKERS, content_hash, decode, mark_broken
+
+__all__ = ["restore_tree", "swap_into", "verify_tree"]
+
+
+class _Member(tarfile.TarInfo):
+    """A manifest entry as the extractor's record, keeping the nanosecond mtime."""
+
+    __slots__ = ("mtime_ns",)
+    mtime_ns: int
+
+
+def _members(entries: Iterable[Entry]) -> Iterator[tarfile.TarInfo]:
+    for entry in entries:
+        info = _Member(entry.path)
+        info.mode = entry.mode
+        info.mtime = entry.mtime_ns / 1e9
+        info.mtime_ns = entry.mtime_ns
+        info.type = {
+            "file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE,
+            "symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE,
+        }[entry.type]
+        info.size = entry.size
+        if entry.target is not None:
+            info.linkname = entry.target
+        yield info
+
+
+@dataclass(frozen=True)
+class _Place:
+    path: Path
+    offset: int  # in the file
+    blob: Blob
+
+
+def _fetch(store: Store, manifest: Manifest, name: str, url: str) -> bytes:
+    key = f"{OBJECTS}/{name}"
+    try:
+        data = store.read_bytes(key)
+    except FileNotFoundError:
+        mark_broken(store, name)
+        raise CheckpointCorruptError(
+            f"checkpoint {url} needs object {store.url_of(key)}, which is missing", url=url
+        ) from None
+    expected = (manifest.objects or {}).get(name)
+    if len(data) != expected or content_hash(data) != name:
+        mark_broken(store, name)
+        raise CheckpointCorruptError(
+            f"object {store.url_of(key)} of checkpoint {url} is damaged: {len(data)} bytes "
+            f"hashing to {content_hash(data)}, expected {expected} bytes hashing to {name}",
+            url=url,
+        )
+    return data
+
+
+def _blob_bytes(store: Store, data: bytes | memoryview, blob: Blob, url: str) -> bytes | memoryview:
+    """The decoded bytes of ``blob``, which ``data`` holds whole, checked against its hash."""
+    try:
+        raw = decode(data, blob.codec) if blob.codec != "none" else data
+    except Exception as exc:
+        mark_broken(store, blob.object)
+        raise CheckpointCorruptError(
+            f"a blob of object {store.url_of(f'{OBJECTS}/{blob.object}')} of checkpoint "
+            f"{url} cannot be decoded ({type(exc).__name__}: {exc}): the object is damaged",
+            url=url,
+        ) from exc
+    if len(raw) != blob.size or content_hash(raw) != blob.hash:
+        mark_broken(store, blob.object)
+        raise CheckpointCorruptError(
+            f"a blob of object {store.url_of(f'{OBJECTS}/{blob.object}')} of checkpoint "
+            f"{url} does not match its hash {blob.hash}: the object is damaged",
+            url=url,
+        )
+    return raw
+
+
+_GAP = 2**20
+"""Blobs of one object this close together are fetched by one read, gap included."""
+
+
+def _spans(places: list[_Place]) -> list[tuple[int, int, list[_Place]]]:
+    """The byte ranges of an object to read for ``places``, each with the places in it."""
+    spans: list[tuple[int, int, list[_Place]]] = []
+    for place in sorted(places, key=lambda p: p.blob.offset):
+        start, end = place.blob.offset, place.blob.offset + place.blob.length
+        if spans and start - spans[-1][1] <= _GAP:
+            first, last, members = spans[-1]
+            spans[-1] = (first, max(last, end), [*members, place])
+        else:
+            spans.append((start, end, [place]))
+    return spans
+
+
+def _read_span(
+    store: Store, manifest: Manifest, name: str, start: int, end: int, url: str
+) -> bytes:
+    """Bytes ``start:end`` of object ``name``: the whole object when that is what they are."""
+    key = f"{OBJECTS}/{name}"
+    size = (manifest.objects or {}).get(name)
+    try:
+        if start == 0 and end == size:
+            data = store.read_bytes(key)
+        else:
+            data = store.read_range(key, start, end)
+    except FileNotFoundError:
+        mark_broken(store, name)
+        raise CheckpointCorruptError(
+            f"checkpoint {url} needs object {store.url_of(key)}, which is missing", url=url
+        ) from None
+    if len(data) != end - start:
+        mark_broken(store, name)
+        raise CheckpointCorruptError(
+            f"object {store.url_of(key)} of checkpoint {url} is damaged: bytes {start}-{end} "
+            f"of its {size} read back as {len(data)}",
+            url=url,
+        )
+    return data
+
+
+def _place(
+    store: Store,
+    data: memoryview,
+    start: int,
+    members: list[_Place],
+    url: str,
+    progress: Progress | None,
+) -> None:
+    """Check the blobs of ``members`` in ``data`` (an object's bytes from ``start`` on) and
+    write each where it goes."""
+    checked: dict[Blob, bytes | memoryview] = {}
+    for place in members:
+        blob = place.blob
+        raw = checked.get(blob)
+        if raw is None:
+            at = blob.offset - start
+            raw = checked[blob] = _blob_bytes(store, data[at : at + blob.length], blob, url)
+        fd = os.open(place.path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            os.pwrite(fd, raw, place.offset)
+        finally:
+            os.close(fd)
+        if progress is not None:
+            progress(len(raw))
+
+
+@contextlib.contextmanager
+def _mapped(
+    store: Store, manifest: Manifest, name: str, local: str, url: str
+) -> Iterator[memoryview]:
+    """The object ``name`` of a store on the local disk, mapped rather than read.
+
+    Measured on a 2-core VM (bench_incremental, 512 MB): reading each 8 MiB object into a
+    fresh buffer and writing from it took 0.35 s against 0.18 s for a plain copy of the
+    files; hashing straight from the page cache through the map, then writing, saves the
+    buffer and its copy. Objects are replaced, never written in place, so the bytes
+    written are the ones hashed.
+    """
+    key = f"{OBJECTS}/{name}"
+    expected = (manifest.objects or {}).get(name)
+    try:
+        fd = os.open(local, os.O_RDONLY)
+    except FileNotFoundError:
+        mark_broken(store, name)
+        raise CheckpointCorruptError(
+            f"checkpoint {url} needs object {store.url_of(key)}, which is missing", url=url
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != expected:
+            mark_broken(store, name)
+            raise CheckpointCorruptError(
+                f"object {store.url_of(key)} of checkpoint {url} is damaged: {size} bytes, "
+                f"expected {expected}",
+                url=url,
+            )
+        if size == 0:
+            yield memoryview(b"")
+            return
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        try:
+            yield memoryview(mapped)
+        finally:
+            with contextlib.suppress(BufferError):  # views kept by a traceback: GC unmaps
+                mapped.close()
+    finally:
+        os.close(fd)
+
+
+def _download(
+    store: Store,
+    manifest: Manifest,
+    places: dict[str, list[_Place]],
+    url: str,
+    workers: int,
+    progress: Progress | None,
+) -> None:
+    """Fetch what each object of ``places`` holds for them and write its blobs where they go.
+
+    An object is read whole when its blobs cover it (a pack written by one save), else by
+    ranged reads of the stretches they lie in. Every blob is checked against its hash,
+    which covers every byte written (an object's own hash would only add a second pass).
+    """
+    jobs = [
+        (name, start, end, members)
+        for name, of_object in places.items()
+        for start, end, members in _spans(of_object)
+    ]
+
+    def one(index: str) -> None:
+        name, start, end, members = jobs[int(index)]
+        local = store.local_path(f"{OBJECTS}/{name}")
+        if local is not None:
+            with _mapped(store, manifest, name, local, url) as data:
+                _place(store, data, 0, members, url, progress)
+        else:
+            data = memoryview(_read_span(store, manifest, name, start, end, url))
+            _place(store, data, start, members, url, progress)
+
+    _run_all(workers, one, [str(i) for i in range(len(jobs))])
+
+
+def _run_all(workers: int, fn: Callable[[str], None], items: Iterable[str]) -> None:
+    """``fn`` over ``items`` in a pool; the first failure is raised, the rest cancelled."""
+    with ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-get") as pool:
+        futures = [pool.submit(fn, item) for item in items]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def verify_tree(store: Store, manifest: Manifest, *, workers: int = MIN_WORKERS) -> bool:
+    """Whether every object and blob of ``manifest`` is in the store and intact.
+
+    Raises:
+        CheckpointStoreError: the store failed.
+    """
+    url = store.url_of(f"checkpoints/{manifest.key}")
+    by_object: dict[str, list[Blob]] = defaultdict(list)
+    for entry in manifest.entries or ():
+        for blob in entry.blobs:
+            by_object[blob.object].append(blob)
+
+    def one(name: str) -> None:
+        data = memoryview(_fetch(store, manifest, name, url))
+        for blob in by_object[name]:
+            _blob_bytes(store, data[blob.offset : blob.offset + blob.length], blob, url)
+
+    try:
+        _run_all(max(workers, MIN_WORKERS), one, by_object)
+    except CheckpointStoreError:
+        raise
+    except CheckpointCorruptError:
+        return False
+    return True
+
+
+def _present(base: Path, rel: str) -> Path | None:
+    """``base/rel`` if it is a regular file reached through real directories only.
+
+    ``rel`` is a manifest's, not yet checked by the extractor: one no path can name (a NUL
+    in it) is not present, and the extractor refuses it next.
+    """
+    here = base
+    parts = rel.split("/")
+    for part in parts[:-1]:
+        here = here / part
+        try:
+            if not stat.S_ISDIR(here.lstat().st_mode):
+                return None
+        except (OSError, ValueError):
+            return None
+    here = here / parts[-1]
+    try:
+        return here if stat.S_ISREG(here.lstat().st_mode) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _matches(path: Path, entry: Entry) -> bool:
+    try:
+        if path.lstat().st_size != entry.size:
+            return False
+        digest = xxhash.xxh3_128()
+        with open(path, "rb", buffering=0) as fh:
+            while block := fh.read(8 * 2**20):
+                digest.update(block)
+        return f"xxh3-128:{digest.hexdigest()}" == entry.hash
+    except OSError:
+        return False
+
+
+def _reusable(
+    existing: Path | None, entries: tuple[Entry, ...], workers: int, seen: StatCache | None
+) -> dict[str, Path]:
+    """Files already at ``existing`` that match their entry, by path.
+
+    A file ``seen`` knows unchanged since taskpoint wrote or read it with the entry's
+    content is taken without being read (see :mod:`taskpoint._statcache`); any other is
+    hashed.
+    """
+    if existing is None:
+        return {}
+    candidates = {
+        e.path: p for e in entries
+        if e.type == "file" and (p := _present(existing, e.path)) is not None
+    }
+    by_path = {e.path: e for e in entries}
+    found: dict[str, Path] = {}
+    if seen is not None:
+        for rel, path in list(candidates.items()):
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            known = seen.lookup(existing, rel, st)
+            if known is not None and (known.size, known.hash) == (
+                by_path[rel].size, by_path[rel].hash
+            ):
+                found[rel] = candidates.pop(rel)
+
+    def check(rel: str) -> None:
+        if _matches(candidates[rel], by_path[rel]):
+            found[rel] = candidates[rel]
+
+    _run_all(workers, check, candidates)
+    return found
+
+
+def restore_tree(
+    store: Store,
+    manifest: Manifest,
+    dest: Path,
+    *,
+    existing: Path | None = None,
+    workers: int = 16,
+    progress: Progress | None = None,
+    seen: StatCache | None = None,
+) -> int:
+    """Restore ``manifest``'s tree into the new directory ``dest``; the bytes downloaded.
+
+    Files of ``existing`` (a directory) that match an entry's size and hash are linked
+    (or copied) instead of downloaded; ``seen`` vouches for the files it knows unchanged.
+
+    Raises:
+        CheckpointUnsafeError: an entry is absolute, climbs out with ``..``, is listed
+            twice, lies under a link, or links outside the tree. Nothing is written for it.
+        CheckpointCorruptError: an object is missing or damaged.
+        CheckpointStoreError: the store failed.
+        OSError: writing under ``dest`` failed.
+    """
+    url = store.url_of(f"checkpoints/{manifest.key}")
+    entries = manifest.entries or ()
+    keep = _reusable(existing, entries, workers, seen)
+    by_path = {e.path: e for e in entries if e.type == "file"}
+    places: dict[str, list[_Place]] = defaultdict(list)
+    kept: list[tuple[Path, Path]] = []
+
+    def write(member: tarfile.TarInfo, path: Path, out: BinaryIO) -> None:
+        if member.name in keep:
+            kept.append((keep[member.name], path))
+            return
+        entry = by_path[member.name]
+        out.truncate(entry.size)
+        offset = 0
+        for blob in entry.blobs:
+            places[blob.object].append(_Place(path, offset, blob))
+            offset += blob.size
+
+    def fill() -> None:
+        for source, path in kept:
+            _adopt(source, path)
+        _download(store, manifest, places, url, workers, progress)
+
+    dest.mkdir(parents=True, exist_ok=True)
+    archive.Extractor(_members(entries), dest, write).run(fill)
+    return sum(b.size for ps in places.values() for b in (p.blob for p in ps))
+
+
+def _adopt(source: Path, path: Path) -> None:
+    """Put the existing file ``source`` at ``path`` (just created, empty): a hard link
+    where the disk allows, else a copy. When the tree's hard links already point at
+    ``path``, its content is copied in, so that they see it too."""
+    if path.lstat().st_nlink > 1:
+        shutil.copyfile(source, path, follow_symlinks=False)
+        return
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        os.link(source, tmp, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK):
+            raise
+        shutil.copyfile(source, tmp, follow_symlinks=False)
+    os.replace(tmp, path)
+
+
+def swap_into(restored: Path, into: Path) -> None:
+    """Make the directory ``into`` hold exactly what ``restored`` holds.
+
+    ``restored`` lies in a staging folder inside ``into``, which is kept for the caller to
+    remove. What else ``into`` holds is removed (links are removed, never followed), then
+    ``restored``'s entries are moved in.
+    """
+    staging = into / restored.relative_to(into).parts[0]
+    for path in list(into.iterdir()):
+        if path != staging:
+            _remove(path)
+    for path in sorted(restored.iterdir()):
+        os.replace(path, into / path.name)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(path.lstat().st_mode):
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
