@@ -161,11 +161,6 @@ class Checkpoint:
         """The attempt number saves are made as; ``None`` until claimed from the store."""
         return self._attempt.number
 
-    @property
-    def _worker(self) -> _uploader.Worker | None:
-        """The upload process's handle, once a background save started it (for tests)."""
-        return self._saves.worker
-
     # -- saving -----------------------------------------------------------------------
 
     def save_sync(

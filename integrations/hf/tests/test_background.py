@@ -184,7 +184,7 @@ def test_an_upload_to_a_stopped_server_is_raised_at_the_next_save(
         with pytest.raises(CheckpointStoreError):
             kit.run_classifier(None, tmp_path / "out", callbacks=[at, callback], max_steps=9)
         assert saves == [6, 9]  # checkpoint-6's upload failed; the save at step 9 raised it
-        assert checkpoint._worker is not None  # it ran in the upload process
+        assert checkpoint._saves.worker is not None  # it ran in the upload process
 
         proxy.up()
         again = Checkpoint(url, storage_options=options)

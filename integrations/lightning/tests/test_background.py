@@ -196,7 +196,7 @@ def test_an_upload_to_a_stopped_server_is_raised_at_the_next_mirror(
         with pytest.raises(taskpoint.CheckpointStoreError):
             fit(mc, tmp_path, at, max_steps=6)
         assert at.seen["batch_start_5"]  # step 4's mirror had started; step 6's raised it
-        assert checkpoint._worker is not None  # it ran in the upload process
+        assert checkpoint._saves.worker is not None  # it ran in the upload process
 
         proxy.up()
         resumed = resume_ckpt_path(taskpoint.Checkpoint(url, storage_options=options))

@@ -182,6 +182,7 @@ def dcp_scenarios(args: argparse.Namespace, rank: int, out: Path) -> None:
     attempt("rank1-upload-fails", lambda: dcp.save(sharded, storage_writer=writer))
     outcomes["rank1-upload-fails-committed"] = len(failing.committed())
     writer.close()  # finish never ran on rank 0: release its lease
+    dist.barrier()  # every rank's close has run before any rank counts the leases
     outcomes["rank1-upload-fails-leases"] = len(list((base / "failing-store").glob("leases/*.json")))
 
     # save_part_sync with TorchCoordinator: a path two ranks fill differently.
