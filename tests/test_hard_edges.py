@@ -397,8 +397,25 @@ def test_fewer_intact_than_keep_deletes_nothing(tmp_path: Path) -> None:
         ckpt.save_sync(f"{step}".encode())
     _corrupt_payload(store, manifest_name(0, 2))
     before = sorted(os.listdir(store / "checkpoints"))
-    Checkpoint(store).prune(3)  # two intact ones only
+    assert Checkpoint(store).prune(3) == 0  # two intact ones only
     assert sorted(os.listdir(store / "checkpoints")) == before
+
+
+def test_gc_reports_what_it_deleted_not_what_it_counted(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    store = root / "train.fit" / "run-1"
+    ckpt = Checkpoint(store, attempt=0, keep=10)
+    for step in range(4):
+        ckpt.save_sync(f"{step}".encode())
+    Checkpoint(store).mark_finished("succeeded", attempts=1)
+    _corrupt_payload(store, manifest_name(0, 3))  # the newest intact one is now step 2
+    listed = CliRunner().invoke(main, ["gc", str(root), "--keep", "1"])
+    assert listed.exit_code == 0, listed.output
+    # 3 of the 4 are beyond --keep 1 by count, but only the 2 older than step 2 can go
+    assert "removed 2 checkpoint(s)" in listed.output, listed.output
+    assert [m.key for m in Checkpoint(store).committed()] == [
+        manifest_name(0, 3), manifest_name(0, 2)
+    ]
 
 
 # -- 5. local disk errors during a restore ----------------------------------------------------

@@ -347,7 +347,7 @@ class Checkpoint:
         """
         self._attempt.ended(outcome, error)
 
-    def prune(self, keep: int) -> None:
+    def prune(self, keep: int) -> int:
         """Keep the newest ``keep`` intact checkpoints; delete what is older, and stale payloads.
 
         What counts is the checkpoints a load could return, never names alone: the newest
@@ -362,13 +362,16 @@ class Checkpoint:
         payload is gone for good. The content objects of format-2 checkpoints are freed
         by :meth:`collect` (which saves run after pruning).
 
+        Returns:
+            How many checkpoints were deleted.
+
         Raises:
             ValueError: ``keep`` is negative.
             CheckpointStoreError: the store failed.
         """
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep must be an int of at least 0; got {keep!r}")
-        self._catalog.prune(keep)
+        return self._catalog.prune(keep)
 
     def delete(self) -> None:
         """Delete everything stored at this checkpoint's URL: checkpoints, markers, status.

@@ -306,11 +306,9 @@ def gc(root: str | None, keep: int, force: bool) -> None:
     with _errors():
         for info in list_actions(root):
             floor = keep if (info.finished or force) else max(keep, 1)
-            excess = max(0, len(info.checkpoints) - floor)
             checkpoint = info.checkpoint()
-            if excess:
-                checkpoint.prune(floor)
-                removed += excess
+            if len(info.checkpoints) > floor:
+                removed += checkpoint.prune(floor)
             collected = checkpoint.collect()
             objects += collected.objects
             freed += collected.bytes
