@@ -99,6 +99,22 @@ class Coordinator(abc.ABC):
         return self.all_gather(value if self.rank == 0 else None, timeout=timeout)[0]
 
 
+class RankedCoordinator(Coordinator):
+    """A :class:`Coordinator` whose rank and world size are fixed when it is built: the
+    base of taskpoint's own implementations, which set ``_rank`` and ``_world``."""
+
+    _rank: int
+    _world: int
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+
 def check_rank(rank: object, world_size: object) -> tuple[int, int]:
     """``(rank, world_size)`` if they are ints with ``0 <= rank < world_size``.
 
@@ -123,7 +139,7 @@ def check_timeout(timeout: object) -> float:
     return float(timeout)
 
 
-class StoreCoordinator(Coordinator):
+class StoreCoordinator(RankedCoordinator):
     """A :class:`Coordinator` that meets through a store: for jobs without a process group.
 
     Args:
@@ -176,14 +192,6 @@ class StoreCoordinator(Coordinator):
             f"StoreCoordinator({self._store.url!r}, rank={self._rank}, "
             f"world_size={self._world}, session={self._session!r})"
         )
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
 
     def _folder(self, number: int) -> str:
         return f"{COORDINATION}/{self._session}/{number:06d}"

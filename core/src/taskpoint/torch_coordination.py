@@ -62,7 +62,7 @@ import re
 from datetime import timedelta
 from typing import Any
 
-from taskpoint.coordination import Coordinator, check_rank, check_timeout
+from taskpoint.coordination import Coordinator, RankedCoordinator, check_rank, check_timeout
 from taskpoint.errors import CheckpointCoordinationError
 
 __all__ = ["TorchCoordinator", "TorchrunCoordinator", "torch_job_coordinator"]
@@ -90,7 +90,7 @@ def _grouped(dist: Any) -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
-class TorchCoordinator(Coordinator):
+class TorchCoordinator(RankedCoordinator):
     """A :class:`taskpoint.Coordinator` on the default ``torch.distributed`` process group.
 
     Constructing one is a collective (it creates a gloo group): every rank must.
@@ -124,14 +124,6 @@ class TorchCoordinator(Coordinator):
 
     def __repr__(self) -> str:
         return f"TorchCoordinator(rank={self._rank}, world_size={self._world})"
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
 
     def close(self) -> None:
         """Destroy this coordinator's gloo group (a local call, not a collective).
@@ -192,7 +184,7 @@ def _env_int(variables: dict[str, str], name: str) -> int:
         raise ValueError(f"torchrun's {name} must be an integer; got {variables[name]!r}") from None
 
 
-class TorchrunCoordinator(Coordinator):
+class TorchrunCoordinator(RankedCoordinator):
     """A :class:`taskpoint.Coordinator` for the ranks of a torchrun job, before any process
     group exists.
 
@@ -254,14 +246,6 @@ class TorchrunCoordinator(Coordinator):
             f"TorchrunCoordinator(rank={self._rank}, world_size={self._world}, "
             f"store={self._address!r}, prefix={self._prefix!r})"
         )
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
 
     def close(self) -> None:
         """Drop the connection to the store; idempotent. The coordinator cannot gather
