@@ -291,7 +291,9 @@ class TaskpointStorageReader(StorageReader):
     own), and reads them with ``FileSystemReader``. Each rank logs, at INFO, how many files
     and bytes it fetched. The ranks check that they planned with the same save, and each
     that its shard files come from the save it planned with. The local files are removed
-    once read (or by :meth:`reset`, or when the reader is dropped).
+    once read (or by :meth:`reset`, or when the reader is dropped). ``.metadata`` is a
+    pickle, which ``FileSystemReader`` unpickles: load only from stores whose writers you
+    trust.
 
     Args:
         checkpoint: the :class:`taskpoint.Checkpoint` to load from.
@@ -445,8 +447,8 @@ class TaskpointStorageReader(StorageReader):
                     "the one this load planned with); load again"
                 )
             log.info(
-                "rank %s fetched .metadata and %d of the %d shard files (%d bytes) of %s for "
-                "its load plan in %.2fs",
+                "rank %s fetched .metadata and %d of the %d shard files (%d bytes of shards) "
+                "of %s for its load plan in %.2fs",
                 kwargs.get("rank", _rank()), len(files),
                 len({info.relative_path for info in inner.storage_data.values()}),
                 sum((path / f).stat().st_size for f in files), url, time.monotonic() - started,
