@@ -84,7 +84,10 @@ class Loader:
         self._loads = itertools.count()
 
     def load(
-        self, into: Path | None = None, part: int | None = None
+        self,
+        into: Path | None = None,
+        part: int | None = None,
+        paths: frozenset[str] | None = None,
     ) -> tuple[Path, Manifest, float] | None:
         """Restore the newest intact committed checkpoint (see :meth:`taskpoint.Checkpoint.load_sync`).
 
@@ -98,13 +101,15 @@ class Loader:
             CheckpointUnsafeError: a directory archive holds an unsafe entry.
             CheckpointRestoreError: the local disk refused what the restore wrote.
             CheckpointStoreError: the store failed, or checkpoints kept being replaced.
+            CheckpointCoordinationError: the newest checkpoint has no part ``part``, or
+                holds none of some of ``paths``.
         """
         for _ in range(5):
             names = self._catalog.names()
             if not names:
                 log.info("no checkpoint committed at %s", self._store.url)
                 return None
-            found, skipped, pruned = self._load_newest(names, into, part)
+            found, skipped, pruned = self._load_newest(names, into, part, paths)
             if found is not None:
                 return found
             if not pruned:
@@ -127,9 +132,17 @@ class Loader:
             self._seen.record_restored(root, manifest.entries or (), clock)
 
     def _load_newest(
-        self, names: list[str], into: Path | None = None, part: int | None = None
+        self,
+        names: list[str],
+        into: Path | None = None,
+        part: int | None = None,
+        paths: frozenset[str] | None = None,
     ) -> tuple[tuple[Path, Manifest, float] | None, list[str], bool]:
-        """Restore the newest intact of ``names``; also report skipped and pruned ones."""
+        """Restore the newest intact of ``names``; also report skipped and pruned ones.
+
+        A checkpoint without the ``part`` or ``paths`` asked for raises (a
+        :class:`CheckpointCoordinationError`): an older one that has them is another save.
+        """
         skipped: list[str] = []
         pruned = False
         for name in reversed(names):
@@ -139,6 +152,9 @@ class Loader:
                 started = time.monotonic()
                 if part is not None:
                     manifest = manifest.only_part(part, url=url)
+                if paths is not None:
+                    where = url if part is None else f"{url} (the part of rank {part})"
+                    manifest = manifest.only_paths(paths, url=where)
                 path = self._restore(manifest, into)
             except (
                 CheckpointCoordinationError,
@@ -158,11 +174,15 @@ class Loader:
                 warnings.warn(message, TaskpointWarning, stacklevel=4)  # the caller of load_sync
                 continue
             elapsed = time.monotonic() - started
+            whole = part is None and paths is None
             log.info(
-                "restored %s checkpoint %s (%d bytes) in %.2fs",
-                manifest.kind, url, manifest.size, elapsed,
+                "restored %s checkpoint %s (%s%d bytes) in %.2fs",
+                manifest.kind, url,
+                "" if whole else f"{len(manifest.entries or ())} paths, ", manifest.size,
+                elapsed,
             )
-            self._catalog.intact.add((manifest.key, manifest.checksum))
+            if whole:  # a partial restore checked only the objects its paths use
+                self._catalog.intact.add((manifest.key, manifest.checksum))
             return (path, manifest, elapsed), skipped, pruned
         return None, skipped, pruned
 

@@ -32,7 +32,7 @@ import asyncio
 import functools
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Union
 
@@ -44,7 +44,7 @@ from taskpoint._save import Saver, Saves, Snapshot, take_snapshot
 from taskpoint._statcache import StatCache
 from taskpoint.coordination import Coordinator
 from taskpoint.history import SaveStats
-from taskpoint.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, Manifest
+from taskpoint.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, Manifest, check_paths
 from taskpoint.store import RetryPolicy, Store, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
@@ -422,7 +422,11 @@ class Checkpoint:
         return self._catalog.newest_first()
 
     def load_sync(
-        self, *, into: str | os.PathLike[str] | None = None, part: int | None = None
+        self,
+        *,
+        into: str | os.PathLike[str] | None = None,
+        part: int | None = None,
+        paths: Collection[str] | None = None,
     ) -> Path | None:
         """Restore the newest intact committed checkpoint to a local path.
 
@@ -433,9 +437,18 @@ class Checkpoint:
                 machine fetches only what is missing), the others are replaced, and
                 anything the checkpoint does not hold is removed. A file or bytes
                 checkpoint is placed in ``into`` under its name. Nothing in ``into``
-                changes unless the whole checkpoint restored and verified.
+                changes unless the whole checkpoint restored and verified. With ``part``
+                or ``paths``, ``into`` ends up holding just what they select.
             part: restore only the files rank ``part`` contributed to a checkpoint written
                 by several processes (:meth:`save_part_sync`); ``None``: the whole tree.
+            paths: restore only these paths of a directory checkpoint stored in format 2
+                (relative to the tree, ``/`` between components, e.g.
+                ``["model/__0_0.distcp", ".metadata"]``): the objects other files use are
+                never downloaded. A directory path brings everything under it; the
+                directories containing each path come along, and so does the file a
+                requested hard link shares; a symbolic link comes as a link, without its
+                target. With ``part`` too, each path must be one of that part's.
+                ``None``: the whole tree.
 
         Returns:
             The restored file (keeping its name), the restored directory tree, or a file
@@ -451,11 +464,18 @@ class Checkpoint:
             CheckpointUnsafeError: a directory archive holds an unsafe entry.
             CheckpointStoreError: the store failed (after retries for transient errors).
             CheckpointCoordinationError: ``part`` was given and the newest checkpoint has
-                no such part (one process wrote it, or fewer ranks).
+                no such part (one process wrote it, or fewer ranks); or ``paths`` was given
+                and the newest checkpoint is not a format-2 tree, or holds none of some of
+                them (the message names them). Nothing was restored: an older checkpoint
+                is never taken instead.
+            ValueError: ``part`` is not a rank; ``paths`` is a string, not a collection,
+                or holds a path that is not a relative one inside the tree (empty,
+                absolute, or with ``.`` or ``..`` components).
         """
         if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
             raise ValueError(f"part must be a rank (an int of at least 0) or None; got {part!r}")
-        found = self._loader.load(None if into is None else Path(os.fspath(into)), part)
+        wanted = None if paths is None else check_paths(paths)
+        found = self._loader.load(None if into is None else Path(os.fspath(into)), part, wanted)
         if found is None:
             return None
         path, manifest, elapsed = found
@@ -463,10 +483,16 @@ class Checkpoint:
         return path
 
     async def load(
-        self, *, into: str | os.PathLike[str] | None = None, part: int | None = None
+        self,
+        *,
+        into: str | os.PathLike[str] | None = None,
+        part: int | None = None,
+        paths: Collection[str] | None = None,
     ) -> Path | None:
         """Async :meth:`load_sync`: the download runs in worker threads."""
-        return await asyncio.to_thread(functools.partial(self.load_sync, into=into, part=part))
+        return await asyncio.to_thread(
+            functools.partial(self.load_sync, into=into, part=part, paths=paths)
+        )
 
 
 def commit_request(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:

@@ -109,8 +109,8 @@ class CheckpointCoordinationError(CheckpointError):
 
     Raised on every writer: they named different locations or world sizes, two wrote the
     same path with different content, one failed, or one did not arrive in time. Also
-    raised by a restore of a part the checkpoint does not have, and on every rank of a
-    distributed restore that failed on one of them.
+    raised by a restore of a part or of paths the checkpoint does not have, and on every
+    rank of a distributed restore that failed on one of them.
 
     Attributes:
         ranks: the writers (ranks) the error is about: those missing, in conflict, or failed.

@@ -77,6 +77,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
@@ -97,6 +98,7 @@ __all__ = [
     "Entry",
     "Manifest",
     "check_format",
+    "check_paths",
     "loads_record",
     "manifest_name",
     "parse_entries",
@@ -180,6 +182,39 @@ def check_format(record: object, *, url: str) -> None:
             f"{url} was written in taskpoint store format {fmt}, but this taskpoint reads "
             f"formats up to {FORMAT_VERSION}: upgrade taskpoint to use it"
         )
+
+
+_PATHS_ACCEPTED = (
+    "paths must be a collection (list, tuple, set) of relative paths inside the tree, "
+    "with '/' between components and no '', '.' or '..' component (such as "
+    "'weights/model.bin'; a trailing '/' is dropped), or None for the whole tree"
+)
+
+
+def check_paths(paths: object) -> frozenset[str]:
+    """Validate the ``paths`` a restore is asked for (see :meth:`Manifest.only_paths`).
+
+    Returns:
+        The paths, each without a trailing ``/``.
+
+    Raises:
+        ValueError: ``paths`` is a string or not a collection, or one of them is not a
+            string, is empty or absolute, or has an empty, ``.`` or ``..`` component or a
+            NUL (the message says what is accepted).
+    """
+    if isinstance(paths, (str, bytes)) or not isinstance(paths, Collection):
+        raise ValueError(f"{_PATHS_ACCEPTED}; got {paths!r}")
+    checked: set[str] = set()
+    for path in paths:
+        if isinstance(path, str) and path.endswith("/") and path != "/":
+            path = path[:-1]
+        if (
+            not isinstance(path, str) or "\x00" in path
+            or any(part in ("", ".", "..") for part in path.split("/"))
+        ):
+            raise ValueError(f"{_PATHS_ACCEPTED}; got {path!r} in {paths!r}")
+        checked.add(path)
+    return frozenset(checked)
 
 
 def manifest_name(attempt: int, seq: int) -> str:
@@ -268,6 +303,63 @@ class Manifest:
             self, size=sum(e.size for e in entries if e.type == "file"), entries=entries,
             objects={k: v for k, v in (self.objects or {}).items() if k in used},
             parts={str(rank): paths},
+        )
+
+    def only_paths(self, paths: Collection[str], *, url: str) -> Manifest:
+        """This tree with only ``paths`` (see :func:`check_paths`) and what they need.
+
+        A file, symbolic or hard link path is kept alone; a directory path keeps
+        everything under it. Kept too: the directories containing a kept path, and the
+        file each kept hard link shares (wherever it lies). A symbolic link's target is
+        not: a link is kept as a link. Like :meth:`only_part`, the result keeps this
+        manifest's key and checksum and is for restoring, never for writing.
+
+        Raises:
+            CheckpointCoordinationError: the checkpoint is not a format-2 tree, or it holds
+                none of some of ``paths`` (the message names them): nothing is restored,
+                and no older checkpoint is taken instead.
+        """
+        if self.entries is None:
+            raise CheckpointCoordinationError(
+                f"checkpoint {url} is a {self.kind} checkpoint of store format {self.format}: "
+                "only format-2 directory trees restore single paths; load it whole "
+                "(paths=None)"
+            )
+        by_path = {e.path: e for e in self.entries}
+        missing = sorted(p for p in paths if p not in by_path)
+        if missing:
+            shown = ", ".join(repr(p) for p in missing[:10])
+            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+            raise CheckpointCoordinationError(
+                f"checkpoint {url} holds no {shown}{more} (it has {len(by_path)} paths): "
+                "nothing was restored. Ask for paths of the newest checkpoint, or load it "
+                "whole (paths=None)"
+            )
+        wanted = set(paths)
+        dirs = tuple(f"{p}/" for p in wanted if by_path[p].type == "dir")
+        if dirs:
+            wanted.update(p for p in by_path if p.startswith(dirs))
+        wanted.update(
+            e.target for p in list(wanted)
+            if (e := by_path[p]).type == "hardlink" and e.target is not None
+        )
+        for path in list(wanted):
+            parent = path.rpartition("/")[0]
+            while parent and parent not in wanted:
+                wanted.add(parent)
+                parent = parent.rpartition("/")[0]
+        entries = tuple(e for e in self.entries if e.path in wanted)
+        used = {b.object for e in entries for b in e.blobs}
+        parts = None
+        if self.parts is not None:
+            parts = {
+                rank: kept for rank, held in self.parts.items()
+                if (kept := tuple(p for p in held if p in wanted))
+            }
+        return replace(
+            self, size=sum(e.size for e in entries if e.type == "file"), entries=entries,
+            objects={k: v for k, v in (self.objects or {}).items() if k in used},
+            parts=parts,
         )
 
     def to_json(self) -> bytes:

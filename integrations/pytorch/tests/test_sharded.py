@@ -92,6 +92,44 @@ def test_every_commit_holds_both_ranks_parts(job: Path) -> None:
     assert newest.stats is not None and newest.stats["writers"] == 2
 
 
+def _files(url: str) -> dict[str, int]:
+    """The newest checkpoint's files and their sizes."""
+    import taskpoint
+
+    newest = taskpoint.Checkpoint(url).committed()[0]
+    return {e.path: e.size for e in newest.entries or () if e.type == "file"}
+
+
+def _check_fetched(
+    loads: list[dict[str, Any]], files: dict[str, int], *, sizes: bool = True
+) -> list[str]:
+    """A reader's two restores: ``.metadata`` alone, then it and the plan's shard files
+    (asked for and held, nothing else, of ``files``' sizes); the shard files of the second."""
+    assert [load["paths"] for load in loads[:1]] == [[".metadata"]], loads
+    assert loads[0]["files"] == [".metadata"]
+    assert len(loads) == 2, loads
+    fetched = loads[1]["files"]
+    assert loads[1]["paths"] == fetched and ".metadata" in fetched
+    assert set(fetched) <= set(files)
+    if sizes:
+        assert loads[1]["bytes"] == sum(files[f] for f in fetched)
+    return [f for f in fetched if f != ".metadata"]
+
+
+def test_a_resume_on_the_same_world_size_fetches_its_own_shards(job: Path) -> None:
+    files = _files(f"file://{job / 'store'}")
+    shards = sorted(f for f in files if f.endswith(".distcp"))
+    assert len(shards) == 2
+    for rank in (0, 1):
+        resumes = [e for e in _events(job, rank) if e["event"] == "resume" and e["epoch"]]
+        assert resumes
+        for resume in resumes:
+            # Its own shards; another rank's too only for the values DCP stored once (the
+            # rest of the bundle, optimizer steps), which one rank wrote for all. The resumes
+            # loaded older commits than the newest: same names, perhaps other sizes.
+            assert shards[rank] in _check_fetched(resume["loads"], files, sizes=False)
+
+
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_state_saved_by_two_ranks_restores_on_other_world_sizes(
     lib: Any, job: Path, child_env: dict[str, str], nproc: int
@@ -100,6 +138,19 @@ def test_state_saved_by_two_ranks_restores_on_other_world_sizes(
     got = _load(job / f"reshard-{nproc}.pt")
     assert got.pop("epoch") == 4
     assert lib.bitwise_differences(got, _load(job / "final.pt")) == []
+    files = _files(f"file://{job / 'store'}")
+    shards = {f for f in files if f.endswith(".distcp")}
+    fetched = {}
+    for rank in range(nproc):
+        report = json.loads((job / f"reshard-{nproc}-rank{rank}.json").read_text())
+        fetched[rank] = _check_fetched(report["loads"], files)
+        assert len(report["log"]) == 1 and (
+            f"rank {rank} fetched .metadata and {len(fetched[rank])} of the 2 shard files"
+        ) in report["log"][0]
+    if nproc == 1:  # one rank holds everything: it needs every rank's shards
+        assert sorted(fetched[0]) == sorted(shards)
+    else:  # the ranks between them read every shard file, whichever rank wrote it
+        assert set().union(*fetched.values()) == shards
 
 
 def test_dcp_save_async_save_and_load_go_through_taskpoint(job: Path) -> None:
@@ -107,6 +158,13 @@ def test_dcp_save_async_save_and_load_go_through_taskpoint(job: Path) -> None:
         outcomes = json.loads((job / f"dcp-rank{rank}.json").read_text())
         assert outcomes["save"] == "ok"
         assert outcomes["async-then-load"] == "equal=True parts=['0', '1'] commits=1"
+        # Same world size, sharding and model only: each rank fetched .metadata and its own
+        # shard file, never the other rank's.
+        files = _files(f"file://{job / 'dcp-store'}")
+        assert sorted(f for f in files if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        assert _check_fetched(outcomes["load-fetched"], files) == [f"__{rank}_0.distcp"]
+        assert len(outcomes["load-log"]) == 1
+        assert f"rank {rank} fetched .metadata and 1 of the 2 shard files" in outcomes["load-log"][0]
 
 
 def test_dcp_ranks_disagreeing_about_location_fail_before_upload(job: Path) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import taskpoint
 import torch
 from taskpoint_pytorch import TaskpointState, TaskpointStorageReader, TaskpointStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -64,3 +68,98 @@ def test_dcp_reader_refuses_a_location_without_a_checkpoint(tmp_path: Path) -> N
         )
     with pytest.raises(TypeError, match=r"taskpoint\.Checkpoint"):
         TaskpointStorageWriter("file:///x")  # type: ignore[arg-type]
+
+
+def _dcp_saved(url: str, value: float) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.full((4, 3), value), "b": torch.arange(5.0) + value}
+    dcp.save(state, storage_writer=TaskpointStorageWriter(taskpoint.Checkpoint(url)))
+    return state
+
+
+def test_dcp_reader_fetches_metadata_then_the_plans_files_and_cleans_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    url = f"file://{tmp_path / 'store'}"
+    saved = _dcp_saved(url, 1.0)
+    ckpt = taskpoint.Checkpoint(url)
+    asked: list[object] = []
+    load = ckpt.load_sync
+
+    def recording(**kwargs: object) -> object:
+        asked.append(kwargs.get("paths"))
+        return load(**kwargs)  # type: ignore[arg-type]
+
+    ckpt.load_sync = recording  # type: ignore[method-assign]
+    target = {"w": torch.zeros(4, 3), "b": torch.zeros(5)}
+    staging = tmp_path / "staging"
+    with caplog.at_level(logging.INFO, logger="taskpoint_pytorch._dcp"):
+        dcp.load(target, storage_reader=TaskpointStorageReader(ckpt, staging=staging))
+    assert all(torch.equal(target[k], saved[k]) for k in saved)
+    assert [sorted(p) for p in asked] == [[".metadata"], [".metadata", "__0_0.distcp"]]  # type: ignore[call-overload]
+    assert list(staging.iterdir()) == []  # read, then removed
+    assert any(
+        "rank 0 fetched .metadata and 1 of the 1 shard files" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def _load_while_saving(
+    url: str, tmp_path: Path, commit: Callable[[], object]
+) -> tuple[BaseException, Path]:
+    """``dcp.load`` from ``url`` that runs ``commit`` once it has planned, before it reads."""
+    import torch.distributed.checkpoint as dcp
+
+    staging = tmp_path / "staging"
+    reader = TaskpointStorageReader(taskpoint.Checkpoint(url), staging=staging)
+    plan = reader.prepare_global_plan
+
+    def plan_then_commit(plans: Any) -> Any:
+        commit()
+        return plan(plans)
+
+    reader.prepare_global_plan = plan_then_commit  # type: ignore[method-assign]
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({"w": torch.zeros(4, 3), "b": torch.zeros(5)}, storage_reader=reader)
+    [(error, _)] = caught.value.failures.values()  # DCP wraps what each rank raised
+    return error, staging
+
+
+def test_dcp_reader_refuses_shards_of_a_checkpoint_committed_while_loading(
+    tmp_path: Path,
+) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    _dcp_saved(url, 1.0)
+    error, staging = _load_while_saving(url, tmp_path, lambda: _dcp_saved(url, 2.0))
+    assert isinstance(error, taskpoint.CheckpointCoordinationError)
+    assert "committed at" in str(error) and "while loading" in str(error)
+    assert "load again" in str(error)
+    assert list(staging.iterdir()) == []
+
+    # The newer checkpoint lacks the planned shard file: the same advice, naming it.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / ".metadata").write_bytes(b"not this save's")
+    error, _ = _load_while_saving(
+        url, tmp_path, lambda: taskpoint.Checkpoint(url).save_sync(other)
+    )
+    assert isinstance(error, taskpoint.CheckpointCoordinationError)
+    assert "lacks shard files" in str(error) and "'__0_0.distcp'" in str(error)
+    assert "load again" in str(error)
+
+
+def test_dcp_reader_refuses_a_checkpoint_that_is_not_a_dcp_save(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    url = f"file://{tmp_path / 'store'}"
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "model.pt").write_bytes(b"x")
+    taskpoint.Checkpoint(url).save_sync(tmp_path / "plain")
+    with pytest.raises(BaseException, match=r"not a torch\.distributed\.checkpoint save"):
+        dcp.load(
+            {"w": torch.zeros(1)},
+            storage_reader=TaskpointStorageReader(taskpoint.Checkpoint(url)),
+        )

@@ -17,7 +17,9 @@ Modes:
     and write each rank's outcomes to ``OUT/dcp-rank<R>.json``.
 ``reshard``
     Restores the newest sharded state of URL into a model sharded over this world size and
-    writes the full state to ``OUT/reshard-<world size>.pt`` (rank 0).
+    writes the full state to ``OUT/reshard-<world size>.pt`` (rank 0); each rank writes
+    what its reader restored (``Checkpoint.load_sync`` calls: paths asked for, files and
+    bytes restored) and its INFO line to ``OUT/reshard-<world size>-rank<R>.json``.
 ``hang``
     Rank 1 never arrives; rank 0 saves a part with a 3 s ``TorchCoordinator`` and writes
     its error to ``OUT/hang-rank0.json``, then exits 1.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -57,6 +60,42 @@ def log(out: Path, rank: int, **event: Any) -> None:
         fh.write(json.dumps({"pid": os.getpid(), **event}) + "\n")
 
 
+def watch_loads(checkpoint: taskpoint.Checkpoint) -> list[dict[str, Any]]:
+    """Record each ``load_sync`` of ``checkpoint`` (a reader's restores): the paths it
+    asked for and the files and bytes the restore held."""
+    seen: list[dict[str, Any]] = []
+    load = checkpoint.load_sync
+
+    def recording(**kwargs: Any) -> Any:
+        path = load(**kwargs)
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path else []
+        asked = kwargs.get("paths")
+        seen.append({
+            "paths": None if asked is None else sorted(asked),
+            "files": [p.relative_to(path).as_posix() for p in files],
+            "bytes": sum(p.stat().st_size for p in files),
+        })
+        return path
+
+    checkpoint.load_sync = recording  # type: ignore[method-assign]
+    return seen
+
+
+class Fetched(logging.Handler):
+    """Keeps the DCP reader's INFO lines saying what each rank fetched."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        reader_log = logging.getLogger("taskpoint_pytorch._dcp")
+        reader_log.setLevel(logging.INFO)
+        reader_log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "fetched" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
 def make_model() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6), nn.ReLU(), nn.Linear(6, 2))
@@ -82,8 +121,9 @@ def train(args: argparse.Namespace, rank: int, restart: int, out: Path, *, refer
     state = TaskpointState(model, optimizer, sharded=True)
     if not reference:
         log(out, rank, event="start", restart=restart)
+        loads = watch_loads(checkpoint)
         resume = state.restore_sync(checkpoint)
-        log(out, rank, event="resume", epoch=resume.epoch if resume else None)
+        log(out, rank, event="resume", epoch=resume.epoch if resume else None, loads=loads)
         start = resume.epoch if resume else 0
         if restart == 0 and rank == args.kill_rank:
             upload = taskpoint.Checkpoint.upload_part
@@ -149,7 +189,9 @@ def dcp_scenarios(args: argparse.Namespace, rank: int, out: Path) -> None:
         expected = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
         fresh, _ = make_model()
         target = {"model": fresh.state_dict()}
+        loads, lines = watch_loads(ckpt), Fetched()
         dcp.load(target, storage_reader=TaskpointStorageReader(ckpt))
+        outcomes["load-fetched"], outcomes["load-log"] = loads, lines.lines
         got = {k: v.full_tensor() for k, v in fresh.state_dict().items()}
         same = all(torch.equal(expected[k], got[k]) for k in expected)
         parts = sorted((ckpt.committed()[0].parts or {}).keys())
@@ -203,7 +245,12 @@ def dcp_scenarios(args: argparse.Namespace, rank: int, out: Path) -> None:
 def reshard(args: argparse.Namespace, rank: int, world: int, out: Path) -> None:
     model, optimizer = make_model()
     state = TaskpointState(model, optimizer, sharded=True)
-    resume = state.restore_sync(taskpoint.Checkpoint(args.url))
+    checkpoint = taskpoint.Checkpoint(args.url)
+    loads, lines = watch_loads(checkpoint), Fetched()
+    resume = state.restore_sync(checkpoint)
+    (out / f"reshard-{world}-rank{rank}.json").write_text(
+        json.dumps({"loads": loads, "log": lines.lines})
+    )
     full = full_state(model, optimizer)
     if rank == 0:
         torch.save({**full, "epoch": resume.epoch if resume else None}, out / f"reshard-{world}.pt")

@@ -36,7 +36,8 @@ same methods: only global rank 0 writes and commits, the other ranks wait for th
 and on restore every rank loads the same bundle and its own RNG state.
 
 ``torch.distributed.checkpoint`` goes through taskpoint too, every rank uploading its own
-shards and one commit for all (``TaskpointStorageWriter``, ``TaskpointStorageReader``);
+shards and one commit for all, and downloading only the shard files its load plan reads
+(``TaskpointStorageWriter``, ``TaskpointStorageReader``);
 ``TorchCoordinator`` lets every rank commit its own folder as one checkpoint
 (``taskpoint.Checkpoint.save_part_sync``).
 

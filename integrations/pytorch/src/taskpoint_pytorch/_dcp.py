@@ -6,9 +6,9 @@ staging folder (with DCP's ``FileSystemWriter``), uploads them from its ``write_
 format-2 objects, and the coordinator rank, in ``finish``, adds DCP's ``.metadata`` and
 commits the parts (:meth:`taskpoint.Checkpoint.begin_parts`). DCP carries the part records
 (metadata only) to the coordinator with its own gather and reports a failed commit to every
-rank. :class:`TaskpointStorageReader` makes ``dcp.load`` restore the newest committed
-checkpoint and read it with DCP's ``FileSystemReader``, on any number of ranks (DCP
-reshards)::
+rank. :class:`TaskpointStorageReader` makes ``dcp.load`` read the newest committed
+checkpoint with DCP's ``FileSystemReader``, on any number of ranks (DCP reshards): each
+rank restores ``.metadata`` and then only the shard files its load plan reads::
 
     import taskpoint
     import torch.distributed.checkpoint as dcp
@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,22 +285,40 @@ def _release(folder: Path, commits: list[taskpoint.PartsCommit]) -> None:
 class TaskpointStorageReader(StorageReader):
     """A DCP ``StorageReader`` that loads the newest committed taskpoint checkpoint.
 
-    Every rank restores the checkpoint's tree (DCP may read any rank's shards when the
-    world size or sharding changed) and reads it with ``FileSystemReader``; the ranks check
-    that they read the same save.
+    Each rank restores only what it reads: DCP's ``.metadata`` first (to plan), then the
+    shard files its own load plan reads, whichever rank wrote them (on another world size
+    or sharding a rank may need several ranks' files, on the same one usually only its
+    own), and reads them with ``FileSystemReader``. Each rank logs, at INFO, how many files
+    and bytes it fetched. The ranks check that they planned with the same save, and each
+    that its shard files come from the save it planned with. The local files are removed
+    once read (or by :meth:`reset`, or when the reader is dropped). ``.metadata`` is a
+    pickle, which ``FileSystemReader`` unpickles: load only from stores whose writers you
+    trust.
 
     Args:
         checkpoint: the :class:`taskpoint.Checkpoint` to load from.
+        staging: local folder for each load's files (a temporary folder by default; the
+            checkpoint's ``workdir`` is not used).
 
     Raises:
         TypeError: ``checkpoint`` is not a :class:`taskpoint.Checkpoint`.
     """
 
-    def __init__(self, checkpoint: taskpoint.Checkpoint) -> None:
+    def __init__(
+        self,
+        checkpoint: taskpoint.Checkpoint,
+        *,
+        staging: str | os.PathLike[str] | None = None,
+    ) -> None:
         super().__init__()
         self._checkpoint = _check_checkpoint(checkpoint)
+        self._staging = None if staging is None else Path(os.fspath(staging))
+        self._folder: Path | None = None
+        self._cleanup: weakref.finalize[Any, Any] | None = None
         self._inner: FileSystemReader | None = None
+        self._metadata: bytes | None = None
         self._save_id: str | None = None
+        self._setup: tuple[Metadata, bool, tuple[Any, ...], dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
         return f"TaskpointStorageReader({self._checkpoint.url!r})"
@@ -315,28 +334,64 @@ class TaskpointStorageReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load; ``checkpoint_id`` is ignored (the checkpoint's URL is read)."""
-        self._inner = None
-        self._save_id = None
+        self._finish()
 
-    def _restored(self) -> FileSystemReader:
+    def _finish(self) -> None:
+        """Remove this load's local files and forget what it planned with."""
+        if self._cleanup is not None:
+            self._cleanup()
+            self._cleanup = None
+        self._folder = None
+        self._inner = None
+        self._metadata = None
+        self._save_id = None
+        self._setup = None
+
+    def _restore(self, paths: list[str]) -> Path:
+        """Restore ``paths`` of the newest checkpoint into this load's folder.
+
+        Raises:
+            FileNotFoundError: nothing has been committed.
+            CheckpointCoordinationError: the newest checkpoint holds none of some of them.
+        """
+        if self._folder is None:
+            if self._staging is not None:
+                self._staging.mkdir(parents=True, exist_ok=True)
+            self._folder = Path(tempfile.mkdtemp(prefix="taskpoint-dcp-load-", dir=self._staging))
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._folder, ignore_errors=True)
+        # Into the same folder each time: a .metadata already there and unchanged is kept.
+        path = self._checkpoint.load_sync(into=self._folder / DCP_FOLDER, paths=paths)
+        if path is None:
+            raise FileNotFoundError(
+                f"no checkpoint committed at {self._checkpoint.url}: nothing to load"
+            )
+        return path
+
+    def _metadata_reader(self) -> FileSystemReader:
+        """A ``FileSystemReader`` on the newest checkpoint's ``.metadata`` (restored once)."""
         if self._inner is None:
-            path = self._checkpoint.load_sync()
-            if path is None:
-                raise FileNotFoundError(
-                    f"no checkpoint committed at {self._checkpoint.url}: nothing to load"
-                )
-            if not (path / _METADATA).is_file():
+            try:
+                path = self._restore([_METADATA])
+            except CheckpointCoordinationError as exc:
                 raise CheckpointCoordinationError(
                     f"the newest checkpoint at {self._checkpoint.url} is not a "
-                    "torch.distributed.checkpoint save (no .metadata)"
-                )
+                    f"torch.distributed.checkpoint save (no .metadata): {exc}"
+                ) from exc
+            self._metadata = (path / _METADATA).read_bytes()
             self._inner = FileSystemReader(path)
         return self._inner
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata of the newest checkpoint; restores its ``.metadata`` alone.
+
+        Raises:
+            FileNotFoundError: nothing has been committed, or ``rank`` was passed (a
+                rank-local metadata file, which taskpoint DCP checkpoints never have).
+            CheckpointCoordinationError: the newest checkpoint is not a DCP save.
+        """
         if kwargs.get("rank") is not None:
             raise FileNotFoundError("taskpoint DCP checkpoints have one global .metadata")
-        metadata = self._restored().read_metadata()
+        metadata = self._metadata_reader().read_metadata()
         meta = getattr(metadata, "storage_meta", None)
         self._save_id = getattr(meta, "save_id", None)
         return metadata
@@ -344,10 +399,11 @@ class TaskpointStorageReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        self._restored().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata_reader().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._setup = (metadata, is_coordinator, args, kwargs)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        plan = self._restored().prepare_local_plan(plan)
+        plan = self._metadata_reader().prepare_local_plan(plan)
         return dataclasses.replace(plan, storage_data=self._save_id)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -360,7 +416,50 @@ class TaskpointStorageReader(StorageReader):
                 ranks=list(range(len(plans))),
             )
         plans = [dataclasses.replace(p, storage_data=None) for p in plans]
-        return self._restored().prepare_global_plan(plans)
+        return self._metadata_reader().prepare_global_plan(plans)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        return self._restored().read_data(plan, planner)
+        """Restore the shard files ``plan`` reads (and ``.metadata`` again) and read them.
+
+        Raises:
+            CheckpointCoordinationError: a checkpoint was committed since ``.metadata`` was
+                read (the newest one's ``.metadata`` differs, or it lacks a file the plan
+                reads): load again.
+        """
+        inner = self._metadata_reader()
+        if self._setup is None:
+            raise RuntimeError("read_data before set_up_storage_reader: call dcp.load")
+        metadata, is_coordinator, args, kwargs = self._setup
+        started = time.monotonic()
+        url = self._checkpoint.url
+        files = sorted({inner.storage_data[item.storage_index].relative_path for item in plan.items})
+        try:
+            try:
+                path = self._restore([_METADATA, *files])
+            except CheckpointCoordinationError as exc:
+                raise CheckpointCoordinationError(
+                    f"the newest checkpoint at {url} lacks shard files this rank's load plan "
+                    f"reads ({exc}): a checkpoint was committed while loading; load again"
+                ) from exc
+            if (path / _METADATA).read_bytes() != self._metadata:
+                raise CheckpointCoordinationError(
+                    f"a checkpoint was committed at {url} while loading (its .metadata is not "
+                    "the one this load planned with); load again"
+                )
+            log.info(
+                "rank %s fetched .metadata and %d of the %d shard files (%d bytes of shards) "
+                "of %s for its load plan in %.2fs",
+                kwargs.get("rank", _rank()), len(files),
+                len({info.relative_path for info in inner.storage_data.values()}),
+                sum((path / f).stat().st_size for f in files), url, time.monotonic() - started,
+            )
+            reader = FileSystemReader(path)
+            reader.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            done = reader.read_data(plan, planner)
+            done.wait()
+        finally:
+            self._finish()
+        return done
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
