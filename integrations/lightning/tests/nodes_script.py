@@ -1,10 +1,10 @@
 """One node's process for the two-node tests (``test_nodes.py``), started by torchrun.
 
 Usage: torchrun --nnodes=2 --node_rank=K ... nodes_script.py STORE_URL RESULTS
-[--reference] [--kill-at N] [--fail-restore] [--fsdp]. Trains TinyModule with DDP on 2 nodes
-x 1 CPU process
-(``--fsdp``: ShardedModule with ``FSDPStrategy(state_dict_type="sharded")``, each rank
-writing its own shard files), its ``dirpath`` ("ckpts") relative to the node's own working
+[--reference] [--kill-at N] [--fail-restore] [--fsdp [--gpu]]. Trains TinyModule with DDP on 2
+nodes x 1 CPU process (``--fsdp``: ShardedModule with ``FSDPStrategy(state_dict_type=
+"sharded")``, each rank writing its own shard files; ``--gpu``: on the node's GPU, with
+Lightning's own FSDPStrategy and wrapping), its ``dirpath`` ("ckpts") relative to the node's own working
 directory, mirroring after each epoch and resuming from the store; ``--reference`` trains
 uninterrupted without a store. Every rank writes its final state (DDP: weights; FSDP: the
 gathered weights and optimizer state) to ``RESULTS/<run>-rank<R>.pt`` and prints
@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--fail-restore", action="store_true")
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--gpu", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -71,7 +72,8 @@ def main() -> None:
             sys.exit(1)
     trainer = lib.trainer(
         callbacks, default_root_dir=".", num_nodes=2, devices=1,
-        strategy=lib.cpu_fsdp_strategy() if args.fsdp else "ddp",
+        strategy=lib.fsdp_strategy(gpu=args.gpu) if args.fsdp else "ddp",
+        accelerator="gpu" if args.gpu else "cpu",
         enable_checkpointing=not args.reference,
     )
     trainer.fit(model, lib.loader("shuffle"), ckpt_path=ckpt_path)

@@ -43,7 +43,8 @@ requires_own_disks = pytest.mark.skipif(
 
 
 def _nodes(
-    root: Path, store: str, *extra: str, timeout: float = 400, own_disks: bool = True
+    root: Path, store: str, *extra: str, timeout: float = 400, own_disks: bool = True,
+    gpus: bool = False,
 ) -> list[subprocess.CompletedProcess[str]]:
     """Both nodes' torchrun and their completed processes.
 
@@ -51,7 +52,8 @@ def _nodes(
     its own folder ``root/node<K>``: the same absolute path, as on two machines, but
     another disk each. (Lightning makes ``dirpath`` absolute on rank 0 and hands that path
     to every rank, so two working directories alone would leave the nodes sharing one
-    disk.) Without, node K just runs in ``root/node<K>``.
+    disk.) Without, node K just runs in ``root/node<K>``. ``gpus``: node K sees only CUDA
+    device K.
     """
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -61,6 +63,8 @@ def _nodes(
     for node in (0, 1):
         own = root / f"node{node}"
         own.mkdir(parents=True, exist_ok=True)
+        if gpus:
+            env = {**env, "CUDA_VISIBLE_DEVICES": str(node)}
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
             f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
@@ -92,17 +96,30 @@ def _nodes(
 @requires_own_disks
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_killed_on_two_nodes_resumes_exactly(tmp_path: Path, strategy: str) -> None:
+    _killed_and_resumed(tmp_path, strategy)
+
+
+@requires_own_disks
+@pytest.mark.gpu
+def test_fsdp_on_two_gpu_nodes_resumes_exactly(tmp_path: Path) -> None:
+    """Lightning's own FSDPStrategy and wrapping, NCCL, one GPU per node."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (one per node; NCCL refuses two ranks on one)")
+    _killed_and_resumed(tmp_path, "fsdp", gpus=True)
+
+
+def _killed_and_resumed(tmp_path: Path, strategy: str, gpus: bool = False) -> None:
     store = f"file://{tmp_path / 'store'}"
-    flags = ["--fsdp"] if strategy == "fsdp" else []
-    reference = _nodes(tmp_path, store, "--reference", *flags)
+    flags = (["--fsdp"] if strategy == "fsdp" else []) + (["--gpu"] if gpus else [])
+    reference = _nodes(tmp_path, store, "--reference", *flags, gpus=gpus)
     assert all(r.returncode == 0 for r in reference), reference[1].stdout[-3000:]
 
-    killed = _nodes(tmp_path, store, "--kill-at", "7", *flags)  # 3 steps an epoch: epoch 2
+    killed = _nodes(tmp_path, store, "--kill-at", "7", *flags, gpus=gpus)  # 3 steps an epoch
     assert all(r.returncode != 0 for r in killed)
     for node in (0, 1):  # each node's local disk is gone: a fresh machine each
         subprocess.run(["rm", "-rf", str(tmp_path / f"node{node}" / "ckpts")], check=True)
 
-    resumed = _nodes(tmp_path, store, *flags)
+    resumed = _nodes(tmp_path, store, *flags, gpus=gpus)
     for node, launch in enumerate(resumed):
         assert launch.returncode == 0, launch.stdout[-3000:]
         assert f"rank {node}: STARTED 2 6" in launch.stdout, launch.stdout[-3000:]

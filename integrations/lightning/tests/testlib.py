@@ -77,20 +77,21 @@ class TinyModule(L.LightningModule):
 
 
 class ShardedModule(TinyModule):
-    """:class:`TinyModule` sharded by FSDP on CPU, trained with AdamW (sharded state too).
+    """:class:`TinyModule` for FSDP, trained with AdamW (sharded optimizer state too).
 
-    Lightning refuses ``FSDPStrategy`` without a GPU (its accelerator check) and FSDP
-    itself needs ``device_id`` on CPU, so the tests pair :func:`cpu_fsdp_strategy` with
-    this module, which wraps its network in ``configure_model`` with
-    ``device_id=torch.device("cpu")``: Lightning's path for a model the user wrapped
-    himself. Everything after the wrap (sharded save and load, DCP files per rank) is
-    Lightning's and torch's own code.
+    On a GPU Lightning's ``FSDPStrategy`` wraps it. On CPU Lightning refuses
+    ``FSDPStrategy`` (its accelerator check) and FSDP itself needs ``device_id``, so the
+    tests pair :func:`fsdp_strategy` with this module, which then wraps its network in
+    ``configure_model`` with ``device_id=torch.device("cpu")``: Lightning's path for a
+    model the user wrapped himself. Everything after the wrap (sharded save and load, DCP
+    files per rank) is Lightning's and torch's own code.
     """
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if not isinstance(self.net, FullyShardedDataParallel):
+        on_cpu = self.trainer.strategy.root_device.type == "cpu"
+        if on_cpu and not isinstance(self.net, FullyShardedDataParallel):
             self.net = FullyShardedDataParallel(
                 self.net, device_id=torch.device("cpu"), use_orig_params=True
             )
@@ -99,11 +100,14 @@ class ShardedModule(TinyModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
-def cpu_fsdp_strategy() -> Any:
-    """``FSDPStrategy(state_dict_type="sharded")`` over gloo, allowed on CPU (see
-    :class:`ShardedModule`): the connector refuses only the exact ``FSDPStrategy`` type
-    without a GPU, not a subclass."""
+def fsdp_strategy(*, gpu: bool) -> Any:
+    """``FSDPStrategy(state_dict_type="sharded")``; without ``gpu`` over gloo, allowed on
+    CPU (see :class:`ShardedModule`): the connector refuses only the exact
+    ``FSDPStrategy`` type without a GPU, not a subclass."""
     from lightning.pytorch.strategies import FSDPStrategy
+
+    if gpu:
+        return FSDPStrategy(state_dict_type="sharded")
 
     class CPUFSDPStrategy(FSDPStrategy):
         pass
@@ -112,8 +116,8 @@ def cpu_fsdp_strategy() -> Any:
 
 
 def full_state(module: L.LightningModule) -> dict[str, torch.Tensor]:
-    """The module's weights and optimizer state, gathered whole on every rank and
-    flattened to ``{name: tensor}`` (works for FSDP-sharded and plain modules alike)."""
+    """The module's weights and optimizer state, gathered whole on every rank, on the CPU
+    and flattened to ``{name: tensor}`` (works for FSDP-sharded and plain modules alike)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -121,14 +125,14 @@ def full_state(module: L.LightningModule) -> dict[str, torch.Tensor]:
     )
 
     options = StateDictOptions(full_state_dict=True)
-    out = {f"model.{k}": v.detach().clone() for k, v in
+    out = {f"model.{k}": v.detach().cpu().clone() for k, v in
            get_model_state_dict(module, options=options).items()}
     optimizer = module.trainer.optimizers[0]
     state = get_optimizer_state_dict(module, optimizer, options=options)["state"]
     for param, values in state.items():
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
-                out[f"optim.{param}.{key}"] = value.detach().clone()
+                out[f"optim.{param}.{key}"] = value.detach().cpu().clone()
     return out
 
 
