@@ -15,7 +15,7 @@ def _upload_pid(ckpt: Checkpoint, timeout: float = 60.0) -> int:
     """The pid of ``ckpt``'s upload process, once its background thread has started it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        worker = ckpt._worker
+        worker = ckpt._saves.worker
         proc = worker._proc if worker is not None else None
         if proc is not None:
             return proc.pid
@@ -75,7 +75,7 @@ def test_thread_mode_still_available(tmp_path: Path) -> None:
     ckpt = Checkpoint(tmp_path / "store", background_upload="thread")
     ckpt.save_sync(b"x", background=True)
     ckpt.wait()
-    assert ckpt._worker is None
+    assert ckpt._saves.worker is None
     with pytest.raises(ValueError, match="background_upload"):
         Checkpoint(tmp_path / "store", background_upload="fork")
 
