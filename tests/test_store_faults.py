@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import uuid
+from pathlib import Path
 from typing import Any, ClassVar
 
 import fsspec
@@ -107,3 +108,41 @@ def test_a_fault_is_never_reported_as_no_checkpoint(flaky_url: str) -> None:
     FlakyMemoryFileSystem.faults = [OSError(errno.EIO, "boom")] * 10
     with pytest.raises(CheckpointStoreError):
         Checkpoint(flaky_url, retry=FAST).load_sync()
+
+
+def test_a_transaction_another_thread_holds_never_captures_a_save(tmp_path: Path) -> None:
+    """fsspec keeps one transaction per filesystem instance, shared by every thread:
+    Lightning writes each .ckpt inside ``fs.transaction`` on the cached local filesystem.
+    A save streaming meanwhile must not join it (its commit would close the file)."""
+    import threading
+
+    url = f"file://{tmp_path / 'store'}"
+    writing, release = threading.Event(), threading.Event()
+
+    def progress(moved: int) -> None:
+        if not writing.is_set():
+            writing.set()
+            assert release.wait(30)
+
+    ckpt = Checkpoint(url, progress=progress, store_format=1)
+    fs = ckpt._store.fs
+    fs.start_transaction()  # another thread's transaction, open when the save starts
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            ckpt.save_sync(b"x" * 3_000_000)
+        except BaseException as exc:
+            errors.append(exc)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    try:
+        assert writing.wait(30)
+    finally:
+        fs.end_transaction()  # commits what joined it, mid-save
+        release.set()
+        saver.join(60)
+    assert not errors, errors
+    restored = Checkpoint(url).load_sync()
+    assert restored is not None and restored.read_bytes() == b"x" * 3_000_000

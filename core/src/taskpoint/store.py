@@ -544,7 +544,10 @@ class Store:
 
             def run() -> None:
                 self._makedirs(name)
-                with self.fs.open(self._path(name), "wb") as fh:
+                # autocommit: never join an fsspec transaction another thread has open on
+                # this shared filesystem instance (Lightning saves every .ckpt in one);
+                # its commit would close this file under us.
+                with self.fs.open(self._path(name), "wb", autocommit=True) as fh:
                     produce(fh)
 
             self._call("write", name, run)
