@@ -26,6 +26,7 @@ from typing import Any
 
 import taskpoint
 from taskpoint import CheckpointLike, nodes
+from taskpoint.coordination import check_timeout
 from taskpoint.mirror import FolderMirror, combined_metrics
 from taskpoint.torch_coordination import TorchCoordinator
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -149,9 +150,7 @@ class TaskpointTrainerCallback(TrainerCallback):
             raise ValueError(
                 f"preempt_timeout must be a number of seconds >= 0 or None; got {preempt_timeout!r}"
             )
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
-        self._timeout = float(timeout)
+        self._timeout = check_timeout(timeout)
         self._nodes: _Nodes | None = None
         self._checkpoint = checkpoint
         self._output_dir = Path(os.fspath(output_dir)) if output_dir is not None else None

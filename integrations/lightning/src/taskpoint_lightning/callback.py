@@ -31,6 +31,7 @@ import taskpoint
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from taskpoint import CheckpointLike, TaskpointWarning, nodes
+from taskpoint.coordination import check_timeout
 from taskpoint.mirror import FolderMirror
 from taskpoint.torch_coordination import TorchCoordinator
 
@@ -100,12 +101,10 @@ class _TaskpointMirror:
         **kwargs: Any,
     ) -> None:
         self._taskpoint = _check_checkpoint(checkpoint, type(self).__name__)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(
-                f"{type(self).__name__}: timeout must be a positive number of seconds; got "
-                f"{timeout!r}"
-            )
-        self._timeout = float(timeout)
+        try:
+            self._timeout = check_timeout(timeout)
+        except ValueError as exc:
+            raise ValueError(f"{type(self).__name__}: {exc}") from None
         self._nodes: _Nodes | None = None
         if preempt_timeout is not None and not preempt_timeout >= 0:
             raise ValueError(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from taskpoint import CheckpointLike, Coordinator, latest_checkpoint, nodes
+from taskpoint.coordination import check_timeout
 from taskpoint.mirror import settle_uploads
 from taskpoint.torch_coordination import torch_job_coordinator
 
@@ -133,8 +134,7 @@ def resume_ckpt_path(
             or torchrun's store could not be reached.
         ValueError: ``timeout`` is not a positive number.
     """
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"resume_ckpt_path: timeout must be a positive number of seconds; got {timeout!r}")
+    check_timeout(timeout)
     settle_uploads()
     coordinator = torch_job_coordinator(timeout=timeout)
     if coordinator is None:
@@ -175,10 +175,10 @@ def _resume_everywhere(
 ) -> str | None:
     """Restore with every rank (see :func:`resume_ckpt_path`); a failure fails them all."""
     if dirpath is None:  # each rank its own private copy
-        found = nodes.run_everywhere(
+        each = nodes.run_everywhere(
             coordinator, lambda: _resume(checkpoint, None), f"restore {checkpoint!r}"
         )
-        return found[coordinator.rank]  # type: ignore[no-any-return]
+        return each[coordinator.rank]  # type: ignore[no-any-return]
     folder = Path(dirpath)
 
     def restore() -> str | None:
