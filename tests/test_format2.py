@@ -83,6 +83,27 @@ def test_unchanged_and_one_changed_shard_upload_only_what_changed(store_url: str
     _same_tree(tree, restored)
 
 
+@pytest.mark.parametrize("others", [0, 2])
+def test_a_save_whose_only_new_content_is_an_empty_file_commits(
+    store_url: str, tmp_path: Path, others: int
+) -> None:
+    """DCP writes an empty ``__<rank>_0.distcp`` for a rank with nothing to save; an object
+    of size 0 must be as good as any other (it once raised a bare ``KeyError``)."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for i in range(others):
+        (tree / f"data-{i}.bin").write_bytes(_data(i, 4096))
+    ckpt = Checkpoint(store_url)
+    if others:
+        ckpt.save_sync(tree)
+    (tree / "__0_0.distcp").write_bytes(b"")
+    ckpt.save_sync(tree)
+    restored = Checkpoint(store_url).load_sync()
+    assert restored is not None
+    assert (restored / "__0_0.distcp").read_bytes() == b""
+    _same_tree(tree, restored)
+
+
 def test_every_kind_of_entry_round_trips(store_url: str, tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     (tree / "sub" / "deeper").mkdir(parents=True)

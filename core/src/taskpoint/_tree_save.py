@@ -393,7 +393,9 @@ def save_tree(
     objects: dict[str, int] = {}
     for entry in entries:
         for blob in entry.blobs:
-            objects[blob.object] = uploader.objects.get(blob.object) or known.objects[blob.object]
+            # An empty file's object has size 0: look it up by membership, never by truth.
+            size = uploader.objects.get(blob.object)
+            objects[blob.object] = known.objects[blob.object] if size is None else size
     records = {
         e.path: Record(trusted[e.path], e) for e in entries if e.path in trusted
     }
