@@ -63,16 +63,26 @@ class HashingWriter(WriteView):
         self._raw = raw
         self._progress = progress
         self.digest = Digest()
+        self.raw_error: BaseException | None = None
+        """What ``raw`` last raised, so a caller can tell its errors from its source's."""
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         self.digest.update(data)
         if self._progress is not None:
             self._progress(len(data))
-        self._raw.write(data)
+        try:
+            self._raw.write(data)
+        except BaseException as exc:
+            self.raw_error = exc
+            raise
         return len(data)
 
     def flush(self) -> None:
-        self._raw.flush()
+        try:
+            self._raw.flush()
+        except BaseException as exc:
+            self.raw_error = exc
+            raise
 
 
 class HashingReader(ReadView):

@@ -35,6 +35,7 @@ from taskpoint import _parts, _tree_save, _uploader, archive, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
 from taskpoint._statcache import StatCache
+from taskpoint.errors import CheckpointError, CheckpointSaveError
 from taskpoint.history import Attempt, SaveStats
 from taskpoint.manifest import (
     CHECKPOINTS,
@@ -157,11 +158,25 @@ class Saver:
 
         Raises:
             CheckpointStoreError: the store failed; earlier checkpoints are untouched.
+            CheckpointSaveError: anything else failed (a source file vanished or could
+                not be read, or an internal error); nothing was committed.
+            CheckpointError: any other of taskpoint's own, as raised.
         """
-        if source.kind == "directory" and self._store_format == TREE_FORMAT:
-            committed = self._save_tree(source, attempt, seq)
-        else:
-            committed = self._save_payload(source, attempt, seq)
+        try:
+            if source.kind == "directory" and self._store_format == TREE_FORMAT:
+                committed = self._save_tree(source, attempt, seq)
+            else:
+                committed = self._save_payload(source, attempt, seq)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            url = self._store.url
+            raise CheckpointSaveError(
+                f"saving {source.kind} checkpoint {seq} of attempt {attempt} to {url} failed "
+                f"({type(exc).__name__}: {exc}); nothing was committed and earlier "
+                "checkpoints are untouched",
+                url=url,
+            ) from exc
         self.prune()
         return committed
 
@@ -277,18 +292,28 @@ class Saver:
 
         def produce(raw: BinaryIO) -> None:
             writer = box["w"] = HashingWriter(raw, self._progress)
-            if source.kind == "bytes":
-                assert source.data is not None
-                writer.write(source.data)
-            elif source.kind == "file":
-                # One pass that hashes as it copies: as fast as a kernel copy on local disks,
-                # where reading the file a second time to hash it would cost a third more.
-                assert source.path is not None
-                for chunk in file_chunks(str(source.path)):
-                    writer.write(chunk)
-            else:
-                assert source.path is not None
-                archive.pack_directory(source.path, writer, self._codec)  # type: ignore[arg-type]
+            try:
+                if source.kind == "bytes":
+                    assert source.data is not None
+                    writer.write(source.data)
+                elif source.kind == "file":
+                    # One pass that hashes as it copies: as fast as a kernel copy on local
+                    # disks, where reading the file twice to hash it would cost a third more.
+                    assert source.path is not None
+                    for chunk in file_chunks(str(source.path)):
+                        writer.write(chunk)
+                else:
+                    assert source.path is not None
+                    archive.pack_directory(source.path, writer, self._codec)  # type: ignore[arg-type]
+            except OSError as exc:
+                if exc is writer.raw_error:
+                    raise  # the store's: retried and reported as the store's
+                # The source's: reading it again would fail again, and the store is not at fault.
+                raise CheckpointSaveError(
+                    f"could not read {source.path} to save it to {self._store.url} "
+                    f"({type(exc).__name__}: {exc}); nothing was committed",
+                    url=self._store.url,
+                ) from exc
 
         self._store.write_stream(target, produce)
         codec: Codec = self._codec if source.kind == "directory" else "none"
@@ -317,6 +342,9 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
 
     ``how="link"`` hard-links files (see :meth:`taskpoint.Checkpoint.save_sync`); it is placed beside
     the original, on its file system, so links are possible.
+
+    Raises:
+        CheckpointSaveError: a file could not be read or copied; nothing is left behind.
     """
     if source.path is None:
         return dataclasses.replace(source, blocked_s=time.monotonic() - source.called)
@@ -327,10 +355,18 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
         folder, how = Path(tempfile.mkdtemp(prefix="taskpoint-snapshot-")), "copy"
     target = folder / source.path.name
     copy = _link_or_copy if how == "link" else shutil.copy2
-    if source.kind == "directory":
-        shutil.copytree(source.path, target, symlinks=True, copy_function=copy)
-    else:
-        copy(str(source.path), str(target))
+    try:
+        if source.kind == "directory":
+            shutil.copytree(source.path, target, symlinks=True, copy_function=copy)
+        else:
+            copy(str(source.path), str(target))
+    except OSError as exc:  # shutil.Error, which gathers a tree's failures, is one too
+        shutil.rmtree(folder, ignore_errors=True)
+        raise CheckpointSaveError(
+            f"could not snapshot {source.path} for a background save ({type(exc).__name__}: "
+            f"{exc}); nothing was queued",
+            url=None,
+        ) from exc
     return Source(
         source.kind, path=target, snapshot=folder, called=source.called,
         blocked_s=time.monotonic() - source.called,

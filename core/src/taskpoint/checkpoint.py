@@ -192,6 +192,8 @@ class Checkpoint:
             CheckpointUnsafeError: the directory holds a special file or a link leaving it.
             CheckpointStoreError: the store failed (this save's, or an earlier background
                 save's); earlier checkpoints are untouched.
+            CheckpointSaveError: a file of ``data`` could not be read (or snapshotted),
+                or taskpoint failed; nothing was committed.
         """
         source, ticket = self._saves.begin(data, snapshot, background)
         if background:

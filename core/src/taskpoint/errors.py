@@ -4,6 +4,8 @@ Every failure that is taskpoint's own derives from :class:`CheckpointError`::
 
     CheckpointError
     ├── CheckpointStoreError      the store could not be reached, read or written
+    ├── CheckpointSaveError       a save failed for a reason not the store's (its source
+    │                             could not be read, or an internal error): nothing committed
     ├── CheckpointCorruptError    checkpoints exist, but none passes its checksum
     ├── CheckpointUnsafeError     an archive entry would escape the restore directory
     ├── CheckpointFormatError     a manifest from a newer (or unknown) format
@@ -28,6 +30,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointRestoreError",
+    "CheckpointSaveError",
     "CheckpointStoreError",
     "CheckpointUnsafeError",
     "TaskAttemptError",
@@ -61,6 +64,23 @@ class CheckpointStoreError(CheckpointError):
     """
 
     def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed for a reason that is not the store's: a file of its source vanished
+    or could not be read while it was saved, or taskpoint itself failed.
+
+    The save committed nothing, and every checkpoint committed before it is untouched.
+    The original exception is chained as ``__cause__``.
+
+    Attributes:
+        url: the checkpoint location the save was for; ``None`` when it failed before
+            reaching one (taking a background save's snapshot).
+    """
+
+    def __init__(self, message: str, *, url: str | None) -> None:
         super().__init__(message)
         self.url = url
 
