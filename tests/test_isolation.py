@@ -238,3 +238,53 @@ def test_process_isolation_returns_the_value(tmp_path: Path, isolation: str) -> 
         [sys.executable, str(script)], capture_output=True, text=True, check=True, cwd=tmp_path
     ).stdout
     assert "'sum': 5" in out
+
+
+PIDS_TASK = textwrap.dedent(
+    """
+    import json, os, sys
+    import taskpoint
+
+    env = taskpoint.TaskEnvironment(name="pids", root=os.environ["STORE"], run_id="r1")
+
+    @env.task(retries=1, backoff=0.0, isolation="process")
+    def work() -> int:
+        context = taskpoint.ctx()
+        print(json.dumps({"attempt": context.attempt, "pid": os.getpid()}), flush=True)
+        if context.attempt == 0:
+            os._exit(3)
+        return os.getpid()
+
+    if __name__ == "__main__":
+        work()
+        print(json.dumps({"runner": os.getpid()}), flush=True)
+    """
+)
+
+
+def test_each_attempts_record_names_the_process_it_ran_in(tmp_path: Path) -> None:
+    import json
+
+    from taskpoint.history import read_attempts
+    from taskpoint.store import Store
+
+    script = tmp_path / "pids.py"
+    script.write_text(PIDS_TASK)
+    store = f"file://{tmp_path / 'store'}"
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "STORE": store}, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    runner = next(line["runner"] for line in lines if "runner" in line)
+    ran_in = {line["attempt"]: line["pid"] for line in lines if "attempt" in line}
+    records = {r.attempt: r for r in read_attempts(Store(f"{store}/pids.work/r1"))}
+    assert sorted(records) == [0, 1]
+    for attempt, pid in ran_in.items():
+        assert pid != runner
+        assert records[attempt].pid == pid, (
+            f"attempt {attempt} ran in pid {pid}; its record says {records[attempt].pid} "
+            f"(the runner is {runner})"
+        )
+    assert records[0].outcome == "crashed" and records[1].outcome == "succeeded"

@@ -51,6 +51,9 @@ def child_main(spec_path: str, outcome_path: str) -> int:
         runner = runner.with_options(retries=spec.retries, isolation="inline")
         runner.env = env
         context = runner.context(spec.context["run_id"], spec.context["attempt"])
+        # The runner recorded the attempt before starting this process; the record names
+        # the process the attempt runs in, so this one writes it again with its own pid.
+        runner.started(context)
         token = _current.set(context)
         install_sigterm_handler()
         try:

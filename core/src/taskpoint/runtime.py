@@ -303,7 +303,8 @@ class Runner:
         return result
 
     @staticmethod
-    def _started(context: TaskContext) -> None:
+    def started(context: TaskContext) -> None:
+        """Record that the attempt of ``context`` started, in the process that runs it."""
         if context.checkpoint is not None:
             context.checkpoint.mark_started()
 
@@ -361,7 +362,7 @@ class Runner:
             run_id = self.env.resolve_run_id()
             for attempt in range(self.retries + 1):
                 context = self.context(run_id, attempt)
-                self._started(context)
+                self.started(context)
                 try:
                     result = self._attempt(context, args, kwargs)
                 except BaseException as exc:
@@ -383,7 +384,7 @@ class Runner:
             run_id = self.env.resolve_run_id()
             for attempt in range(self.retries + 1):
                 context = self.context(run_id, attempt)
-                self._started(context)
+                self.started(context)
                 try:
                     result = await self._attempt_async(context, args, kwargs)
                 except BaseException as exc:
