@@ -332,3 +332,23 @@ def test_show_is_coloured_on_a_terminal(tmp_path: Path) -> None:
     assert "\x1b[" in out, "styled on a terminal"
     plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
     assert "attempt 1  died (no record)" in plain
+
+
+def test_a_resume_source_whose_manifest_is_damaged_is_called_damaged_not_pruned(
+    tmp_path: Path, utc: None
+) -> None:
+    contract_run(tmp_path / "store")
+    folder = tmp_path / "store" / "train.fit" / "20251009T085320Z-3f2a9c"
+    (folder / "checkpoints" / "000001-000000000.manifest.json").write_text("{not json")
+    root = str(tmp_path / "store")
+    code, out = _invoke("show", ACTION, "--root", root, columns=200)
+    assert code == 0, out
+    line = next(x for x in out.splitlines() if "resumed from 000001-000000000" in x)
+    assert line.endswith("restored 3 B in 1.50s · CORRUPT since"), line
+    assert "pruned" not in line
+    # The one really pruned keeps its note.
+    assert "resumed from 000000-000000001.manifest.json · restored 2 B in 12ms · pruned since" in out
+    code, out = _invoke("show", ACTION, "--root", root, "--json")
+    detail = {a["attempt"]: a for a in json.loads(out)["attempts_detail"]}
+    assert detail[2]["resumed_from_damaged"] is True and detail[2]["resumed_from_kept"] is False
+    assert detail[1]["resumed_from_damaged"] is False

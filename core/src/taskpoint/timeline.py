@@ -287,6 +287,7 @@ def _checkpoint_json(m: Manifest, verified: Mapping[str, bool] | None) -> dict[s
 def to_json(info: ActionInfo, verified: Mapping[str, bool] | None = None) -> dict[str, Any]:
     """The ``attempts_detail`` and ``timeline`` fields of ``taskpoint show --json``."""
     kept = {m.key for m in info.checkpoints}
+    damaged = _damaged_by_name(info)
     detail = []
     for view in attempt_views(info):
         r = view.record
@@ -302,6 +303,7 @@ def to_json(info: ActionInfo, verified: Mapping[str, bool] | None = None) -> dic
             "error": r.error,
             "resumed_from": r.resumed_from,
             "resumed_from_kept": None if r.resumed_from is None else r.resumed_from in kept,
+            "resumed_from_damaged": None if r.resumed_from is None else r.resumed_from in damaged,
             "restore_s": r.restore_s,
             "restored_size": r.restored_size,
             "checkpoints": [m.key for m in view.checkpoints],
@@ -409,8 +411,38 @@ def _when(event: Event, start: float | None) -> Text:
     return text
 
 
+def _source_note(
+    source: str, kept: set[str], damaged: Mapping[str, Damage], verified: Mapping[str, bool] | None
+) -> str | Text | None:
+    """What became of the checkpoint an attempt resumed from, if it is no longer intact."""
+    label = None
+    if source in damaged:
+        label = damaged[source].label
+    elif source not in kept:
+        return "pruned since"
+    elif verified is not None and verified.get(source) is False:
+        label = "CORRUPT"
+    if label is None:
+        return None
+    note = _styled(label)
+    note.append(" since")
+    return note
+
+
+def _damaged_by_name(info: ActionInfo) -> dict[str, Damage]:
+    """The damaged manifests, by name (as resume records name their checkpoint)."""
+    return {
+        name: d for d in info.damaged
+        if parse_manifest_name(name := d.key.rpartition("/")[2]) is not None
+    }
+
+
 def _event_text(
-    event: Event, view: AttemptView, kept: set[str], verified: Mapping[str, bool] | None
+    event: Event,
+    view: AttemptView,
+    kept: set[str],
+    verified: Mapping[str, bool] | None,
+    damaged: Mapping[str, Damage],
 ) -> Line | None:
     record = view.record
     when = _when(event, record.started)
@@ -418,7 +450,7 @@ def _event_text(
         return None  # the attempt's own line says when it started
     if event.kind == "resume":
         source = record.resumed_from or "?"
-        note = None if source in kept else "pruned since"
+        note = _source_note(source, kept, damaged, verified)
         restored = "restored"
         size = record.restored_size
         if isinstance(size, int):
@@ -511,11 +543,12 @@ def render(info: ActionInfo, verified: Mapping[str, bool] | None = None) -> Rend
     views = attempt_views(info)
     kept = {m.key for m in info.checkpoints}
     damaged = _damaged_manifests(info)
+    by_name = _damaged_by_name(info)
     tree = Tree(_header(info, views), guide_style="dim")
     for view in views:
         branch = tree.add(_attempt_label(view))
         for event in _attempt_events(view, damaged.get(view.attempt, [])):
-            line = _event_text(event, view, kept, verified)
+            line = _event_text(event, view, kept, verified, by_name)
             if line is not None:
                 branch.add(line)
     problems = [d for d in info.damaged if parse_manifest_name(d.key.rpartition("/")[2]) is None]
