@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from taskpoint._isolation import Outcome, Spec, import_task_module, report_error
-from taskpoint.context import _current, install_sigterm_handler
+from taskpoint.context import _current
 from taskpoint.runtime import TaskEnvironment
 
 __all__ = ["child_main"]
@@ -55,11 +55,12 @@ def child_main(spec_path: str, outcome_path: str) -> int:
         # the process the attempt runs in, so this one writes it again with its own pid.
         runner.started(context)
         token = _current.set(context)
-        install_sigterm_handler()
         try:
+            runner.begin(context)
             value = runner.func(*spec.args, **spec.kwargs)
             if asyncio.iscoroutine(value):
                 value = asyncio.run(value)
+            runner.returned(context)
         except BaseException:
             runner.settle(context, failed=True)
             raise

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import contextvars
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
+from taskpoint import preemption
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.names import check_name
 from taskpoint.store import check_location
@@ -186,28 +184,23 @@ def environment_context(env: Mapping[str, str]) -> TaskContext | None:
 
 # -- SIGTERM ------------------------------------------------------------------------------
 
-_handler_lock = threading.Lock()
-_handler_installed = False
 
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+def _on_preempt(notice: preemption.Notice) -> None:
+    """A preemption signal outside :func:`taskpoint.preemption.deferred`: run the attempt's
+    ``on_preempt`` callbacks, then end it."""
     context = ctx()
     if context is not None:
         context._run_preempt_callbacks()
-    raise Preempted(f"received signal {signal.Signals(signum).name}; preempt callbacks ran")
+    raise Preempted(f"received signal {notice.signal}; preempt callbacks ran")
 
 
 def install_sigterm_handler() -> bool:
-    """Route SIGTERM to the current context's ``on_preempt`` callbacks.
+    """Route SIGTERM to the current context's ``on_preempt`` callbacks (see
+    :func:`taskpoint.preemption.install`, which composes it with other handlers).
 
     Only possible from the main thread; returns whether the handler is in place.
+
+    Raises:
+        ValueError: ``TASKPOINT_GRACE_PERIOD`` is set to something other than seconds.
     """
-    global _handler_installed
-    with _handler_lock:
-        if _handler_installed:
-            return True
-        if threading.current_thread() is not threading.main_thread():
-            return False
-        signal.signal(signal.SIGTERM, _on_sigterm)
-        _handler_installed = True
-        return True
+    return preemption.install(_on_preempt)

@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any, Literal, ParamSpec, TypeVar, overload
 
-from taskpoint import _isolation
+from taskpoint import _isolation, preemption
 from taskpoint.archive import check_codec
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.context import (
@@ -289,11 +289,31 @@ class Runner:
         if context.checkpoint is not None:
             context.checkpoint.mark_finished(state, attempts=(context.attempt or 0) + 1)
 
+    @staticmethod
+    def begin(context: TaskContext) -> None:
+        """Prepare this process for the attempt of ``context``: forget an earlier
+        attempt's preemption notice and put the SIGTERM handler in place."""
+        preemption.reset()
+        install_sigterm_handler()
+
+    @staticmethod
+    def returned(context: TaskContext) -> None:
+        """The attempt's function returned: raise :class:`Preempted` if a preemption
+        signal reached it, since what it returned after one is not a finished result
+        (a framework that saved and stopped early on the signal returns normally)."""
+        notice = preemption.notice()
+        if notice is not None:
+            raise Preempted(
+                f"attempt {context.attempt} of {context.action} received {notice.signal} "
+                "and returned after it; it counts as preempted, not succeeded"
+            )
+
     def _attempt_inline(self, context: TaskContext, args: Any, kwargs: Any) -> Any:
         token = _current.set(context)
         try:
-            install_sigterm_handler()
+            self.begin(context)
             result = self.func(*args, **kwargs)
+            self.returned(context)
         except BaseException:
             self.settle(context, failed=True)
             raise
@@ -343,8 +363,9 @@ class Runner:
         log.info("%s attempt %d/%d starting", context.action, context.attempt, self.retries)
         token = _current.set(context)
         try:
-            install_sigterm_handler()
+            self.begin(context)
             result = await self.func(*args, **kwargs)
+            self.returned(context)
         except BaseException:
             await asyncio.to_thread(self.settle, context, True)
             raise

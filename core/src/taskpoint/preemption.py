@@ -1,0 +1,189 @@
+"""Preemption notices: SIGTERM noted with its deadline, composed with other handlers.
+
+Spot reclaims, pod evictions, SLURM preemption and managed-spot stops send SIGTERM, then
+kill the process once a grace period has passed. taskpoint's handler notes the signal as
+a :class:`Notice` (when it came, the deadline the grace period sets), then runs the
+handler that was installed before it, so a framework's own handler still runs::
+
+    from taskpoint import preemption
+
+    with preemption.deferred():          # an adapter that stops at a step boundary
+        for step in range(start, steps):
+            train_one_step()
+            if preemption.requested():   # agreed across ranks by the adapter
+                save_now()
+                break
+
+Inside :func:`deferred`, a SIGTERM only sets the notice: the code polls
+:func:`requested` at its next step boundary, saves and stops there. Outside it, the
+fallback installed with the handler runs at once (inside a task: the attempt's
+``on_preempt`` callbacks, then :class:`taskpoint.Preempted`).
+
+The grace period comes from ``TASKPOINT_GRACE_PERIOD`` (seconds, default 30: Kubernetes'
+``terminationGracePeriodSeconds`` default). Set it to what the platform gives: AWS spot
+instances get 120 s of notice; SLURM sends the signal ``--signal=TERM@<seconds>`` before
+the time limit.
+
+Handlers compose: whoever installs last runs the other. A library that installs its own
+SIGTERM handler without calling the one before it (transformers' JIT checkpointing does)
+would hide the signal from taskpoint, so :func:`install` called again puts taskpoint's
+handler back on top, calling that library's handler in turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "ENV_GRACE",
+    "Notice",
+    "deferred",
+    "grace_period",
+    "install",
+    "notice",
+    "requested",
+    "reset",
+]
+
+ENV_GRACE = "TASKPOINT_GRACE_PERIOD"
+"""Seconds between the preemption signal and the kill that follows it."""
+DEFAULT_GRACE_S = 30.0
+"""The grace period without ``TASKPOINT_GRACE_PERIOD``: Kubernetes' default."""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A preemption signal this process received.
+
+    Attributes:
+        signal: the signal's name (``"SIGTERM"``).
+        received: Unix time (seconds) it arrived.
+        deadline: ``time.monotonic()`` by which the process expects to be killed.
+    """
+
+    signal: str
+    received: float
+    deadline: float
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline (0 once it has passed)."""
+        return max(0.0, self.deadline - time.monotonic())
+
+
+def grace_period(env: Mapping[str, str] | None = None) -> float:
+    """The grace period in seconds, from ``TASKPOINT_GRACE_PERIOD`` in ``env`` (default
+    ``os.environ``) or :data:`DEFAULT_GRACE_S`.
+
+    Raises:
+        ValueError: the variable is set but is not a finite number of seconds above 0.
+    """
+    value = (os.environ if env is None else env).get(ENV_GRACE)
+    if value is None or value.strip() == "":
+        return DEFAULT_GRACE_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"{ENV_GRACE} must be a number of seconds above 0 (the time between the "
+            f"preemption signal and the kill); got {value!r}"
+        )
+    return seconds
+
+
+_lock = threading.Lock()
+_notice: Notice | None = None
+_previous: Any = signal.SIG_DFL
+_grace = DEFAULT_GRACE_S
+_fallback: Callable[[Notice], None] | None = None
+_deferred = 0
+_handling = False
+
+
+def notice() -> Notice | None:
+    """The preemption signal received since the last :func:`reset`, or ``None``."""
+    return _notice
+
+
+def requested() -> bool:
+    """Whether a preemption signal arrived since the last :func:`reset`."""
+    return _notice is not None
+
+
+def reset() -> None:
+    """Forget the notice (an attempt starting afresh in the same process)."""
+    global _notice
+    _notice = None
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """While inside, a preemption signal only sets the notice; the code inside polls
+    :func:`requested` at its step boundaries and stops there. Nests."""
+    global _deferred
+    with _lock:
+        _deferred += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _deferred -= 1
+
+
+def install(fallback: Callable[[Notice], None] | None = None) -> bool:
+    """Put taskpoint's SIGTERM handler on top, calling whichever handler it replaces.
+
+    Idempotent, and safe to call again after another library replaced the handler: the
+    replacement then runs after taskpoint's. Only the main thread can install handlers.
+
+    Args:
+        fallback: what a signal outside :func:`deferred` does after the notice is set and
+            the replaced handler ran (inside a task: run ``on_preempt`` callbacks and raise
+            :class:`taskpoint.Preempted`). ``None`` keeps the one installed before.
+
+    Returns:
+        Whether the handler is in place (``False`` outside the main thread).
+
+    Raises:
+        ValueError: ``TASKPOINT_GRACE_PERIOD`` is set to something other than seconds.
+    """
+    global _previous, _fallback, _grace
+    grace = grace_period()
+    with _lock:
+        _grace = grace
+        if fallback is not None:
+            _fallback = fallback
+        if threading.current_thread() is not threading.main_thread():
+            return signal.getsignal(signal.SIGTERM) is _handle
+        current = signal.getsignal(signal.SIGTERM)
+        if current is not _handle:
+            _previous = current
+            signal.signal(signal.SIGTERM, _handle)
+        return True
+
+
+def _handle(signum: int, frame: FrameType | None) -> None:
+    global _notice, _handling
+    if _handling:  # a handler we called called us back: it composes too
+        return
+    if _notice is None:
+        _notice = Notice(signal.Signals(signum).name, time.time(), time.monotonic() + _grace)
+    _handling = True
+    try:
+        if callable(_previous):
+            _previous(signum, frame)
+    finally:
+        _handling = False
+    if _deferred == 0 and _fallback is not None:
+        _fallback(_notice)
