@@ -335,10 +335,10 @@ def save_part(
         if outcome.get("error") is not None:
             committed = outcome.get("committed")
             raise CheckpointCoordinationError(
-                f"rank 0 could not commit {key} at {url} ({outcome['error']}), so rank "
+                f"rank 0 failed committing {key} at {url} ({outcome['error']}), so rank "
                 f"{rank} fails too; "
                 + ("nothing was committed" if committed is None else
-                   f"the checkpoint {committed} was committed all the same and loads"),
+                   f"the checkpoint WAS committed ({committed}; it loads)"),
                 ranks=outcome.get("ranks") or [0], committed=committed,
             )
     return stats
