@@ -225,6 +225,24 @@ def test_a_writer_killed_after_its_part_was_gathered_leaves_a_commit_every_rank_
 
 
 @pytest.mark.slow
+def test_a_committer_killed_before_committing_leaves_the_others_saying_what_they_know(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 is killed once it has every part, before it commits: rank 1 cannot hear the
+    outcome, so it says what the store shows (no manifest) without claiming more."""
+    url = f"file://{tmp_path / 'store'}"
+    taskpoint.Checkpoint(url).save_sync(b"previous")
+    writers = Writers(url, tmp_path, 2)
+    writers.start(0, {"a": "0"}, die_after_round=2)
+    writers.start(1, {"b": "1"}, timeouts={"3": 3.0})
+    result = writers.results(killed=(0,))[1]
+    assert "does not know whether rank 0 committed" in result["error"], result
+    assert "was not in the store when rank 1 looked" in result["error"]
+    assert result["ranks"] == [0] and result["committed"] is None
+    assert len(_committed(url)) == 1
+
+
+@pytest.mark.slow
 def test_writers_disagreeing_about_location_fail_before_any_upload(url: str, tmp_path: Path) -> None:
     other = url.rstrip("/") + "-elsewhere"
     writers = Writers(url, tmp_path, 2)

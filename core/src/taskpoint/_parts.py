@@ -322,42 +322,55 @@ def save_part(
             except Exception as exc:
                 own = exc
                 ranks = exc.ranks if isinstance(exc, CheckpointCoordinationError) else [0]
-                outcome = {"error": _describe(exc), "ranks": ranks, "committed": _look(find, key)}
+                known, committed = _look(find, key)
+                outcome = {
+                    "error": _describe(exc), "ranks": ranks, "known": known,
+                    "committed": committed,
+                }
         try:
             outcome = coordinator.broadcast(outcome)
         except CheckpointCoordinationError as exc:
             if own is not None:
                 raise own from exc
-            known = stats.url if stats is not None else _look(find, key)
-            raise _unheard(exc, rank, f"{url.rstrip('/')}/{key}", known) from exc
+            known, committed = (True, stats.url) if stats is not None else _look(find, key)
+            raise _unheard(exc, rank, f"{url.rstrip('/')}/{key}", known, committed) from exc
         if own is not None:
             raise own
         if outcome.get("error") is not None:
             committed = outcome.get("committed")
+            if committed is not None:
+                said = f"the checkpoint WAS committed ({committed}; it loads)"
+            elif outcome.get("known"):
+                said = "nothing was committed"
+            else:
+                said = "the store could not say whether its manifest was written"
             raise CheckpointCoordinationError(
                 f"rank 0 failed committing {key} at {url} ({outcome['error']}), so rank "
-                f"{rank} fails too; "
-                + ("nothing was committed" if committed is None else
-                   f"the checkpoint WAS committed ({committed}; it loads)"),
+                f"{rank} fails too; {said}",
                 ranks=outcome.get("ranks") or [0], committed=committed,
             )
     return stats
 
 
-def _look(find: Callable[[str], str | None], key: str) -> str | None:
-    """``find(key)``, or ``None`` if the store cannot tell."""
+def _look(find: Callable[[str], str | None], key: str) -> tuple[bool, str | None]:
+    """``(True, find(key))``, or ``(False, None)`` if the store cannot tell."""
     try:
-        return find(key)
+        return True, find(key)
     except CheckpointError as exc:
         log.warning("could not look for the manifest %s: %s", key, exc)
-        return None
+        return False, None
 
 
 def _unheard(
-    error: CheckpointCoordinationError, rank: int, manifest: str, committed: str | None
+    error: CheckpointCoordinationError,
+    rank: int,
+    manifest: str,
+    known: bool,
+    committed: str | None,
 ) -> CheckpointCoordinationError:
     """The error for a rank whose outcome round failed (a rank did not arrive there, after
-    rank 0 had every part): what it knows of the commit, from rank 0 or the store."""
+    rank 0 had every part): what it knows of the commit, from rank 0 or the store
+    (``known``: the store was read; ``committed``: the manifest's URL, if written)."""
     missing = error.ranks
     if committed is not None:
         return CheckpointCoordinationError(
@@ -367,17 +380,21 @@ def _unheard(
             "no longer work together",
             ranks=missing, committed=committed,
         )
-    if missing and 0 not in missing:  # rank 0 reported, so it had given up the commit
+    if known and missing and 0 not in missing:  # rank 0 reported: it had given up
         return CheckpointCoordinationError(
             f"rank {rank}: rank(s) {missing} vanished after their parts were gathered, "
             f"before hearing the outcome ({error}); rank 0 did not commit {manifest}: "
             "nothing was committed",
             ranks=missing,
         )
+    looked = (
+        f"that manifest was not in the store when rank {rank} looked" if known
+        else f"rank {rank} could not look for it in the store"
+    )
     return CheckpointCoordinationError(
-        f"rank {rank}: rank 0 did not report whether it committed {manifest} ({error}); "
-        f"that manifest was not in the store when rank {rank} looked, but a rank 0 that "
-        "is still running may commit it yet",
+        f"rank {rank}: rank(s) {missing or 'unknown'} did not hear the outcome, and this "
+        f"rank does not know whether rank 0 committed {manifest} ({error}); {looked}; a "
+        "rank 0 still running may commit it yet",
         ranks=missing,
     )
 
