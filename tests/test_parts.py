@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import taskpoint
 from taskpoint._parts import merge_parts
-from taskpoint.coordination import COORDINATION
+from taskpoint.coordination import COORDINATION, check_agreement
 from taskpoint.manifest import Blob, Entry, Manifest
 
 WRITER = Path(__file__).parent / "tp_part_writer.py"
@@ -306,6 +306,22 @@ def test_merge_names_both_ranks_of_a_conflict() -> None:
     with pytest.raises(taskpoint.CheckpointCoordinationError, match="ranks 0 and 1 both wrote 'm'") as info:
         merge_parts([(a, {}), (b, {})])
     assert info.value.ranks == [0, 1]
+
+
+def test_the_agreement_check_names_the_odd_ranks_out_and_what_was_not_done() -> None:
+    with pytest.raises(taskpoint.CheckpointCoordinationError, match=r"location.*Nothing was x") as info:
+        check_agreement(["s3://b/y", "s3://b/x", "s3://b/x"], [3, 3, 3], undone="Nothing was x")
+    assert info.value.ranks == [0]  # most ranks named s3://b/x
+    with pytest.raises(taskpoint.CheckpointCoordinationError) as info:
+        check_agreement(["s3://b/y", "s3://b/x"], [2, 2], undone="Nothing was x")
+    assert info.value.ranks == [1]  # a tie: rank 0's URL is the agreed one
+    with pytest.raises(taskpoint.CheckpointCoordinationError, match="world size") as info:
+        check_agreement(["u"] * 3, [3, 4, 3], undone="Nothing was x")
+    assert info.value.ranks == [1]
+    with pytest.raises(taskpoint.CheckpointCoordinationError, match="as rank 0") as info:
+        check_agreement(["u"] * 2, [2, 2], ranks=[0, 0], undone="Nothing was x")
+    assert info.value.ranks == [1]
+    check_agreement([None, None], [2, 2], undone="Nothing was x")  # agreeing: no error
 
 
 def test_store_coordinator_checks_its_arguments(tmp_path: Path) -> None:
