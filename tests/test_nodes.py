@@ -205,13 +205,16 @@ def test_restoring_fails_on_every_rank_and_says_why(tmp_path: Path, case: str) -
     assert all(isinstance(o, Exception) for o in outcomes), outcomes
     expected = {
         "location": "disagree about the checkpoint location",
-        "world_size": "disagree about the checkpoint location or the world size",
+        "world_size": "disagree about the world size",
         "one_rank_fails": "disk b is read-only",
         "leaders_differ": "found different checkpoints",
     }[case]
     assert all(expected in str(o) for o in outcomes), outcomes
     if case in ("location", "world_size"):
         assert restored == []  # nothing was restored
+        assert all("Nothing was restored" in str(o) for o in outcomes), outcomes
+        odd = [1] if case == "location" else [2]  # the same culprit on every rank
+        assert [getattr(o, "ranks", None) for o in outcomes] == [odd] * 3, outcomes
     if case == "one_rank_fails":
         assert isinstance(outcomes[2], OSError)
         assert all(isinstance(o, taskpoint.CheckpointCoordinationError) for o in outcomes[:2])

@@ -8,6 +8,7 @@ store the suite runs (``memory://`` is private to one process, so it is left out
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import taskpoint
 from taskpoint._parts import merge_parts
+from taskpoint.coordination import COORDINATION, check_agreement
 from taskpoint.manifest import Blob, Entry, Manifest
 
 WRITER = Path(__file__).parent / "tp_part_writer.py"
@@ -30,33 +32,75 @@ def url(store_url: str) -> str:
     return store_url
 
 
-class Writers:
-    """Starts writer processes and collects what each reported."""
+HANG_S = 240.0
+"""Bounds every wait for a writer process: only a hang reaches it, however loaded the machine."""
 
-    def __init__(self, url: str, tmp: Path, world_size: int, timeout: float = 60.0) -> None:
+
+class Writers:
+    """Starts writer processes, releases them together and collects what each reported.
+
+    Every gather waits ``timeout`` (generous: it only bounds a hang) unless a writer's spec
+    gives a round a short one, where the test knows the rank waited for never comes.
+    """
+
+    def __init__(self, url: str, tmp: Path, world_size: int, timeout: float = HANG_S) -> None:
         self.url = url
         self.tmp = tmp
         self.world_size = world_size
         self.timeout = timeout
         self.session = uuid.uuid4().hex[:12]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.released: set[int] = set()
+        (tmp / self.session).mkdir(parents=True)
+
+    def _file(self, name: str, rank: int) -> Path:
+        return self.tmp / self.session / f"{name}-{rank}"
 
     def start(self, rank: int, files: dict[str, str], **spec: Any) -> None:
         full = {
             "url": self.url, "meet": self.url, "rank": rank, "world_size": self.world_size,
             "session": self.session, "timeout": self.timeout,
             "folder": str(self.tmp / self.session / f"rank-{rank}"), "files": files,
-            "out": str(self.tmp / self.session / f"out-{rank}.json"), **spec,
+            "ready": str(self._file("ready", rank)), "go": str(self._file("go", rank)),
+            "out": str(self._file("out", rank)), **spec,
         }
         self.procs[rank] = subprocess.Popen([sys.executable, str(WRITER), json.dumps(full)])
 
-    def results(self) -> dict[int, dict[str, Any]]:
-        for proc in self.procs.values():
-            assert proc.wait(timeout=240) == 0
+    def go(self, *ranks: int) -> None:
+        """Once the writers ``ranks`` (default: every one not yet released) have started,
+        let them begin their saves at the same moment."""
+        ranks = ranks or tuple(r for r in self.procs if r not in self.released)
+        deadline = time.monotonic() + HANG_S
+        for rank in ranks:
+            while not self._file("ready", rank).exists():
+                assert self.procs[rank].poll() is None, f"writer {rank} exited before its save"
+                assert time.monotonic() < deadline, f"writer {rank} never started"
+                time.sleep(0.05)
+        for rank in ranks:
+            self._file("go", rank).touch()
+        self.released.update(ranks)
+
+    def results(self, *, killed: tuple[int, ...] = ()) -> dict[int, dict[str, Any]]:
+        """What each writer reported; those in ``killed`` must have died by SIGKILL."""
+        if set(self.procs) - self.released:
+            self.go()
+        for rank, proc in self.procs.items():
+            assert proc.wait(timeout=HANG_S) == (-signal.SIGKILL if rank in killed else 0)
         return {
-            rank: json.loads((self.tmp / self.session / f"out-{rank}.json").read_text())
-            for rank in self.procs
+            rank: json.loads(self._file("out", rank).read_text())
+            for rank in self.procs if rank not in killed
         }
+
+    def wait_entered(self, number: int, ranks: list[int]) -> None:
+        """Wait until ``ranks`` have entered gather ``number`` (their records are stored)."""
+        store = taskpoint.Checkpoint(self.url)._store
+        deadline = time.monotonic() + HANG_S
+        folder = f"{COORDINATION}/{self.session}/{number:06d}"
+        while sorted(n for n in store.list(folder) if n.endswith(".json")) != [
+            f"{r:06d}.json" for r in ranks
+        ]:
+            assert time.monotonic() < deadline, f"ranks {ranks} never entered round {number}"
+            time.sleep(0.1)
 
 
 def _committed(url: str) -> list[Manifest]:
@@ -77,9 +121,10 @@ def test_commits_once_every_part_arrived_and_restores_one_part(url: str, tmp_pat
     writers = Writers(url, tmp_path, 3)
     for rank in (0, 1):
         writers.start(rank, {f"shard-{rank}.bin": f"rank {rank} " * 100, **SHARED})
-    time.sleep(4)  # ranks 0 and 1 wait for rank 2: nothing may be committed yet
+    writers.go()
+    writers.wait_entered(0, [0, 1])  # ranks 0 and 1 wait for rank 2: nothing is committed
     assert _committed(url) == []
-    writers.start(2, {"shard-2.bin": "rank 2 " * 100, "sub/own.txt": "x", **SHARED}, delay=0)
+    writers.start(2, {"shard-2.bin": "rank 2 " * 100, "sub/own.txt": "x", **SHARED})
     results = writers.results()
     assert all(r.get("ok") for r in results.values()), results
 
@@ -115,7 +160,7 @@ def test_a_path_two_writers_fill_differently_fails_every_writer(url: str, tmp_pa
     for result in results.values():
         assert "CheckpointCoordinationError" in result["error"], results
         assert "ranks 0 and 1 both wrote 'model.pt' with different content" in result["error"]
-    assert results[0]["ranks"] == [0, 1]
+        assert result["ranks"] == [0, 1] and result["committed"] is None  # on every rank
     assert len(_committed(url)) == 1  # only the previous checkpoint
     restored = taskpoint.Checkpoint(url).load_sync()
     assert restored is not None and restored.read_bytes() == b"previous"
@@ -123,37 +168,78 @@ def test_a_path_two_writers_fill_differently_fails_every_writer(url: str, tmp_pa
 
 @pytest.mark.slow
 def test_a_writer_that_never_arrives_fails_the_others_naming_it(url: str, tmp_path: Path) -> None:
-    writers = Writers(url, tmp_path, 3, timeout=3.0)
-    writers.start(0, {"a": "0"})
-    writers.start(1, {"b": "1"})
+    writers = Writers(url, tmp_path, 3)
+    # rank 0 enters after rank 1 has, so its 3 s wait is only for rank 2; rank 1's 5 s
+    # wait needs rank 0 to follow it at once
+    writers.start(0, {"a": "0"}, timeouts={"0": 3.0}, **{"await": {"0": [1]}})
+    writers.start(1, {"b": "1"}, timeouts={"0": 5.0})
     results = writers.results()
     for result in results.values():
         assert "CheckpointCoordinationError" in result["error"], results
         assert "rank(s) [2] of 3 never arrived" in result["error"]
         assert result["ranks"] == [2]
-        assert result["seconds"] < 30
+        assert 3.0 <= result["seconds"] < HANG_S
     assert _committed(url) == []
 
 
 @pytest.mark.slow
 def test_a_writer_killed_after_uploading_leaves_nothing_committed(url: str, tmp_path: Path) -> None:
-    """Rank 1 uploads and is killed before the commit: rank 0 times out, commits nothing,
-    and the previous checkpoint stays the newest."""
+    """Rank 1 uploads and is killed before sending its part: rank 0 gives up waiting,
+    commits nothing, and the previous checkpoint stays the newest."""
     taskpoint.Checkpoint(url).save_sync(b"previous")
-    writers = Writers(url, tmp_path, 2, timeout=3.0)
-    writers.start(0, {"a": "0"}, delay=0)
-    writers.start(1, {"b": "1"}, delay=30)  # never gathers before rank 0 gives up
-    deadline = time.monotonic() + 60
-    while not (tmp_path / writers.session / "out-0.json").exists():
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    writers.procs[1].kill()
-    writers.procs[1].wait()
-    result = json.loads((tmp_path / writers.session / "out-0.json").read_text())
-    assert "rank(s) [1] of 2 never arrived" in result["error"]
+    writers = Writers(url, tmp_path, 2)
+    writers.start(0, {"a": "0"}, timeouts={"2": 3.0})
+    writers.start(1, {"b": "1"}, die_before_round=2)
+    result = writers.results(killed=(1,))[0]
+    assert "rank(s) [1] of 2 never arrived" in result["error"], result
+    assert result["ranks"] == [1] and result["committed"] is None
     assert len(_committed(url)) == 1
     restored = taskpoint.Checkpoint(url).load_sync()
     assert restored is not None and restored.read_bytes() == b"previous"
+
+
+@pytest.mark.slow
+def test_a_writer_killed_after_its_part_was_gathered_leaves_a_commit_every_rank_reports(
+    url: str, tmp_path: Path
+) -> None:
+    """Rank 1 is killed once rank 0 has its part, before the outcome: rank 0 commits, and
+    both survivors say so (naming rank 1) instead of claiming nothing was committed."""
+    writers = Writers(url, tmp_path, 3)
+    writers.start(0, {"a": "0"}, timeouts={"3": 5.0})
+    writers.start(1, {"b": "1"}, die_after_round=2)
+    # rank 2 enters the outcome round after rank 0 (which commits first), so its short
+    # wait there is only for rank 1, which never comes; rank 0's needs rank 2 to follow
+    writers.start(2, {"c": "2"}, timeouts={"3": 3.0}, **{"await": {"3": [0]}})
+    results = writers.results(killed=(1,))
+    manifests = _committed(url)
+    assert len(manifests) == 1
+    for result in results.values():
+        assert "CheckpointCoordinationError" in result["error"], results
+        assert "WAS committed" in result["error"] and "rank(s) [1] vanished" in result["error"]
+        assert "nothing was committed" not in result["error"]
+        assert result["committed"] is not None and result["committed"].endswith(manifests[0].key)
+    assert results[0]["ranks"] == results[2]["ranks"] == [1]
+    assert results[0]["committed"] == results[2]["committed"]
+    restored = taskpoint.Checkpoint(url).load_sync()
+    assert restored is not None and _tree(restored) == {"a": "0", "b": "1", "c": "2"}
+
+
+@pytest.mark.slow
+def test_a_committer_killed_before_committing_leaves_the_others_saying_what_they_know(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 is killed once it has every part, before it commits: rank 1 cannot hear the
+    outcome, so it says what the store shows (no manifest) without claiming more."""
+    url = f"file://{tmp_path / 'store'}"
+    taskpoint.Checkpoint(url).save_sync(b"previous")
+    writers = Writers(url, tmp_path, 2)
+    writers.start(0, {"a": "0"}, die_after_round=2)
+    writers.start(1, {"b": "1"}, timeouts={"3": 3.0})
+    result = writers.results(killed=(0,))[1]
+    assert "does not know whether rank 0 committed" in result["error"], result
+    assert "was not in the store when rank 1 looked" in result["error"]
+    assert result["ranks"] == [0] and result["committed"] is None
+    assert len(_committed(url)) == 1
 
 
 @pytest.mark.slow
@@ -166,6 +252,7 @@ def test_writers_disagreeing_about_location_fail_before_any_upload(url: str, tmp
     for result in results.values():
         assert "ranks disagree about the checkpoint location" in result["error"], results
         assert other in result["error"]
+        assert result["ranks"] == [1]  # every rank names the same one: not rank 0's URL
     for where in (url, other):
         store = taskpoint.Checkpoint(where)._store
         assert store.list("objects") == [] and store.list("checkpoints") == []
@@ -173,13 +260,13 @@ def test_writers_disagreeing_about_location_fail_before_any_upload(url: str, tmp
 
 @pytest.mark.slow
 def test_writers_disagreeing_about_world_size_fail_clearly(url: str, tmp_path: Path) -> None:
-    writers = Writers(url, tmp_path, 2, timeout=20.0)
+    writers = Writers(url, tmp_path, 2)
     writers.start(0, {"a": "0"})
     writers.start(1, {"b": "1"}, world_size=3)
     results = writers.results()
-    for result in results.values():
+    for result in results.values():  # said at once: no rank waits for rank 2 until it times out
         assert "ranks disagree about the world size" in result["error"], results
-        assert result["seconds"] < 20
+        assert result["ranks"] == [0, 1]
     assert _committed(url) == []
 
 
@@ -219,6 +306,22 @@ def test_merge_names_both_ranks_of_a_conflict() -> None:
     with pytest.raises(taskpoint.CheckpointCoordinationError, match="ranks 0 and 1 both wrote 'm'") as info:
         merge_parts([(a, {}), (b, {})])
     assert info.value.ranks == [0, 1]
+
+
+def test_the_agreement_check_names_the_odd_ranks_out_and_what_was_not_done() -> None:
+    with pytest.raises(taskpoint.CheckpointCoordinationError, match=r"location.*Nothing was x") as info:
+        check_agreement(["s3://b/y", "s3://b/x", "s3://b/x"], [3, 3, 3], undone="Nothing was x")
+    assert info.value.ranks == [0]  # most ranks named s3://b/x
+    with pytest.raises(taskpoint.CheckpointCoordinationError) as info:
+        check_agreement(["s3://b/y", "s3://b/x"], [2, 2], undone="Nothing was x")
+    assert info.value.ranks == [1]  # a tie: rank 0's URL is the agreed one
+    with pytest.raises(taskpoint.CheckpointCoordinationError, match="world size") as info:
+        check_agreement(["u"] * 3, [3, 4, 3], undone="Nothing was x")
+    assert info.value.ranks == [1]
+    with pytest.raises(taskpoint.CheckpointCoordinationError, match="as rank 0") as info:
+        check_agreement(["u"] * 2, [2, 2], ranks=[0, 0], undone="Nothing was x")
+    assert info.value.ranks == [1]
+    check_agreement([None, None], [2, 2], undone="Nothing was x")  # agreeing: no error
 
 
 def test_store_coordinator_checks_its_arguments(tmp_path: Path) -> None:

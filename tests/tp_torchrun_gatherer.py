@@ -24,6 +24,10 @@ from taskpoint.torch_coordination import (
     torch_job_coordinator,
 )
 
+HANG_S = 300
+"""How long a gather waits for the other rank (which may start much later on a loaded
+machine): only a hang reaches it."""
+
 
 def main() -> None:
     mode = sys.argv[1]
@@ -43,7 +47,7 @@ def main() -> None:
             print(f"rank {rank}: message {exc}", flush=True)
         return
 
-    coord = torch_job_coordinator(timeout=60)
+    coord = torch_job_coordinator(timeout=HANG_S)
     assert isinstance(coord, TorchrunCoordinator), coord
     print(f"rank {rank}: gathered {coord.all_gather({'rank': rank, 'pid': os.getpid()})}")
     print(f"rank {rank}: gathered {coord.all_gather(f'second from {rank}')}")
@@ -53,7 +57,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     groups = len(dist.distributed_c10d._world.pg_map)
-    grouped = torch_job_coordinator(timeout=60)
+    grouped = torch_job_coordinator(timeout=HANG_S)
     assert isinstance(grouped, TorchCoordinator), grouped
     print(f"rank {rank}: grouped {grouped.all_gather(rank)}")
     grouped.close()

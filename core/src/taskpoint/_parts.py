@@ -16,8 +16,11 @@ arrives fails it on every other rank when the coordinator's timeout runs out:
 4. **Commit.** Rank 0 merges the parts (:func:`merge_parts`: a path two ranks wrote with
    different content is an error naming both), checks that every object they reference is
    in the store with its size, writes the manifest (the one commit), and broadcasts the
-   outcome. Until that write nothing can load the checkpoint; a rank killed at any step
-   leaves at most unreferenced objects, which a later collection frees.
+   outcome. Until that write nothing can load the checkpoint; a rank killed before it
+   leaves at most unreferenced objects, which a later collection frees. A rank that
+   vanishes after rank 0 gathered its part does not stop the commit: the survivors miss
+   it in the outcome round and raise, saying the checkpoint was committed (rank 0 knows;
+   another rank looks for the manifest in the store) and naming the vanished rank.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from typing import Any
 from taskpoint import _tree_save, archive, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Progress
-from taskpoint.coordination import Coordinator
-from taskpoint.errors import CheckpointCoordinationError
+from taskpoint.coordination import Coordinator, check_agreement
+from taskpoint.errors import CheckpointCoordinationError, CheckpointError
 from taskpoint.history import SaveStats
 from taskpoint.manifest import (
     CHECKPOINTS,
@@ -122,24 +125,13 @@ def merge_parts(
 
 
 def _check_agreement(hellos: list[Any], url: str, own: BaseException | None) -> None:
-    urls = [h.get("url") if isinstance(h, dict) else None for h in hellos]
-    worlds = [h.get("world_size") if isinstance(h, dict) else None for h in hellos]
-    ranks = [h.get("rank") if isinstance(h, dict) else None for h in hellos]
-    if len(set(urls)) > 1:
-        listed = ", ".join(f"rank {r}: {u!r}" for r, u in enumerate(urls))
-        raise CheckpointCoordinationError(
-            f"ranks disagree about the checkpoint location ({listed}); every rank must save "
-            "to the same URL. Nothing was uploaded",
-            ranks=[r for r, u in enumerate(urls) if u != url],
-        )
-    if len(set(worlds)) > 1 or ranks != list(range(len(hellos))):
-        listed = ", ".join(f"rank {r}: world size {w!r}" for r, w in enumerate(worlds))
-        raise CheckpointCoordinationError(
-            f"ranks disagree about the world size or their ranks ({listed}; ranks {ranks}); "
-            "every rank must be started with the same world size. Nothing was uploaded",
-            ranks=list(range(len(hellos))),
-        )
-    _raise_first(own, [h.get("error") for h in hellos], "save the checkpoint's parts")
+    def field(name: str) -> list[Any]:
+        return [h.get(name) if isinstance(h, dict) else None for h in hellos]
+
+    check_agreement(
+        field("url"), field("world_size"), ranks=field("rank"), undone="Nothing was uploaded"
+    )
+    _raise_first(own, field("error"), "save the checkpoint's parts")
 
 
 def check_part(root: Path) -> None:
@@ -262,6 +254,7 @@ def save_part(
     upload: Callable[[], dict[str, Any]],
     coordinator: Coordinator,
     url: str,
+    find: Callable[[str], str | None],
 ) -> SaveStats | None:
     """Run the protocol (see the module docstring) for this rank.
 
@@ -271,13 +264,17 @@ def save_part(
         upload: uploads this rank's folder (:func:`upload_part`).
         coordinator: the ranks writing this checkpoint.
         url: the checkpoint's URL, which every rank must name.
+        find: the URL of the manifest at a key (relative to ``url``) if it is in the
+            store, else ``None``: how a rank that missed the outcome learns it.
 
     Returns:
         The commit's stats on rank 0; ``None`` on the other ranks.
 
     Raises:
         CheckpointCoordinationError: the ranks disagree, one failed (this rank raises its
-            own error instead), a path conflicts, or a rank did not arrive in time.
+            own error instead), a path conflicts, or a rank did not arrive in time. Its
+            ``committed`` is the manifest's URL when the checkpoint was committed all the
+            same (a rank vanished after rank 0 had gathered its part).
         CheckpointStoreError: the store failed.
     """
     rank = coordinator.rank
@@ -305,6 +302,7 @@ def save_part(
             held.enter_context(commit)
         numbers = coordinator.broadcast(numbers)
         _raise_first(own, [numbers.get("error")], "number the save")
+        key = str(numbers["key"])
 
         record: dict[str, Any] = {}
         try:
@@ -314,23 +312,91 @@ def save_part(
         records = coordinator.all_gather(record)
         _raise_first(own, [r.get("error") for r in records], "upload every rank's part")
 
-        outcome: str | None = None
+        # From here on rank 0 may commit: every error says whether it did.
+        outcome: dict[str, Any] = {}
         stats: SaveStats | None = None
         if commit is not None:
             try:
                 stats = commit.commit(records)
+                outcome = {"committed": stats.url}
             except Exception as exc:
-                own, outcome = exc, _describe(exc)
-        outcome = coordinator.broadcast(outcome)
+                own = exc
+                ranks = exc.ranks if isinstance(exc, CheckpointCoordinationError) else [0]
+                known, committed = _look(find, key)
+                outcome = {
+                    "error": _describe(exc), "ranks": ranks, "known": known,
+                    "committed": committed,
+                }
+        try:
+            outcome = coordinator.broadcast(outcome)
+        except CheckpointCoordinationError as exc:
+            if own is not None:
+                raise own from exc
+            known, committed = (True, stats.url) if stats is not None else _look(find, key)
+            raise _unheard(exc, rank, f"{url.rstrip('/')}/{key}", known, committed) from exc
         if own is not None:
             raise own
-        if outcome is not None:
+        if outcome.get("error") is not None:
+            committed = outcome.get("committed")
+            if committed is not None:
+                said = f"the checkpoint WAS committed ({committed}; it loads)"
+            elif outcome.get("known"):
+                said = "nothing was committed"
+            else:
+                said = "the store could not say whether its manifest was written"
             raise CheckpointCoordinationError(
-                f"rank 0 could not commit {numbers['key']} at {url} ({outcome}), so rank "
-                f"{rank} fails too; nothing was committed",
-                ranks=[0],
+                f"rank 0 failed committing {key} at {url} ({outcome['error']}), so rank "
+                f"{rank} fails too; {said}",
+                ranks=outcome.get("ranks") or [0], committed=committed,
             )
     return stats
+
+
+def _look(find: Callable[[str], str | None], key: str) -> tuple[bool, str | None]:
+    """``(True, find(key))``, or ``(False, None)`` if the store cannot tell."""
+    try:
+        return True, find(key)
+    except CheckpointError as exc:
+        log.warning("could not look for the manifest %s: %s", key, exc)
+        return False, None
+
+
+def _unheard(
+    error: CheckpointCoordinationError,
+    rank: int,
+    manifest: str,
+    known: bool,
+    committed: str | None,
+) -> CheckpointCoordinationError:
+    """The error for a rank whose outcome round failed (a rank did not arrive there, after
+    rank 0 had every part): what it knows of the commit, from rank 0 or the store
+    (``known``: the store was read; ``committed``: the manifest's URL, if written)."""
+    missing = error.ranks
+    if committed is not None:
+        return CheckpointCoordinationError(
+            f"rank {rank}: the checkpoint WAS committed ({committed}; it loads), but "
+            f"rank(s) {missing or 'unknown'} vanished after their parts were gathered, "
+            f"before hearing the outcome ({error}); the commit stands, the job's ranks can "
+            "no longer work together",
+            ranks=missing, committed=committed,
+        )
+    if known and missing and 0 not in missing:  # rank 0 reported: it had given up
+        return CheckpointCoordinationError(
+            f"rank {rank}: rank(s) {missing} vanished after their parts were gathered, "
+            f"before hearing the outcome ({error}); rank 0 did not commit {manifest}: "
+            "nothing was committed",
+            ranks=missing,
+        )
+    looked = (
+        f"that manifest was not in the store when rank {rank} looked" if known
+        else f"rank {rank} could not look for it in the store"
+    )
+    return CheckpointCoordinationError(
+        f"rank {rank}: rank(s) {missing or 'unknown'} did not hear the outcome, and this "
+        f"rank does not know whether rank 0 committed {manifest} ({error}); {looked}; a "
+        "rank 0 still running may commit it yet",
+        ranks=missing,
+    )
 
 
 def _name(name: object) -> str:

@@ -223,7 +223,9 @@ class Checkpoint:
         checkpoint the newest. ``load_sync(part=rank)`` restores one rank's files alone.
 
         Every rank returns once the commit is done, or raises. A path two ranks write must
-        hold the same content in both (a shared ``.metadata``, say).
+        hold the same content in both (a shared ``.metadata``, say). A rank that vanishes
+        after rank 0 gathered its part does not undo the commit: every surviving rank
+        raises, with the error's ``committed`` naming the committed manifest.
 
         Args:
             path: this rank's local directory.
@@ -237,7 +239,10 @@ class Checkpoint:
             CheckpointCoordinationError: on every rank: the ranks named different checkpoint
                 URLs or world sizes (before anything is uploaded), two ranks wrote one path
                 with different content, another rank failed, or a rank did not arrive
-                within the coordinator's timeout (naming it). Nothing was committed.
+                within the coordinator's timeout (naming it). Its ``committed`` is the
+                manifest's URL if the checkpoint was committed all the same (a rank
+                vanished after its part was gathered), else ``None``: nothing this rank
+                saw was committed.
             NotADirectoryError: ``path`` is not a directory (on this rank; the others raise
                 ``CheckpointCoordinationError`` naming it).
             CheckpointUnsafeError: the directory holds a special file or a link leaving it.
@@ -257,6 +262,7 @@ class Checkpoint:
             lambda: self.upload_part(root),
             coordinator,
             self._store.url,
+            lambda key: self._store.url_of(key) if self._store.exists(key) else None,
         )
 
     async def save_part(

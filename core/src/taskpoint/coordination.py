@@ -34,7 +34,8 @@ import json
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from taskpoint.errors import CheckpointCoordinationError, CheckpointError
@@ -137,6 +138,60 @@ def check_timeout(timeout: object) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
     return float(timeout)
+
+
+def _odd_ones(values: Sequence[Hashable]) -> list[int]:
+    """The ranks whose value differs from the one most ranks hold (rank 0's on a tie)."""
+    tally = Counter(values)
+    agreed = max(tally, key=lambda v: (tally[v], v == values[0]))
+    return [rank for rank, value in enumerate(values) if value != agreed]
+
+
+def check_agreement(
+    urls: Sequence[str | None],
+    worlds: Sequence[int | None],
+    *,
+    undone: str,
+    ranks: Sequence[int | None] | None = None,
+) -> None:
+    """Raise unless every rank named the same checkpoint and the same world size.
+
+    Called on every rank with what each rank sent (in rank order, as a gather returns it),
+    so every rank raises the same error naming the same ranks.
+
+    Args:
+        urls: each rank's checkpoint URL (``None`` where it has none).
+        worlds: each rank's world size; each must equal ``len(worlds)``, the ranks that
+            took part.
+        undone: what was not done, closing the message (``"Nothing was uploaded"``).
+        ranks: each rank's own idea of its rank, if the ranks sent it; each must equal its
+            place in the list.
+
+    Raises:
+        CheckpointCoordinationError: the URLs differ (naming the ranks whose URL differs
+            from the one most ranks named, rank 0's on a tie), or a world size or rank is
+            wrong (naming the ranks that sent it).
+    """
+    if len(set(urls)) > 1:
+        listed = ", ".join(f"rank {r}: {u!r}" for r, u in enumerate(urls))
+        raise CheckpointCoordinationError(
+            f"ranks disagree about the checkpoint location ({listed}); every rank must name "
+            f"the same checkpoint URL. {undone}",
+            ranks=_odd_ones(urls),
+        )
+    size = len(worlds)
+    claimed = list(range(size)) if ranks is None else list(ranks)
+    wrong = [r for r in range(size) if worlds[r] != size or claimed[r] != r]
+    if wrong:
+        listed = ", ".join(
+            f"rank {r}: world size {w!r}" + ("" if claimed[r] == r else f" as rank {claimed[r]!r}")
+            for r, w in enumerate(worlds)
+        )
+        raise CheckpointCoordinationError(
+            f"ranks disagree about the world size ({listed}; {size} ranks took part); every "
+            f"rank must be started with the same world size and its own rank. {undone}",
+            ranks=wrong,
+        )
 
 
 class StoreCoordinator(RankedCoordinator):

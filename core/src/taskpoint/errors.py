@@ -12,7 +12,8 @@ Every failure that is taskpoint's own derives from :class:`CheckpointError`::
     ├── CheckpointRestoreError    the local disk refused the restored files (full, too
     │                             large, permission): the checkpoint itself is fine
     ├── CheckpointCoordinationError  writers of one checkpoint disagreed, collided or
-    │                             did not all arrive: nothing was committed
+    │                             did not all arrive; ``committed`` says whether the
+    │                             checkpoint was committed all the same
     └── TaskAttemptError          a process-isolated attempt died (signal, exit code)
 
 Bad arguments raise the builtin exceptions Python users expect: ``TypeError`` for a
@@ -125,20 +126,31 @@ class CheckpointRestoreError(CheckpointError):
 
 
 class CheckpointCoordinationError(CheckpointError):
-    """The writers of one checkpoint could not agree, so none of them committed it.
+    """The writers of one checkpoint could not all finish it together.
 
     Raised on every writer: they named different locations or world sizes, two wrote the
     same path with different content, one failed, or one did not arrive in time. Also
     raised by a restore of a part or of paths the checkpoint does not have, and on every
     rank of a distributed restore that failed on one of them.
 
+    Usually nothing was committed. But a rank may vanish after the committing rank has
+    gathered its part: the commit then stands, and the surviving ranks raise this error
+    with ``committed`` set, since the group can no longer work together.
+
     Attributes:
-        ranks: the writers (ranks) the error is about: those missing, in conflict, or failed.
+        ranks: the writers (ranks) the error is about: those missing, in conflict, or
+            failed. Every rank names the same ones where they all saw the same thing (a
+            rank that gives up waiting names those it did not see arrive).
+        committed: the URL of the manifest that was committed despite the error (the
+            checkpoint loads); ``None`` when this rank knows of no commit.
     """
 
-    def __init__(self, message: str, *, ranks: list[int] | None = None) -> None:
+    def __init__(
+        self, message: str, *, ranks: list[int] | None = None, committed: str | None = None
+    ) -> None:
         super().__init__(message)
         self.ranks = list(ranks or [])
+        self.committed = committed
 
 
 class TaskAttemptError(CheckpointError):

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from taskpoint.coordination import Coordinator
+from taskpoint.coordination import Coordinator, check_agreement
 from taskpoint.errors import CheckpointCoordinationError
 
 __all__ = [
@@ -199,17 +199,10 @@ def restore_to_every_disk(
     """
     rank = coordinator.rank
     hellos = coordinator.all_gather({"url": location, "world_size": world_size})
-    urls = [h.get("url") for h in hellos]
-    worlds = [h.get("world_size") for h in hellos]
-    if len(set(urls)) > 1 or len(set(worlds)) > 1:
-        listed = ", ".join(
-            f"rank {r}: {u!r} (world size {w})" for r, (u, w) in enumerate(zip(urls, worlds, strict=True))
-        )
-        raise CheckpointCoordinationError(
-            f"rank {rank}: the ranks disagree about the checkpoint location or the world size "
-            f"({listed}); every rank must restore the same checkpoint. Nothing was restored",
-            ranks=list(range(len(hellos))),
-        )
+    check_agreement(
+        [h.get("url") for h in hellos], [h.get("world_size") for h in hellos],
+        undone="Nothing was restored",
+    )
     disks = find_disks(coordinator, folder)
     results = run_everywhere(
         coordinator, lambda: restore() if disks.leads(rank) else None,

@@ -39,6 +39,7 @@ from typing import Any
 import taskpoint
 import torch.distributed as dist
 from taskpoint import CheckpointCoordinationError
+from taskpoint.coordination import check_agreement
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
@@ -198,19 +199,7 @@ class TaskpointStorageWriter(StorageWriter):
         hellos = [p.storage_data for p in plans]
         urls = [h.url if isinstance(h, _Hello) else None for h in hellos]
         worlds = [h.world_size if isinstance(h, _Hello) else None for h in hellos]
-        if len(set(urls)) > 1:
-            listed = ", ".join(f"rank {r}: {u!r}" for r, u in enumerate(urls))
-            raise CheckpointCoordinationError(
-                f"ranks disagree about the checkpoint location ({listed}); every rank must "
-                "save to the same URL. Nothing was uploaded",
-                ranks=[r for r, u in enumerate(urls) if u != urls[0]],
-            )
-        if len(set(worlds)) > 1 or worlds[0] != len(plans):
-            raise CheckpointCoordinationError(
-                f"ranks disagree about the world size ({worlds}, {len(plans)} plans); "
-                "nothing was uploaded",
-                ranks=list(range(len(plans))),
-            )
+        check_agreement(urls, worlds, undone="Nothing was uploaded")
         plans = [
             dataclasses.replace(p, storage_data=h.inner if isinstance(h, _Hello) else None)
             for p, h in zip(plans, hellos, strict=True)
