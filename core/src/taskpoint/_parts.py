@@ -36,7 +36,7 @@ from taskpoint import _tree_save, archive, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Progress
 from taskpoint.coordination import Coordinator, check_agreement
-from taskpoint.errors import CheckpointCoordinationError, CheckpointError
+from taskpoint.errors import CheckpointCoordinationError, CheckpointError, _save_failures
 from taskpoint.history import SaveStats
 from taskpoint.manifest import (
     CHECKPOINTS,
@@ -162,13 +162,16 @@ def upload_part(
         NotADirectoryError: ``root`` is not a directory.
         CheckpointUnsafeError: it holds a special file or a link leaving it.
         CheckpointStoreError: the store failed.
+        CheckpointSaveError: a file could not be read, or taskpoint failed.
     """
     check_part(root)
     store = catalog.store
     known = _tree_save.BlobIndex.of(catalog.read_committed())
-    saved = _tree_save.save_tree(
-        store, root, known, codec=codec, workers=store.transfer.concurrency, progress=progress
-    )
+    with _save_failures(store.url, f"saving this rank's part {root}"):
+        saved = _tree_save.save_tree(
+            store, root, known, codec=codec, workers=store.transfer.concurrency,
+            progress=progress,
+        )
     return {
         "name": root.name, "entries": [e.to_record() for e in saved.entries],
         "objects": saved.objects, "size": saved.size, "uploaded": saved.uploaded,

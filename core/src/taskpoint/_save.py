@@ -35,7 +35,7 @@ from taskpoint import _parts, _tree_save, _uploader, archive, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
 from taskpoint._statcache import StatCache
-from taskpoint.errors import CheckpointError, CheckpointSaveError
+from taskpoint.errors import CheckpointSaveError, _save_failures
 from taskpoint.history import Attempt, SaveStats
 from taskpoint.manifest import (
     CHECKPOINTS,
@@ -162,21 +162,12 @@ class Saver:
                 not be read, or an internal error); nothing was committed.
             CheckpointError: any other of taskpoint's own, as raised.
         """
-        try:
+        what = f"saving {source.kind} checkpoint {seq} of attempt {attempt}"
+        with _save_failures(self._store.url, what):
             if source.kind == "directory" and self._store_format == TREE_FORMAT:
                 committed = self._save_tree(source, attempt, seq)
             else:
                 committed = self._save_payload(source, attempt, seq)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            url = self._store.url
-            raise CheckpointSaveError(
-                f"saving {source.kind} checkpoint {seq} of attempt {attempt} to {url} failed "
-                f"({type(exc).__name__}: {exc}); nothing was committed and earlier "
-                "checkpoints are untouched",
-                url=url,
-            ) from exc
         self.prune()
         return committed
 

@@ -23,6 +23,8 @@ path that does not exist.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -170,3 +172,20 @@ class TaskAttemptError(CheckpointError):
 
 class TaskpointWarning(UserWarning):
     """Warnings taskpoint issues (a skipped corrupt checkpoint, for example)."""
+
+
+@contextlib.contextmanager
+def _save_failures(url: str, what: str) -> Iterator[None]:
+    """Raise what fails inside as :class:`CheckpointSaveError` about ``what`` (a phrase
+    like ``"saving checkpoint 3 of attempt 0"``) at ``url``; taskpoint's own errors pass
+    unchanged. Exceptions other than ``Exception`` (KeyboardInterrupt) pass too."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointSaveError(
+            f"{what} to {url} failed ({type(exc).__name__}: {exc}); nothing was committed "
+            "and earlier checkpoints are untouched",
+            url=url,
+        ) from exc
