@@ -13,7 +13,8 @@ Example::
 
 Each upload runs in the background: training goes on while the store is written, and the
 cost of each save is logged with the Trainer's own metrics (``taskpoint/blocked_s``,
-``taskpoint/upload_s``, ``taskpoint/uploaded_bytes``, ``taskpoint/stored_bytes``).
+``taskpoint/upload_s``, ``taskpoint/uploaded_bytes``, ``taskpoint/stored_bytes``) to every
+logging callback, ``report_to`` integrations included, but not to ``state.log_history``.
 """
 
 from __future__ import annotations
@@ -139,14 +140,29 @@ class TaskpointTrainerCallback(TrainerCallback):
     A just-in-time checkpoint (``enable_jit_checkpoint``), which the Trainer writes on
     SIGTERM without calling ``on_save``, is uploaded in ``on_train_end``.
 
-    Each save's cost is added to the Trainer's logs (``on_log``, so ``state.log_history``,
-    the console and the callbacks after this one see it) at the next log after its upload
-    committed: ``taskpoint/blocked_s`` (how long training waited), ``taskpoint/upload_s``,
-    ``taskpoint/uploaded_bytes``, ``taskpoint/stored_bytes`` (the last two where the
-    checkpoint reports them, as :class:`taskpoint.Checkpoint` does) and ``taskpoint/saves``
-    (how many saves the figures add up). The Trainer calls its reporting integrations
-    (``report_to``) before the callbacks you pass; for them to log these figures too, pass
-    ``report_to="none"`` and list their callbacks after this one.
+    Each save's cost reaches every callback's ``on_log`` (the ``report_to`` integrations
+    such as TensorBoard and W&B, which the Trainer lists first, the console, your own
+    callbacks) with the next logs after its upload committed, but never
+    ``state.log_history``: the Trainer's record of training (and so ``trainer_state.json``
+    and a resumed run's history) is exactly what it would be without this callback. At
+    training start the callback hooks the ``on_log`` of the Trainer's ``CallbackHandler``
+    calling it, which the Trainer calls once it has recorded its own copy of the logs; the
+    hook adds the figures before any callback sees them. The Trainer's last logs (after
+    the last save) wait for that save's upload, so its figures come with them; a save
+    later still (a just-in-time checkpoint, or the rotation below) is logged by one more
+    ``on_log`` at ``on_train_end``. The figures: ``taskpoint/blocked_s`` (how long
+    training waited), ``taskpoint/upload_s``, ``taskpoint/uploaded_bytes``,
+    ``taskpoint/stored_bytes`` (the last two where the checkpoint reports them, as
+    :class:`taskpoint.Checkpoint` does) and ``taskpoint/saves`` (how many saves the figures
+    add up). Called by anything but a ``CallbackHandler``, the callback adds them to the
+    ``logs`` its own ``on_log`` gets.
+
+    The store ends holding what the Trainer kept: when the Trainer deletes checkpoints
+    after its last save (``save_total_limit=1`` with ``load_best_model_at_end``),
+    ``on_train_end`` saves the folder again. A resumed run writes an existing
+    ``checkpoint-N`` again, in place: if an upload's snapshot still shares that folder's
+    files, they get copies of their own first (at ``on_step_end``, ``on_epoch_end`` and
+    ``on_evaluate``), so the upload commits them as they were at its save.
 
     Resume with :func:`~taskpoint_hf.restore_last_checkpoint`.
 
