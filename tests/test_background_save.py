@@ -167,3 +167,38 @@ def test_async_task_waits_too(slow_url: str) -> None:
     asyncio.run(task())
     restored = Checkpoint(f"{slow_url}/bgasync.task/r").load_sync()
     assert restored is not None and restored.read_bytes() == b"async pending"
+
+
+def test_link_snapshot_never_commits_a_file_rewritten_in_place(tmp_path: Path) -> None:
+    """A file rewritten in place after a hard-link snapshot took it is never committed
+    half old, half new: the save either stores the snapshot's content whole or fails, and
+    the store keeps the checkpoint before it."""
+    import os
+
+    ckpt = Checkpoint((tmp_path / "store").as_uri(), keep=5)
+    before = tmp_path / "before"
+    before.mkdir()
+    (before / "marker").write_bytes(b"before")
+    ckpt.save_sync(before)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "a-weights.bin").write_bytes(os.urandom(24 << 20))  # read first, for a while
+    old, new = b"o" * (1 << 20), b"n" * (1 << 20)
+    (folder / "state.bin").write_bytes(old)
+    ckpt.save_sync(folder, background=True, snapshot="link")
+    with (folder / "state.bin").open("r+b") as fh:  # a writer halfway through, in place
+        fh.write(new[: len(new) // 2])
+        fh.flush()
+        try:
+            ckpt.wait()
+            refused = None
+        except taskpoint.CheckpointSaveError as exc:
+            refused = exc
+        fh.write(new[len(new) // 2 :])
+    restored = Checkpoint(ckpt.url).load_sync(into=tmp_path / "restored")
+    assert restored is not None
+    if refused is not None:
+        assert "rewritten in place" in str(refused)
+        assert (restored / "marker").read_bytes() == b"before"  # the checkpoint before it
+    else:  # read before the writer began: the snapshot's content, whole
+        assert (restored / "state.bin").read_bytes() == old

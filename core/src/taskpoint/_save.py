@@ -34,7 +34,7 @@ from typing import Any, BinaryIO, Literal
 from taskpoint import _parts, _tree_save, _uploader, archive, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
-from taskpoint._statcache import StatCache
+from taskpoint._statcache import ContentKey, StatCache, content_key
 from taskpoint.errors import CheckpointSaveError, _save_failures
 from taskpoint.history import Attempt, SaveStats
 from taskpoint.manifest import (
@@ -75,6 +75,7 @@ class Source:
     snapshot: Path | None = None  # a private copy's folder, removed once uploaded
     called: float = 0.0  # time.monotonic() when save was called
     blocked_s: float | None = None  # how long a background save held its caller
+    pinned: dict[str, ContentKey] | None = None  # a link snapshot's files, as linked
 
 
 def classify(data: object, called: float) -> Source:
@@ -188,7 +189,7 @@ class Saver:
             saved = _tree_save.save_tree(
                 self._store, source.path, known, codec=self._codec,
                 workers=self._store.transfer.concurrency, progress=self._progress,
-                seen=self._seen,
+                seen=self._seen, pinned=source.pinned,
             )
             stats = SaveStats(
                 url=self._store.url_of(key), attempt=attempt, seq=seq, kind=source.kind,
@@ -221,6 +222,12 @@ class Saver:
         payload = payload_name(attempt, seq, token)
         upload_started = time.monotonic()
         digest, name, codec = self._write_payload(source, payload)
+        if source.path is not None and source.pinned:  # read whole before the check
+            for rel, pin in source.pinned.items():
+                _tree_save.check_pinned(
+                    source.path, rel, _tree_save.content_now(source.path / rel), pin,
+                    url=self._store.url,
+                )
         key = f"{CHECKPOINTS}/{manifest_name(attempt, seq)}"
         stats = SaveStats(
             url=self._store.url_of(key),
@@ -332,7 +339,10 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
     """A private snapshot of ``source`` that later changes to the original cannot reach.
 
     ``how="link"`` hard-links files (see :meth:`taskpoint.Checkpoint.save_sync`); it is placed beside
-    the original, on its file system, so links are possible.
+    the original, on its file system, so links are possible. Each linked file's content key
+    is recorded (``pinned``): a file rewritten in place through the original's name before
+    the snapshot is committed fails that commit rather than storing content that is not the
+    snapshot's (perhaps half written).
 
     Raises:
         CheckpointSaveError: a file could not be read or copied; nothing is left behind.
@@ -345,7 +355,15 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
     except OSError:  # a read-only parent: a copy in the temporary folder instead
         folder, how = Path(tempfile.mkdtemp(prefix="taskpoint-snapshot-")), "copy"
     target = folder / source.path.name
-    copy = _link_or_copy if how == "link" else shutil.copy2
+    linked: dict[str, ContentKey] = {}
+
+    def link(src: str, dst: str) -> None:
+        _link_or_copy(src, dst)
+        info = os.lstat(dst)
+        if info.st_nlink > 1:  # shared with the original: pin the content it has now
+            linked[Path(dst).relative_to(target).as_posix()] = content_key(info)
+
+    copy = link if how == "link" else shutil.copy2
     try:
         if source.kind == "directory":
             shutil.copytree(source.path, target, symlinks=True, copy_function=copy)
@@ -360,7 +378,7 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
         ) from exc
     return Source(
         source.kind, path=target, snapshot=folder, called=source.called,
-        blocked_s=time.monotonic() - source.called,
+        blocked_s=time.monotonic() - source.called, pinned=linked or None,
     )
 
 

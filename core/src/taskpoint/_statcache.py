@@ -48,7 +48,8 @@ from pathlib import Path
 from taskpoint.manifest import Entry
 
 __all__ = [
-    "COARSE_SLACK_NS", "SLACK_NS", "Record", "StatCache", "StatKey", "now_ns", "settled", "stat_key",
+    "COARSE_SLACK_NS", "SLACK_NS", "ContentKey", "Record", "StatCache", "StatKey", "content_key",
+    "now_ns", "settled", "stat_key",
 ]
 
 SLACK_NS = 100_000_000
@@ -58,11 +59,21 @@ COARSE_SLACK_NS = 2_000_000_000
 """The same for times in whole milliseconds or coarser (FAT keeps 2 s)."""
 
 StatKey = tuple[int, int, int, int, int, int]
+ContentKey = tuple[int, int, int, int]
 
 
 def stat_key(st: os.stat_result) -> StatKey:
     """What must stay equal for a file to count as unchanged."""
     return (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def content_key(st: os.stat_result) -> ContentKey:
+    """What a file's content cannot change without changing: ``(device, inode, size, mtime)``.
+
+    Unlike :func:`stat_key` it leaves out the ctime, which linking or unlinking another
+    name of the file also sets.
+    """
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def now_ns() -> int:

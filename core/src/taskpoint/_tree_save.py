@@ -26,7 +26,7 @@ import dataclasses
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +36,17 @@ import xxhash
 
 from taskpoint import archive
 from taskpoint._digest import Progress
-from taskpoint._statcache import Record, StatCache, StatKey, now_ns, settled, stat_key
+from taskpoint._statcache import (
+    ContentKey,
+    Record,
+    StatCache,
+    StatKey,
+    content_key,
+    now_ns,
+    settled,
+    stat_key,
+)
+from taskpoint.errors import CheckpointSaveError
 from taskpoint.manifest import Blob, Codec, Entry, Manifest
 from taskpoint.retention import OBJECTS
 from taskpoint.store import Store
@@ -55,6 +65,8 @@ __all__ = [
     "SMALL_FILE",
     "BlobIndex",
     "SavedTree",
+    "check_pinned",
+    "content_now",
     "save_tree",
 ]
 
@@ -306,6 +318,7 @@ def save_tree(
     workers: int = MIN_WORKERS,
     progress: Progress | None = None,
     seen: StatCache | None = None,
+    pinned: Mapping[str, ContentKey] | None = None,
 ) -> SavedTree:
     """Store the tree under ``root`` as content objects; the entries a manifest lists.
 
@@ -315,9 +328,15 @@ def save_tree(
     its blobs lie in is in ``known`` and not found damaged. The caller has checked the
     tree (:func:`taskpoint.archive.check_tree`) before calling.
 
+    ``pinned`` maps paths within ``root`` to the :func:`~taskpoint._statcache.content_key`
+    their files had when a hard-linked snapshot took them: such a file is read only while
+    it still has that key, so a file rewritten in place through another of its names is
+    never stored, whole or torn.
+
     Raises:
         CheckpointStoreError: an upload failed (objects already sent stay, unreferenced,
             until a collection).
+        CheckpointSaveError: a ``pinned`` file changed after its snapshot was taken.
     """
     uploader = _Uploader(store, max(workers, MIN_WORKERS))
     buffers = _Buffers()
@@ -358,6 +377,9 @@ def save_tree(
                 if progress is not None:
                     progress(known_entry.size)
                 continue
+            pin = pinned.get(rel) if pinned is not None else None
+            if pin is not None:
+                check_pinned(root, rel, content_key(st), pin, url=store.url)
             whole = xxhash.xxh3_128()
             small = st.st_size < SMALL_FILE
             file = _FileRefs(rel, stat.S_IMODE(st.st_mode), st.st_mtime_ns, 0, "")
@@ -379,6 +401,8 @@ def save_tree(
                 fresh[digest] = pending
                 file.parts.append(pending)
             chunks.seal()
+            if pin is not None:
+                check_pinned(root, rel, content_now(path), pin, url=store.url)
             file.hash = f"xxh3-128:{whole.hexdigest()}"
             total += file.size
             refs.append(file)
@@ -400,6 +424,33 @@ def save_tree(
         e.path: Record(trusted[e.path], e) for e in entries if e.path in trusted
     }
     return SavedTree(entries, objects, total, uploader.uploaded, reused, records)
+
+
+def content_now(path: Path) -> ContentKey | None:
+    """``path``'s :func:`~taskpoint._statcache.content_key`, ``None`` if it is gone."""
+    try:
+        return content_key(path.lstat())
+    except OSError:
+        return None
+
+
+def check_pinned(
+    root: Path, rel: str, now: ContentKey | None, pin: ContentKey, *, url: str
+) -> None:
+    """Raise unless a snapshot's hard-linked file still has the content it was taken with.
+
+    Raises:
+        CheckpointSaveError: it was rewritten in place (the save for ``url`` must not commit).
+    """
+    if now != pin:
+        raise CheckpointSaveError(
+            f"cannot commit the snapshot {str(root)!r}: its file {rel!r} was rewritten in "
+            "place after the snapshot hard-linked it (its content is no longer the "
+            "snapshot's, and may be half written); nothing was committed. Replace or "
+            "delete checkpoint files instead of rewriting them in place, or save with "
+            'snapshot="copy"',
+            url=url,
+        )
 
 
 def _unchanged(path: Path, before: os.stat_result) -> bool:

@@ -180,7 +180,9 @@ class Checkpoint:
                 ``"link"`` hard-links its files where the disk allows (copying the rest),
                 which is instant but only safe for files that are replaced or deleted,
                 never rewritten in place (what the Trainer and Lightning do with finished
-                checkpoints; ``torch.save`` over an existing path rewrites it in place).
+                checkpoints; ``torch.save`` over an existing path rewrites it in place): a
+                linked file rewritten before the upload has read it fails the save with
+                :class:`CheckpointError` rather than storing content not the snapshot's.
 
         Concurrent saves on one ``Checkpoint`` run one at a time; the one started last
         is the newest once all have returned.

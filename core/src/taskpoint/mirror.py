@@ -32,7 +32,10 @@ from __future__ import annotations
 import atexit
 import contextvars
 import logging
+import os
 import shutil
+import stat
+import tempfile
 import threading
 import time
 import weakref
@@ -49,7 +52,7 @@ from taskpoint.history import SaveStats
 
 __all__ = [
     "EXIT_WAIT_S", "FolderMirror", "MirrorStats", "UploadThread", "combined_metrics",
-    "settle_uploads", "track",
+    "settle_uploads", "track", "unshare",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,44 @@ PREFIX = "taskpoint/"
 """The prefix of every metric name the adapters log."""
 EXIT_WAIT_S = 60.0
 """How long interpreter exit waits for the uploads in flight."""
+
+
+def unshare(path: str | os.PathLike[str]) -> int:
+    """Give each regular file at or under ``path`` that has other hard links (a snapshot's)
+    a copy of its own, renamed over it, so writing over it in place later leaves the other
+    links' content alone.
+
+    For a folder a framework is about to rewrite in place while the snapshot an upload
+    reads still shares its files (a resumed run writing a ``checkpoint-N`` again): such a
+    snapshot refuses to commit a file changed under it. The content, mode and times stay.
+
+    Returns:
+        How many files were copied (0 when ``path`` does not exist).
+
+    Raises:
+        OSError: a copy could not be written (the file keeps its links then).
+    """
+    root = Path(os.fspath(path))
+    if not root.exists():
+        return 0
+    files = [root] if not root.is_dir() else [
+        Path(folder, name) for folder, _, names in os.walk(root) for name in names
+    ]
+    copied = 0
+    for file in files:
+        info = file.lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink < 2:
+            continue
+        handle, temp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
+        os.close(handle)
+        try:
+            shutil.copy2(file, temp)
+            os.replace(temp, file)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+        copied += 1
+    return copied
 
 
 class _Waitable(Protocol):

@@ -146,6 +146,24 @@ class SlowUpload:
         time.sleep(self.seconds)
 
 
+class LogRecorder(TrainerCallback):
+    """Keeps a copy of every ``logs`` dict its ``on_log`` is given, as a ``report_to``
+    integration would send it (the runs list it before every other callback)."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, Any]] = []
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> None:
+        self.logs.append({**(logs or {}), "step": state.global_step})
+
+
 @dataclass
 class Result:
     """What a finished run is compared by."""
@@ -182,7 +200,7 @@ def assert_same_run(got: Result, want: Result) -> None:
     assert not different, f"weights differ from the uninterrupted run: {different}"
 
 
-def _result(trainer: Trainer, resumed: Path | None) -> Result:
+def _result(trainer: Trainer, resumed: Path | None, logged: LogRecorder | None = None) -> Result:
     losses = [(int(h["step"]), float(h["loss"])) for h in trainer.state.log_history if "loss" in h]
     if trainer.is_fsdp_enabled:  # gather the shards: every rank compares the whole model
         from torch.distributed.checkpoint.state_dict import (
@@ -194,7 +212,10 @@ def _result(trainer: Trainer, resumed: Path | None) -> Result:
     else:
         state = trainer.model.state_dict()
     weights = {k: v.detach().cpu().clone() for k, v in state.items()}
-    extra = {"log_history": [dict(entry) for entry in trainer.state.log_history]}
+    extra: dict[str, Any] = {
+        "log_history": [dict(entry) for entry in trainer.state.log_history],
+        "logs": logged.logs if logged is not None else [],
+    }
     return Result(
         trainer.state.global_step, losses, weights, str(resumed) if resumed else None, extra
     )
@@ -219,6 +240,25 @@ def _classifier_args(out_dir: Path, **overrides: Any) -> TrainingArguments:
     return TrainingArguments(**options)
 
 
+def classifier_trainer(
+    out_dir: Path, *, callbacks: Sequence[TrainerCallback] = (), **overrides: Any
+) -> Trainer:
+    """A ``Trainer`` for the tiny BERT classifier (built afresh, seeded), its data also
+    its evaluation set; ``overrides`` go to its ``TrainingArguments``."""
+    args = _classifier_args(out_dir, **overrides)
+    tokenizer = word_tokenizer(causal=False)
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32, num_labels=2,
+    )
+    data = ClassificationData(tokenizer)
+    return Trainer(
+        model=BertForSequenceClassification(config), args=args, train_dataset=data,
+        eval_dataset=data, callbacks=list(callbacks),
+    )
+
+
 def run_classifier(
     checkpoint: CheckpointLike | None,
     out_dir: Path,
@@ -230,22 +270,15 @@ def run_classifier(
     """Train the tiny BERT classifier, resuming from ``checkpoint`` when it holds state."""
     args = _classifier_args(out_dir, **overrides)
     resume = restore_last_checkpoint(checkpoint, args) if checkpoint is not None else None
-    tokenizer = word_tokenizer(causal=False)
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, max_position_embeddings=32, num_labels=2,
-    )
-    model = BertForSequenceClassification(config)
-    extra = [stop] if stop is not None else []
+    logged = LogRecorder()
+    extra: list[TrainerCallback] = [logged]
+    if stop is not None:
+        extra.append(stop)
     if checkpoint is not None:
         extra.append(TaskpointTrainerCallback(checkpoint, args.output_dir))
-    trainer = Trainer(
-        model=model, args=args, train_dataset=ClassificationData(tokenizer),
-        callbacks=[*extra, *callbacks],
-    )
+    trainer = classifier_trainer(out_dir, callbacks=[*extra, *callbacks], **overrides)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    return _result(trainer, resume)
+    return _result(trainer, resume, logged)
 
 
 def run_sft(

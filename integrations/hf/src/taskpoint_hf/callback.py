@@ -13,13 +13,16 @@ Example::
 
 Each upload runs in the background: training goes on while the store is written, and the
 cost of each save is logged with the Trainer's own metrics (``taskpoint/blocked_s``,
-``taskpoint/upload_s``, ``taskpoint/uploaded_bytes``, ``taskpoint/stored_bytes``).
+``taskpoint/upload_s``, ``taskpoint/uploaded_bytes``, ``taskpoint/stored_bytes``) to every
+logging callback, ``report_to`` integrations included, but not to ``state.log_history``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +30,11 @@ from typing import Any
 import taskpoint
 from taskpoint import CheckpointLike, nodes
 from taskpoint.coordination import check_timeout
-from taskpoint.mirror import FolderMirror, combined_metrics
+from taskpoint.mirror import FolderMirror, combined_metrics, unshare
 from taskpoint.torch_coordination import TorchCoordinator
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from taskpoint_hf import _distributed
 from taskpoint_hf.resume import _scan, _step
@@ -54,6 +59,46 @@ def _written_dir(args: TrainingArguments) -> Path:
             "TrainingArguments.output_dir is None: set it, the Trainer writes checkpoint-N there"
         )
     return Path(os.fspath(args.output_dir))
+
+
+def _calling_handler(callback: TrainerCallback) -> CallbackHandler | None:
+    """The Trainer's ``CallbackHandler`` that is calling ``callback``'s hook now, if any."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, CallbackHandler) and any(c is callback for c in owner.callbacks):
+            return owner
+    return None
+
+
+class _FiguresIntoLogs:
+    """Stands in for a ``CallbackHandler``'s ``on_log``: adds the callback's figures to the
+    logs before the handler hands them to any callback.
+
+    The Trainer appends its copy of the logs to ``state.log_history`` before calling
+    ``on_log``, so the figures reach every callback (the ``report_to`` integrations, the
+    console) and never the training history.
+    """
+
+    def __init__(self, callback: TaskpointTrainerCallback, handler: CallbackHandler) -> None:
+        self.callback = callback
+        self.handler = handler
+        self.original = handler.on_log
+
+    def __call__(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float],
+        **kwargs: Any,
+    ) -> TrainerControl:
+        if logs is not None and any(c is self.callback for c in self.handler.callbacks):
+            self.callback._add_figures(state, control, logs)
+        return self.original(args, state, control, logs, **kwargs)  # type: ignore[no-any-return]
 
 
 class TaskpointTrainerCallback(TrainerCallback):
@@ -95,14 +140,29 @@ class TaskpointTrainerCallback(TrainerCallback):
     A just-in-time checkpoint (``enable_jit_checkpoint``), which the Trainer writes on
     SIGTERM without calling ``on_save``, is uploaded in ``on_train_end``.
 
-    Each save's cost is added to the Trainer's logs (``on_log``, so ``state.log_history``,
-    the console and the callbacks after this one see it) at the next log after its upload
-    committed: ``taskpoint/blocked_s`` (how long training waited), ``taskpoint/upload_s``,
-    ``taskpoint/uploaded_bytes``, ``taskpoint/stored_bytes`` (the last two where the
-    checkpoint reports them, as :class:`taskpoint.Checkpoint` does) and ``taskpoint/saves``
-    (how many saves the figures add up). The Trainer calls its reporting integrations
-    (``report_to``) before the callbacks you pass; for them to log these figures too, pass
-    ``report_to="none"`` and list their callbacks after this one.
+    Each save's cost reaches every callback's ``on_log`` (the ``report_to`` integrations
+    such as TensorBoard and W&B, which the Trainer lists first, the console, your own
+    callbacks) with the next logs after its upload committed, but never
+    ``state.log_history``: the Trainer's record of training (and so ``trainer_state.json``
+    and a resumed run's history) is exactly what it would be without this callback. At
+    training start the callback hooks the ``on_log`` of the Trainer's ``CallbackHandler``
+    calling it, which the Trainer calls once it has recorded its own copy of the logs; the
+    hook adds the figures before any callback sees them. The Trainer's last logs (after
+    the last save) wait for that save's upload, so its figures come with them; a save
+    later still (a just-in-time checkpoint, or the rotation below) is logged by one more
+    ``on_log`` at ``on_train_end``. The figures: ``taskpoint/blocked_s`` (how long
+    training waited), ``taskpoint/upload_s``, ``taskpoint/uploaded_bytes``,
+    ``taskpoint/stored_bytes`` (the last two where the checkpoint reports them, as
+    :class:`taskpoint.Checkpoint` does) and ``taskpoint/saves`` (how many saves the figures
+    add up). Called by anything but a ``CallbackHandler``, the callback adds them to the
+    ``logs`` its own ``on_log`` gets.
+
+    The store ends holding what the Trainer kept: when the Trainer deletes checkpoints
+    after its last save (``save_total_limit=1`` with ``load_best_model_at_end``),
+    ``on_train_end`` saves the folder again. A resumed run writes an existing
+    ``checkpoint-N`` again, in place: if an upload's snapshot still shares that folder's
+    files, they get copies of their own first (at ``on_step_end``, ``on_epoch_end`` and
+    ``on_evaluate``), so the upload commits them as they were at its save.
 
     Resume with :func:`~taskpoint_hf.restore_last_checkpoint`.
 
@@ -155,6 +215,9 @@ class TaskpointTrainerCallback(TrainerCallback):
         self._checkpoint = checkpoint
         self._output_dir = Path(os.fspath(output_dir)) if output_dir is not None else None
         self._mirrored_step: int | None = None
+        self._mirrored_names: frozenset[str] | None = None  # its checkpoint-N folders
+        self._handler: weakref.ref[CallbackHandler] | None = None  # the one hooked
+        self._deferred: BaseException | None = None  # an upload error met while logging
         self._uploads = FolderMirror(checkpoint, blocking=blocking)
         self._preempt_timeout = preempt_timeout
         self._preempt_contexts: list[taskpoint.TaskContext] = []
@@ -209,6 +272,8 @@ class TaskpointTrainerCallback(TrainerCallback):
             )
         newest = _scan(folder).complete
         self._mirrored_step = _step(newest[-1]) if newest else None
+        self._mirrored_names = frozenset(p.name for p in newest)
+        self._hook_logs()
         self._nodes = self._nodes or self._find_nodes(folder)
         if state.is_world_process_zero:
             self._wait_on_preempt()
@@ -234,6 +299,25 @@ class TaskpointTrainerCallback(TrainerCallback):
         """
         self._mirror(args, state, state.global_step)
 
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Unshare ``checkpoint-N`` if the Trainer is about to write it again."""
+        self._unshare_next(args, state)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Unshare ``checkpoint-N`` if the Trainer is about to write it again."""
+        self._unshare_next(args, state)
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Unshare ``checkpoint-N`` if the Trainer is about to write it again
+        (``save_strategy="best"`` decides to save only after evaluating)."""
+        self._unshare_next(args, state)
+
     def on_log(
         self,
         args: TrainingArguments,
@@ -242,15 +326,10 @@ class TaskpointTrainerCallback(TrainerCallback):
         logs: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Add the figures of the saves committed since the last log to ``logs``."""
-        if logs is None or not state.is_world_process_zero:
-            return
-        metrics = self._take_metrics()
-        if not metrics:
-            return
-        logs.update(metrics)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)  # the Trainer's copy of these logs
+        """Add the figures of the saves committed since the last log to ``logs``, where the
+        Trainer's ``on_log`` could not be hooked (otherwise the hook has added them)."""
+        if logs is not None and self._hooked() is None:
+            self._add_figures(state, control, logs)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -264,16 +343,25 @@ class TaskpointTrainerCallback(TrainerCallback):
         newest = _scan(self._folder(args)).complete if state.is_world_process_zero else []
         step = _step(newest[-1]) if newest else None
         behind = step is not None and (self._mirrored_step is None or step > self._mirrored_step)
+        if state.is_world_process_zero and self._mirrored_names is not None:
+            # the Trainer's end-of-training rotation (save_total_limit=1 with a best
+            # checkpoint) deletes checkpoints after the last on_save: the store follows
+            behind = behind or frozenset(p.name for p in newest) != self._mirrored_names
         if any(_distributed.all_gather_object(behind)):
             self._mirror(args, state, step)
         if self._nodes is not None:  # every rank takes part in the upload
-            nodes.run_everywhere(self._nodes.main, self._uploads.wait, "finish the last upload")
+            nodes.run_everywhere(self._nodes.main, self._wait, "finish the last upload")
         elif state.is_world_process_zero:
-            self._uploads.wait()
+            self._wait()
         if state.is_world_process_zero:
             metrics = self._take_metrics()
-            if metrics:  # no log follows on_train_end: keep them in the log history
-                state.log_history.append({**metrics, "step": state.global_step})
+            handler = self._hooked()
+            if metrics and handler is not None:  # a save after the Trainer's last log
+                handler.call_event(  # type: ignore[no-untyped-call]
+                    "on_log", args, state, control, logs=metrics
+                )
+            elif metrics:
+                log.info("taskpoint figures at the end of training: %s", metrics)
 
     def _find_nodes(self, folder: Path) -> _Nodes | None:
         """In a multi-process job saving to a taskpoint.Checkpoint: the coordinators and
@@ -327,15 +415,80 @@ class TaskpointTrainerCallback(TrainerCallback):
             part, coordinator=ranks.uploads, step=step, remove=part.parent
         )
         self._mirrored_step = step
+        self._mirrored_names = frozenset(p.name for p in _scan(folder).complete)
 
     def _save(self, args: TrainingArguments, step: int | None) -> None:
         folder = self._folder(args)
         log.info("saving %s (step %s) to %r", folder, step, self._checkpoint)
+        self._raise_deferred()
         self._uploads.save(folder, step=step)
         self._mirrored_step = step
+        self._mirrored_names = frozenset(p.name for p in _scan(folder).complete)
 
     def _take_metrics(self) -> dict[str, float]:
         return combined_metrics(self._uploads.take_stats())
+
+    def _hook_logs(self) -> None:
+        """Hook the ``on_log`` of the Trainer's callback handler calling this hook (once per
+        handler), so the figures reach the callbacks listed before this one too."""
+        handler = _calling_handler(self)
+        if handler is None:
+            return
+        current = handler.on_log
+        if not (isinstance(current, _FiguresIntoLogs) and current.callback is self):
+            handler.on_log = _FiguresIntoLogs(self, handler)  # type: ignore[method-assign]
+        self._handler = weakref.ref(handler)
+
+    def _hooked(self) -> CallbackHandler | None:
+        """The handler whose ``on_log`` adds this callback's figures, while it holds it."""
+        handler = self._handler() if self._handler is not None else None
+        if handler is None or not any(c is self for c in handler.callbacks):
+            return None
+        return handler
+
+    def _add_figures(
+        self, state: TrainerState, control: TrainerControl, logs: dict[str, float]
+    ) -> None:
+        """Add the figures of the saves committed since the last log to ``logs``. At the
+        Trainer's last logs (training stops, this step's checkpoint already saved) the
+        upload in flight is waited for first, so the last save's figures are logged too;
+        its error is raised at ``on_train_end``."""
+        if not state.is_world_process_zero:
+            return
+        if (
+            control.should_training_stop
+            and self._mirrored_step == state.global_step
+            and self._nodes is None
+            and self._deferred is None
+        ):
+            try:
+                self._uploads.wait()
+            except BaseException as exc:  # raised where it always was, at on_train_end
+                self._deferred = exc
+        logs.update(self._take_metrics())
+
+    def _raise_deferred(self) -> None:
+        error, self._deferred = self._deferred, None
+        if error is not None:
+            raise error
+
+    def _wait(self) -> None:
+        self._raise_deferred()
+        self._uploads.wait()
+
+    def _unshare_next(self, args: TrainingArguments, state: TrainerState) -> None:
+        """Before the Trainer may write ``checkpoint-N`` of the current step, give its files
+        their own copies if an upload's snapshot still shares them: a resumed run writes an
+        existing ``checkpoint-N`` again, in place."""
+        if not self._uploads.uploading:
+            return
+        target = _written_dir(args) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        copied = unshare(target)
+        if copied:
+            log.info(
+                "%s is about to be written again while an upload reads it: gave %d file(s) "
+                "their own copy", target, copied,
+            )
 
     def _wait_on_preempt(self) -> None:
         """Inside a taskpoint task, make SIGTERM wait for the upload in flight (once per
