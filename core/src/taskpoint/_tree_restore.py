@@ -403,8 +403,9 @@ def restore_tree(
         if member.name in keep:
             kept.append((keep[member.name], path))
             return
+        # The file grows as its checked blobs are written: nothing is allocated for what
+        # the manifest merely claims.
         entry = by_path[member.name]
-        out.truncate(entry.size)
         offset = 0
         for blob in entry.blobs:
             places[blob.object].append(_Place(path, offset, blob))

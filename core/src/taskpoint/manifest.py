@@ -55,6 +55,15 @@ says that ``length`` bytes at ``offset`` of ``objects/<object>``, decoded with `
 (``none``, ``gzip`` or ``zstd``), are ``size`` bytes of the file whose XXH3-128 is ``hash``.
 An object's name is the XXH3-128 of its stored bytes.
 
+Sizes are checked against each other before anything is restored: a blob lies inside its
+object (``offset + length`` at most the object's size); a file's ``size`` is the sum of its
+blobs' sizes, and the tree's ``size`` the sum of its files'; a blob stored as is (``none``)
+has ``size == length``, and a compressed one at most :data:`MAX_EXPANSION` times its
+``length`` (the most its codec's format can expand). A path, and a link's target, is shorter
+than :data:`PATH_MAX` bytes, and each component of a path at most :data:`NAME_MAX`. A manifest
+that breaks one of these rules was not written by a save: it is damaged, and a load falls
+back past it rather than asking the local disk for what no save could have stored.
+
 A manifest is read under its name: one whose ``attempt`` and ``seq`` (or whose payload's
 name) are another save's is corrupt, since retention keeps checkpoints by name.
 
@@ -93,6 +102,9 @@ __all__ = [
     "CODECS",
     "FORMAT_VERSION",
     "KINDS",
+    "MAX_EXPANSION",
+    "NAME_MAX",
+    "PATH_MAX",
     "TREE_FORMAT",
     "Blob",
     "Entry",
@@ -545,6 +557,12 @@ def _objects(raw: object, bad: Any) -> dict[str, int]:
     return dict(raw)
 
 
+MAX_EXPANSION: dict[str, int] = {"none": 1, "gzip": 1032, "zstd": 32768}
+"""The most content one stored byte of a blob can decode to, by codec. Deflate (in gzip)
+writes at most 258 bytes per two bits; a zstd block of 4 bytes (header and one byte to
+repeat) regenerates at most 128 KiB. Stored as is (``none``), a blob's size is its length."""
+
+
 def _blob(raw: object, objects: dict[str, int]) -> Blob | None:
     if not isinstance(raw, list) or len(raw) != 6:
         return None
@@ -554,6 +572,7 @@ def _blob(raw: object, objects: dict[str, int]) -> Blob | None:
         or not _count(length) or codec not in BLOB_CODECS or not _count(size)
         or not isinstance(digest, str) or not _HEX_RE.fullmatch(digest)
         or offset + length > objects[name]
+        or (size != length if codec == "none" else size > length * MAX_EXPANSION[codec])
     ):
         return None
     return Blob(name, offset, length, codec, size, digest)
@@ -599,8 +618,20 @@ NAME_MAX = 255
 save wrote one, and a manifest holding one is damaged (a load falls back past it)."""
 
 
+PATH_MAX = 4096
+"""Bytes a path may not reach (Linux's ``PATH_MAX``, its terminating NUL included): a save
+walks the tree by full paths, ``root/path``, so no path it stored, nor any link it read, is
+this long, and a manifest holding one is damaged. Fixed rather than this machine's
+``os.pathconf``: it bounds what any saver's disk took (macOS takes 1024); a shorter path
+that this disk refuses, under this restore folder, is the local disk's refusal."""
+
+
 def _too_long(component: str) -> bool:
     return len(component.encode("utf-8", "surrogatepass")) > NAME_MAX
+
+
+def _path_too_long(path: str) -> bool:
+    return len(path.encode("utf-8", "surrogatepass")) >= PATH_MAX
 
 
 def _entries(raw: object, objects: dict[str, int], bad: Any) -> tuple[Entry, ...]:
@@ -612,7 +643,10 @@ def _entries(raw: object, objects: dict[str, int], bad: Any) -> tuple[Entry, ...
         if not isinstance(item, dict) or item.get("type") not in ENTRY_TYPES:
             raise bad("entries")
         path, kind = item.get("path"), item["type"]
-        if not isinstance(path, str) or not path or any(map(_too_long, path.split("/"))):
+        if (
+            not isinstance(path, str) or not path or _path_too_long(path)
+            or any(map(_too_long, path.split("/")))
+        ):
             raise bad("entries")
         entry = Entry(path=path, type=kind)
         if kind in ("file", "dir"):
@@ -635,7 +669,7 @@ def _entries(raw: object, objects: dict[str, int], bad: Any) -> tuple[Entry, ...
             )
         elif kind in ("symlink", "hardlink"):
             target = item.get("target")
-            if not isinstance(target, str):
+            if not isinstance(target, str) or _path_too_long(target):  # symlink(2) refuses it
                 raise bad("entries")
             entry = Entry(path=path, type=kind, target=target)
         result.append(entry)
