@@ -8,6 +8,7 @@ same attempt, and blank roots taken as paths.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -255,16 +256,33 @@ def test_malformed_newest_manifest_counts_as_corrupt_and_falls_back(
     assert " ok" in listed.output and "Traceback" not in listed.output
 
 
-@pytest.mark.parametrize("where", ["file name", "tree path"])
+def _reseal(record: dict[str, object]) -> None:
+    """Make a format-2 manifest's size and checksum match its edited entries again, as an
+    attacker able to write the store would."""
+    import xxhash
+
+    entries = record["entries"]
+    assert isinstance(entries, list)
+    text = json.dumps(entries, sort_keys=True, separators=(",", ":"))
+    record["checksum"] = f"xxh3-128:{xxhash.xxh3_128_hexdigest(text.encode())}"
+    record["size"] = sum(e["size"] for e in entries if e["type"] == "file")
+
+
+@pytest.mark.parametrize(
+    "where", ["file name", "tree path", "path over PATH_MAX", "link over PATH_MAX"]
+)
 def test_a_name_no_file_system_takes_counts_as_corrupt_and_falls_back(
     tmp_path: Path, where: str
 ) -> None:
-    """A path component over 255 bytes could only come from a damaged or hostile store:
-    the load skips that checkpoint for the previous one instead of stopping."""
+    """A path component over 255 bytes, or a path or link text of 4096 bytes or more, could
+    only come from a damaged or hostile store (a save walks full paths, which the kernel
+    keeps below ``PATH_MAX``): the load skips that checkpoint for the previous one instead
+    of blaming the local disk."""
     store = tmp_path / "store"
     tree = tmp_path / "tree"
     (tree / "sub").mkdir(parents=True)
     (tree / "sub" / "w.bin").write_bytes(b"good")
+    (tree / "sub" / "link").symlink_to("w.bin")
     (tmp_path / "w.bin").write_bytes(b"newer")
     Checkpoint(store, attempt=0, keep=2).save_sync(tree)
     Checkpoint(store, attempt=5, keep=2).save_sync(
@@ -273,20 +291,88 @@ def test_a_name_no_file_system_takes_counts_as_corrupt_and_falls_back(
     newer = store / "checkpoints" / manifest_name(5, 0)
     record = json.loads(newer.read_bytes())
     long = "é" * 128  # 256 bytes in UTF-8
+    deep = "/".join(f"{i:02d}" + "d" * 248 for i in range(20))  # 5019 bytes, 250 a component
     if where == "file name":
         record["name"] = long
+    elif where == "link over PATH_MAX":
+        (link,) = (e for e in record["entries"] if e["type"] == "symlink")
+        link["target"] = "./" * 2048 + "w.bin"
+        _reseal(record)
     else:  # renamed as an attacker would: the entries' checksum made to match
-        import xxhash
-
         for entry in record["entries"]:
-            entry["path"] = entry["path"].replace("sub", long, 1)
-        text = json.dumps(record["entries"], sort_keys=True, separators=(",", ":"))
-        record["checksum"] = f"xxh3-128:{xxhash.xxh3_128_hexdigest(text.encode())}"
+            entry["path"] = entry["path"].replace(
+                "sub", long if where == "tree path" else deep, 1
+            )
+        _reseal(record)
     newer.write_text(json.dumps(record))
 
-    with pytest.warns(TaskpointWarning, match="skipping checkpoint"):
+    with pytest.warns(TaskpointWarning, match=f"skipping checkpoint .*{manifest_name(5, 0)}"):
         restored = Checkpoint(store, workdir=tmp_path / "work").load_sync()
     assert restored is not None and (restored / "sub" / "w.bin").read_bytes() == b"good"
+
+
+@contextlib.contextmanager
+def _files_capped(limit: int) -> Iterator[None]:
+    """No file this process writes or truncates may grow past ``limit`` bytes (EFBIG)."""
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the default kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.parametrize(
+    ("lie", "found"),
+    [
+        ("blob size", "invalid 'entries'"),  # 4 bytes stored as is, said to decode to 2**62
+        ("gzip ratio", "invalid 'entries'"),  # 4 gzip bytes, past what deflate can expand
+        ("object size", "damaged"),  # the object, the blob and the file all said 2**62
+    ],
+)
+def test_sizes_no_object_backs_count_as_corrupt_and_fall_back(
+    store_url: str, tmp_path: Path, lie: str, found: str
+) -> None:
+    """A tree manifest claiming more content than its objects can hold is damaged: the
+    load falls back to the older checkpoint, naming the damaged manifest, and allocates
+    nothing for the claim (files are capped at 64 KiB while it runs), instead of stopping
+    with a local-disk error ("File too large") that blames the restore folder."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "w.bin").write_bytes(b"good")
+    ckpt = Checkpoint(store_url, keep=2)
+    ckpt.save_sync(tree)
+    (tree / "w.bin").write_bytes(b"newr")
+    ckpt.save_sync(tree)
+    newest = ckpt.committed()[0]
+    fs, path = fsspec.core.url_to_fs(store_url)
+    key = f"{path}/checkpoints/{newest.key}"
+    record = json.loads(fs.cat_file(key))
+    (entry,) = (e for e in record["entries"] if e["type"] == "file")
+    blob = entry["blobs"][0]
+    assert blob[2:5] == [4, "none", 4]
+    huge = 2**62
+    if lie == "blob size":
+        blob[4] = huge
+    elif lie == "gzip ratio":
+        blob[3], blob[4] = "gzip", 1032 * 4 + 1
+    else:
+        record["objects"][blob[0]] = huge
+        blob[2] = blob[4] = huge - blob[1]
+    entry["size"] = blob[4]
+    _reseal(record)
+    fs.pipe_file(key, json.dumps(record).encode())
+
+    with _files_capped(64 * 1024), pytest.warns(
+        TaskpointWarning, match=f"skipping checkpoint .*{newest.key}.*{found}"
+    ):
+        restored = Checkpoint(store_url, workdir=tmp_path / "work").load_sync()
+    assert restored is not None and (restored / "w.bin").read_bytes() == b"good"
 
 
 def test_garbage_records_never_break_history_or_claims(tmp_path: Path) -> None:

@@ -25,9 +25,8 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import xxhash
 
@@ -66,10 +65,11 @@ def _members(entries: Iterable[Entry]) -> Iterator[tarfile.TarInfo]:
         yield info
 
 
-@dataclass(frozen=True)
-class _Place:
+class _Place(NamedTuple):
+    """Where a blob goes: ``path``, at ``offset`` in the file (one per blob of a tree)."""
+
     path: Path
-    offset: int  # in the file
+    offset: int
     blob: Blob
 
 
@@ -119,15 +119,24 @@ _GAP = 2**20
 
 
 def _spans(places: list[_Place]) -> list[tuple[int, int, list[_Place]]]:
-    """The byte ranges of an object to read for ``places``, each with the places in it."""
+    """The byte ranges of an object to read for ``places``, each with the places in it.
+
+    Linear in ``places`` after sorting them: each place joins its span's list in place (a
+    pack of small files holds thousands of blobs).
+    """
     spans: list[tuple[int, int, list[_Place]]] = []
+    end = -_GAP - 1
+    members: list[_Place] = []
     for place in sorted(places, key=lambda p: p.blob.offset):
-        start, end = place.blob.offset, place.blob.offset + place.blob.length
-        if spans and start - spans[-1][1] <= _GAP:
-            first, last, members = spans[-1]
-            spans[-1] = (first, max(last, end), [*members, place])
+        start = place.blob.offset
+        if spans and start - end <= _GAP:
+            members.append(place)
+            end = max(end, start + place.blob.length)
+            spans[-1] = (spans[-1][0], end, members)
         else:
-            spans.append((start, end, [place]))
+            members = [place]
+            end = start + place.blob.length
+            spans.append((start, end, members))
     return spans
 
 
@@ -403,8 +412,9 @@ def restore_tree(
         if member.name in keep:
             kept.append((keep[member.name], path))
             return
+        # The file grows as its checked blobs are written: nothing is allocated for what
+        # the manifest merely claims.
         entry = by_path[member.name]
-        out.truncate(entry.size)
         offset = 0
         for blob in entry.blobs:
             places[blob.object].append(_Place(path, offset, blob))

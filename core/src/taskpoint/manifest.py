@@ -55,6 +55,15 @@ says that ``length`` bytes at ``offset`` of ``objects/<object>``, decoded with `
 (``none``, ``gzip`` or ``zstd``), are ``size`` bytes of the file whose XXH3-128 is ``hash``.
 An object's name is the XXH3-128 of its stored bytes.
 
+Sizes are checked against each other before anything is restored: a blob lies inside its
+object (``offset + length`` at most the object's size); a file's ``size`` is the sum of its
+blobs' sizes, and the tree's ``size`` the sum of its files'; a blob stored as is (``none``)
+has ``size == length``, and a compressed one at most :data:`MAX_EXPANSION` times its
+``length`` (the most its codec's format can expand). A path, and a link's target, is shorter
+than :data:`PATH_MAX` bytes, and each component of a path at most :data:`NAME_MAX`. A manifest
+that breaks one of these rules was not written by a save: it is damaged, and a load falls
+back past it rather than asking the local disk for what no save could have stored.
+
 A manifest is read under its name: one whose ``attempt`` and ``seq`` (or whose payload's
 name) are another save's is corrupt, since retention keeps checkpoints by name.
 
@@ -93,6 +102,9 @@ __all__ = [
     "CODECS",
     "FORMAT_VERSION",
     "KINDS",
+    "MAX_EXPANSION",
+    "NAME_MAX",
+    "PATH_MAX",
     "TREE_FORMAT",
     "Blob",
     "Entry",
@@ -133,6 +145,9 @@ _PAYLOAD_RE = re.compile(r"^(\d{6,})-(\d{9,})-[^-/]+\.payload$")
 _MAX_DIGITS = 64
 
 
+_LONG_DIGITS = re.compile(rb"\d{%d}" % (_MAX_DIGITS + 1))
+
+
 def _parse_int(text: str) -> int:
     if len(text.lstrip("-")) > _MAX_DIGITS:
         raise ValueError(f"an integer of {len(text)} digits")
@@ -157,9 +172,15 @@ def loads_record(data: bytes) -> object:
         ValueError: ``data`` is not UTF-8 JSON, holds an integer of more than 64 digits,
             NaN, an infinity or a number too large for a float, or nests too deeply to parse.
     """
+    # Integers are bounded by a Python call each only where some run of ASCII digits (in a
+    # number or in a string) is long enough to matter, or where JSON's UTF-16 or UTF-32
+    # hides them: a tree's manifest holds several integers per file, and one call per
+    # integer was a tenth of a large tree's restore.
+    plain = isinstance(data, bytes) and json.detect_encoding(data).startswith("utf-8")
+    bounded = int if plain and not _LONG_DIGITS.search(data) else _parse_int
     try:
         return json.loads(
-            data, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_refuse_constant
+            data, parse_int=bounded, parse_float=_parse_float, parse_constant=_refuse_constant
         )
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
@@ -545,6 +566,12 @@ def _objects(raw: object, bad: Any) -> dict[str, int]:
     return dict(raw)
 
 
+MAX_EXPANSION: dict[str, int] = {"none": 1, "gzip": 1032, "zstd": 32768}
+"""The most content one stored byte of a blob can decode to, by codec. Deflate (in gzip)
+writes at most 258 bytes per two bits; a zstd block of 4 bytes (header and one byte to
+repeat) regenerates at most 128 KiB. Stored as is (``none``), a blob's size is its length."""
+
+
 def _blob(raw: object, objects: dict[str, int]) -> Blob | None:
     if not isinstance(raw, list) or len(raw) != 6:
         return None
@@ -554,6 +581,7 @@ def _blob(raw: object, objects: dict[str, int]) -> Blob | None:
         or not _count(length) or codec not in BLOB_CODECS or not _count(size)
         or not isinstance(digest, str) or not _HEX_RE.fullmatch(digest)
         or offset + length > objects[name]
+        or (size != length if codec == "none" else size > length * MAX_EXPANSION[codec])
     ):
         return None
     return Blob(name, offset, length, codec, size, digest)
@@ -599,8 +627,28 @@ NAME_MAX = 255
 save wrote one, and a manifest holding one is damaged (a load falls back past it)."""
 
 
+PATH_MAX = 4096
+"""Bytes a path may not reach (Linux's ``PATH_MAX``, its terminating NUL included): a save
+walks the tree by full paths, ``root/path``, so no path it stored, nor any link it read, is
+this long, and a manifest holding one is damaged. Fixed rather than this machine's
+``os.pathconf``: it bounds what any saver's disk took (macOS takes 1024); a shorter path
+that this disk refuses, under this restore folder, is the local disk's refusal."""
+
+
 def _too_long(component: str) -> bool:
     return len(component.encode("utf-8", "surrogatepass")) > NAME_MAX
+
+
+def _path_too_long(path: str) -> bool:
+    return len(path.encode("utf-8", "surrogatepass")) >= PATH_MAX
+
+
+def _unsaveable(path: str) -> bool:
+    """Whether no save could have stored ``path``: it, or one of its components, too long."""
+    if len(path) * 4 <= NAME_MAX:  # four bytes at most a character in UTF-8
+        return False
+    encoded = path.encode("utf-8", "surrogatepass")
+    return len(encoded) >= PATH_MAX or any(len(part) > NAME_MAX for part in encoded.split(b"/"))
 
 
 def _entries(raw: object, objects: dict[str, int], bad: Any) -> tuple[Entry, ...]:
@@ -612,31 +660,36 @@ def _entries(raw: object, objects: dict[str, int], bad: Any) -> tuple[Entry, ...
         if not isinstance(item, dict) or item.get("type") not in ENTRY_TYPES:
             raise bad("entries")
         path, kind = item.get("path"), item["type"]
-        if not isinstance(path, str) or not path or any(map(_too_long, path.split("/"))):
+        if not isinstance(path, str) or not path or _unsaveable(path):
             raise bad("entries")
-        entry = Entry(path=path, type=kind)
-        if kind in ("file", "dir"):
-            mode, mtime = item.get("mode"), item.get("mtime_ns")
-            if not isinstance(mode, int) or not _count(mode) or not isinstance(mtime, int):
-                raise bad("entries")
-            entry = Entry(path=path, type=kind, mode=mode & 0o7777, mtime_ns=mtime)
-        if kind == "file":
-            size, digest, blobs = item.get("size"), item.get("hash"), item.get("blobs")
-            if not _count(size) or not isinstance(digest, str) or not _CHECKSUM_RE.fullmatch(digest):
-                raise bad("entries")
-            if not isinstance(blobs, list):
-                raise bad("entries")
-            parsed = tuple(_blob(b, objects) for b in blobs)
-            if any(b is None for b in parsed) or sum(b.size for b in parsed if b) != size:
-                raise bad("entries")
-            entry = Entry(
-                path=path, type=kind, mode=entry.mode, mtime_ns=entry.mtime_ns, size=size,
-                hash=digest, blobs=tuple(b for b in parsed if b is not None),
-            )
-        elif kind in ("symlink", "hardlink"):
+        if kind in ("symlink", "hardlink"):
             target = item.get("target")
-            if not isinstance(target, str):
+            if not isinstance(target, str) or _path_too_long(target):  # symlink(2) refuses it
                 raise bad("entries")
-            entry = Entry(path=path, type=kind, target=target)
+            result.append(Entry(path=path, type=kind, target=target))
+            continue
+        mode, mtime = item.get("mode"), item.get("mtime_ns")
+        if not isinstance(mode, int) or not _count(mode) or not isinstance(mtime, int):
+            raise bad("entries")
+        if kind == "dir":
+            result.append(Entry(path=path, type=kind, mode=mode & 0o7777, mtime_ns=mtime))
+            continue
+        size, digest, blobs = item.get("size"), item.get("hash"), item.get("blobs")
+        if not _count(size) or not isinstance(digest, str) or not _CHECKSUM_RE.fullmatch(digest):
+            raise bad("entries")
+        if not isinstance(blobs, list):
+            raise bad("entries")
+        parsed = []
+        for record in blobs:
+            blob = _blob(record, objects)
+            if blob is None:
+                raise bad("entries")
+            parsed.append(blob)
+        if sum(b.size for b in parsed) != size:
+            raise bad("entries")
+        entry = Entry(
+            path=path, type=kind, mode=mode & 0o7777, mtime_ns=mtime, size=size, hash=digest,
+            blobs=tuple(parsed),
+        )
         result.append(entry)
     return tuple(result)
