@@ -144,7 +144,7 @@ def _counts(junit: Path) -> dict[str, dict[str, int]]:
     """Per test file: passed, failed (failures and errors) and skipped cases."""
     per_file: dict[str, dict[str, int]] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
-        name = (case.get("file") or case.get("classname", "").split(".")[0]) or "?"
+        name = case.get("file") or case.get("classname", "?").rpartition(".")[0] + ".py"
         counts = per_file.setdefault(name, {"passed": 0, "failed": 0, "skipped": 0})
         if case.find("failure") is not None or case.find("error") is not None:
             counts["failed"] += 1
