@@ -41,7 +41,7 @@ import torch.distributed as dist
 from taskpoint import CheckpointCoordinationError
 from taskpoint.coordination import check_agreement
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
@@ -84,6 +84,19 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+class _StagingWriter(FileSystemWriter):
+    """The ``FileSystemWriter`` staging one save's files; the ``.metadata`` it writes names
+    the checkpoint's URL (``storage_meta.checkpoint_id``), not the local staging folder."""
+
+    def __init__(self, path: Path, url: str, *, thread_count: int) -> None:
+        super().__init__(path, sync_files=False, thread_count=thread_count, overwrite=True)
+        self._url = url
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        return None if meta is None else dataclasses.replace(meta, checkpoint_id=self._url)
+
+
 class TaskpointStorageWriter(StorageWriter):
     """A DCP ``StorageWriter`` that commits each ``dcp.save`` as one taskpoint checkpoint.
 
@@ -113,7 +126,7 @@ class TaskpointStorageWriter(StorageWriter):
         self._staging = None if staging is None else Path(os.fspath(staging))
         self._thread_count = thread_count
         self._folder: Path | None = None
-        self._inner: FileSystemWriter | None = None
+        self._inner: _StagingWriter | None = None
         self._commit: taskpoint.PartsCommit | None = None
         self._cleanup: weakref.finalize[Any, Any] | None = None
         self._rank = 0
@@ -142,9 +155,8 @@ class TaskpointStorageWriter(StorageWriter):
         (self._folder / DCP_FOLDER).mkdir()
         self._held: list[taskpoint.PartsCommit] = []
         self._cleanup = weakref.finalize(self, _release, self._folder, self._held)
-        self._inner = FileSystemWriter(
-            self._folder / DCP_FOLDER, sync_files=False, thread_count=self._thread_count,
-            overwrite=True,
+        self._inner = _StagingWriter(
+            self._folder / DCP_FOLDER, self.checkpoint_id, thread_count=self._thread_count
         )
 
     def close(self) -> None:
@@ -164,8 +176,9 @@ class TaskpointStorageWriter(StorageWriter):
             self._cleanup = None
         self._commit = None
         self._folder = None
+        self._inner = None
 
-    def _ready(self) -> tuple[FileSystemWriter, Path]:
+    def _ready(self) -> tuple[_StagingWriter, Path]:
         if self._inner is None or self._folder is None:
             self.reset()
         assert self._inner is not None and self._folder is not None
@@ -195,7 +208,7 @@ class TaskpointStorageWriter(StorageWriter):
             self._finish()  # nothing will be uploaded: release the lease now
             raise
 
-    def _check_plans(self, inner: FileSystemWriter, plans: list[SavePlan]) -> list[SavePlan]:
+    def _check_plans(self, inner: _StagingWriter, plans: list[SavePlan]) -> list[SavePlan]:
         hellos = [p.storage_data for p in plans]
         urls = [h.url if isinstance(h, _Hello) else None for h in hellos]
         worlds = [h.world_size if isinstance(h, _Hello) else None for h in hellos]
@@ -261,8 +274,15 @@ class TaskpointStorageWriter(StorageWriter):
         commit.commit([merged, *records[1:]])
         self._finish()
 
-    def storage_meta(self) -> Any:
-        return None if self._inner is None else self._inner.storage_meta()
+    def storage_meta(self) -> StorageMeta | None:
+        """This save's identity for DCP's metadata: the checkpoint's URL and a save id.
+
+        DCP asks before ``set_up_storage_writer``; a writer that committed a save starts the
+        next one here, so each save records its own id (readers check that every rank
+        planned with the same save by it).
+        """
+        inner, _ = self._ready()
+        return inner.storage_meta()
 
 
 def _release(folder: Path, commits: list[taskpoint.PartsCommit]) -> None:
