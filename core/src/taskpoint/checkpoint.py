@@ -78,6 +78,12 @@ class Checkpoint:
             existing folder fetches only what is missing; ``1`` stores one tar archive per
             checkpoint, which any ``tar xzf`` reads (and taskpoint before 0.2).
 
+    A ``Checkpoint`` can be pickled and deep-copied (a framework handing its callbacks to
+    spawned worker processes does both): the copy is a new ``Checkpoint`` with the same
+    arguments and attempt number, equal to the original, with its own upload thread and
+    process. Copying first waits for the background saves in flight or queued. A copy
+    continues the original's attempt, so save through one of them at a time (as a
+    spawned worker and its idle parent do). A ``progress`` callback must be picklable too.
 
     Raises:
         ValueError: ``url`` is blank, ``keep`` is below 1, ``attempt`` is negative,
@@ -112,6 +118,13 @@ class Checkpoint:
             raise ValueError(
                 f'background_upload must be "process" or "thread"; got {background_upload!r}'
             )
+        self._config: dict[str, Any] = {
+            "url": url, "keep": keep, "codec": codec,
+            "storage_options": dict(storage_options or {}),
+            "workdir": None if workdir is None else os.fspath(workdir), "retry": retry,
+            "progress": progress, "background_upload": background_upload,
+            "store_format": store_format,
+        }
         self._store = Store(url, storage_options, retry)
         self._keep = keep
         self._progress = progress
@@ -145,6 +158,36 @@ class Checkpoint:
         attempt number from the store and resumes from the newest committed checkpoint.
         """
         return cls(url, **options)
+
+    # -- copies: a checkpoint travels as its configuration -------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickled or deep-copied checkpoint carries: its constructor arguments and
+        its attempt number; the copy makes its own locks, upload thread and upload process.
+
+        Waits first for the background saves in flight or queued to commit, so the copy
+        starts from what the store holds and no save is left behind uncommitted.
+
+        Raises:
+            CheckpointError: what a failed background save raised (as :meth:`wait` does).
+        """
+        self._saves.wait()
+        return {**self._config, "attempt": self._attempt.number}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Checkpoint.__init__(self, **state)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when both are of one type, address one URL with the same options and save
+        as the same attempt (a copy made by ``pickle`` or ``copy.deepcopy`` is equal)."""
+        if not isinstance(other, Checkpoint) or type(other) is not type(self):
+            return NotImplemented
+        return bool(
+            self._config == other._config and self._attempt.number == other._attempt.number
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._store.url))
 
     def __repr__(self) -> str:
         return (

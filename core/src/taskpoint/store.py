@@ -156,6 +156,23 @@ class RetryPolicy:
         self.initial = initial
         self.maximum = maximum
 
+    def _key(self) -> tuple[int, float, float]:
+        return (self.attempts, self.initial, self.maximum)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RetryPolicy):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (
+            f"RetryPolicy(attempts={self.attempts!r}, initial={self.initial!r}, "
+            f"maximum={self.maximum!r})"
+        )
+
     def delay(self, retry: int) -> float:
         """Seconds to wait before retry number ``retry`` (0-based)."""
         return float(min(self.maximum, self.initial * (2**retry)))

@@ -51,6 +51,5 @@ def test_ddp_only_rank_zero_uploads_and_a_killed_run_resumes(tmp_path: Path) -> 
     assert restored is not None
     last = torch.load(restored / "last.ckpt", weights_only=True)
     assert last["global_step"] == 15
-    (state,) = [v for k, v in last["callbacks"].items() if k.startswith("TaskpointModelCheckpoint")]
-    assert len(state["taskpoint_rng"]["ranks"]) == 2  # each rank's random state
+    assert len(last["taskpoint_rng"]["ranks"]) == 2  # each rank's random state
     assert torch.load(out)["net.0.weight"].isfinite().all()

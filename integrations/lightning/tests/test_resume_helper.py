@@ -121,7 +121,8 @@ def test_checkpoint_holds_random_state_in_weights_only_form(tmp_path: Path) -> N
         lib.TinyModule(), lib.loader("shuffle")
     )
     loaded = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)
-    state = loaded["callbacks"][mc.state_key][RNG_STATE_KEY]
+    state = loaded[RNG_STATE_KEY]
+    assert RNG_STATE_KEY not in loaded["callbacks"][mc.state_key]
     assert state["format"] == 1 and state["mid_epoch"] is False
     (ranks,) = state["ranks"]
     assert set(ranks) >= {"torch", "python", "numpy"}

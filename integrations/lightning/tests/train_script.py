@@ -1,11 +1,14 @@
 """A child process for the tests: trains TinyModule against a store, resuming from it.
 
 Usage: python train_script.py STORE_URL WORKDIR OUT [--mode step|epoch] [--kill-at N]
-[--devices N] [--log FILE] [--slow-upload MARKER:SECONDS]. Dies with os._exit(137) at
+[--devices N] [--strategy ddp|ddp_spawn] [--log FILE] [--slow-upload MARKER:SECONDS]
+[--max-epochs N]. Dies with os._exit(137) at
 global step N when asked, once the mirror in flight has committed; writes the final
 weights to OUT (global rank zero) and prints ``STARTED <epoch> <step>``. ``--slow-upload``
 mirrors to a plain ``taskpoint.Checkpoint`` (``STORE_URL`` a ``file://`` URL) whose second
-upload creates the file MARKER, then stalls for SECONDS.
+upload creates the file MARKER, then stalls for SECONDS. ``--strategy ddp_spawn`` mirrors to
+a plain ``taskpoint.Checkpoint``, which Lightning pickles into the workers it spawns; rank
+zero's worker prints the ``STARTED`` line then.
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ from taskpoint import Checkpoint
 from taskpoint_lightning import TaskpointModelCheckpoint, resume_ckpt_path
 
 
+class ReportStart(L.Callback):
+    """Prints ``STARTED <epoch> <step>`` from global rank zero as training starts."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            print("STARTED", trainer.current_epoch, trainer.global_step, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("store")
@@ -33,11 +44,15 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--log", default=None)
     parser.add_argument("--slow-upload", default=None)
+    parser.add_argument("--strategy", choices=["ddp", "ddp_spawn"], default="ddp")
+    parser.add_argument("--max-epochs", type=int, default=5)
     args = parser.parse_args()
 
     if args.slow_upload:
         slow = lib.SlowUpload(args.store.removeprefix("file://"), *args.slow_upload.split(":"))
         ckpt = Checkpoint(args.store, progress=slow)
+    elif args.strategy == "ddp_spawn":
+        ckpt = Checkpoint(args.store)
     else:
         ckpt = lib.RecordingCheckpoint(Checkpoint(args.store), args.log)
     dirpath = args.workdir / "ckpts"
@@ -46,14 +61,19 @@ def main() -> None:
     every = {"every_n_epochs": 1} if args.mode == "epoch" else {"every_n_train_steps": 3}
     mc = TaskpointModelCheckpoint(ckpt, dirpath=dirpath, save_last=True, **every)
     model.before_kill = mc.wait  # mirrors upload in the background: die between two
-    extra = {"devices": args.devices, "strategy": "ddp"} if args.devices > 1 else {}
-    trainer = lib.trainer([mc], default_root_dir=args.workdir, **extra)
+    extra = {"devices": args.devices, "strategy": args.strategy} if args.devices > 1 else {}
+    spawn = args.strategy == "ddp_spawn"
+    callbacks = [mc, ReportStart()] if spawn else [mc]
+    trainer = lib.trainer(
+        callbacks, max_epochs=args.max_epochs, default_root_dir=args.workdir, **extra
+    )
     loader = lib.loader("shuffle" if args.devices > 1 else "resumable")
     trainer.fit(model, loader, ckpt_path=resume_ckpt_path(ckpt, dirpath=dirpath))
     if trainer.is_global_zero:
-        assert model.started_at is not None
         torch.save(lib.weights(model), args.out)
-        print("STARTED", *model.started_at, "RESUMED", trainer.ckpt_path, flush=True)
+        if not spawn:  # (spawned, the workers trained and ReportStart printed)
+            assert model.started_at is not None
+            print("STARTED", *model.started_at, "RESUMED", trainer.ckpt_path, flush=True)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import logging
 import os
 import time
 import warnings
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +46,10 @@ __all__ = ["RNG_STATE_KEY", "TaskpointModelCheckpoint"]
 log = logging.getLogger(__name__)
 
 RNG_STATE_KEY = "taskpoint_rng"
-"""Where, in the callback's entry of a Lightning checkpoint, the random state is kept."""
+"""The top-level key of a Lightning checkpoint that holds the random state.
+
+Checkpoints written by taskpoint-lightning 0.1 kept it in the callback's own entry
+(``checkpoint["callbacks"][state_key]``); those still resume exactly."""
 
 
 def _check_checkpoint(checkpoint: object, owner: str) -> CheckpointLike:
@@ -112,12 +114,38 @@ class _TaskpointMirror:
                 f"None; got {preempt_timeout!r}"
             )
         super().__init__(*args, **kwargs)
-        self._uploads = FolderMirror(checkpoint, blocking=blocking)
+        self._blocking = blocking
         self._preempt_timeout = preempt_timeout
-        self._preempt_contexts: list[taskpoint.TaskContext] = []
         self._unmirrored = False
-        self._trainer_ref: weakref.ReferenceType[pl.Trainer] | None = None
         self._rng_for_train_start: dict[str, Any] | None = None
+        # This process's machinery, made when first needed and never copied (see
+        # __getstate__): the upload thread, the task contexts told to wait for it.
+        self._folder_mirror: FolderMirror | None = None
+        self._preempt_contexts: list[taskpoint.TaskContext] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling and ``copy.deepcopy`` carry (Lightning's ``ddp_spawn`` pickles the
+        callbacks for its workers): the settings and Lightning's state, and the checkpoint,
+        which travels as its configuration. The upload machinery, the process group's
+        coordinators and the task contexts belong to this process; the copy makes its own.
+
+        Waits first for the mirror in flight, so no upload is left behind uncommitted.
+
+        Raises:
+            taskpoint.CheckpointError: the mirror in flight failed.
+        """
+        if self._folder_mirror is not None:
+            self._folder_mirror.wait()
+        state = dict(self.__dict__)
+        state.update(_folder_mirror=None, _nodes=None, _preempt_contexts=[])
+        return state
+
+    @property
+    def _uploads(self) -> FolderMirror:
+        """The mirror of ``dirpath`` to the store, made at first use."""
+        if self._folder_mirror is None:
+            self._folder_mirror = FolderMirror(self._taskpoint, blocking=self._blocking)
+        return self._folder_mirror
 
     @property
     def checkpoint(self) -> CheckpointLike:
@@ -136,7 +164,7 @@ class _TaskpointMirror:
         Raises:
             taskpoint.CheckpointError: the upload failed.
         """
-        return self._uploads.wait(timeout)
+        return self._folder_mirror is None or self._folder_mirror.wait(timeout)
 
     # -- setup ------------------------------------------------------------------------
 
@@ -152,7 +180,6 @@ class _TaskpointMirror:
                 f"dirpath={self.dirpath!r} is remote; give it a local dirpath (the store "
                 "holds the durable copy)"
             )
-        self._trainer_ref = weakref.ref(trainer)
         if trainer.is_global_zero:
             self._wait_on_preempt()
         if self._nodes is None and self.dirpath is not None:
@@ -353,21 +380,37 @@ class _TaskpointMirror:
 
     # -- random state ------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = super().state_dict()  # type: ignore[misc]
-        trainer = self._trainer_ref() if self._trainer_ref is not None else None
-        if trainer is not None:
-            state[RNG_STATE_KEY] = capture_rng(
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
+        # Beside the callbacks' states, not in this callback's own: those stay plain
+        # values, and the state is the process's, shared by every taskpoint callback
+        # (the first one to see the checkpoint keeps it; every rank sees the same ones).
+        if RNG_STATE_KEY not in checkpoint:
+            checkpoint[RNG_STATE_KEY] = capture_rng(
                 include_cuda=trainer.strategy.root_device.type == "cuda",
                 mid_epoch=_mid_epoch(trainer),
             )
-        return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)  # type: ignore[misc]
-        stored = state_dict.get(RNG_STATE_KEY)
-        trainer = self._trainer_ref() if self._trainer_ref is not None else None
-        if stored is None or trainer is None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
+        key: str = self.state_key  # type: ignore[attr-defined]
+        stored = checkpoint.get(RNG_STATE_KEY)
+        if stored is None:  # written by taskpoint-lightning 0.1: in the callback's entry
+            mine = checkpoint.get("callbacks", {}).get(key)
+            stored = mine.get(RNG_STATE_KEY) if isinstance(mine, dict) else None
+        if stored is None:
+            if trainer.is_global_zero:
+                message = (
+                    f"the checkpoint being resumed holds no random state from {key}: it "
+                    "was saved by another callback or with save_weights_only=True, so the "
+                    "resumed run's random draws will differ from an uninterrupted run's"
+                )
+                log.warning(message)
+                warnings.warn(message, TaskpointWarning, stacklevel=2)
             return
         states = pick_rng(stored, trainer.global_rank)
         # Set now, before Lightning makes the resumed epoch's data iterator (a shuffle
@@ -377,21 +420,6 @@ class _TaskpointMirror:
             # Saved inside an epoch, whose iterator the uninterrupted run had already
             # made: Lightning's re-made one drew from the generators; set them again.
             self._rng_for_train_start = states
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        super().on_load_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
-        key: str = self.state_key  # type: ignore[attr-defined]
-        mine = checkpoint.get("callbacks", {}).get(key)
-        if trainer.is_global_zero and (not isinstance(mine, dict) or RNG_STATE_KEY not in mine):
-            message = (
-                f"the checkpoint being resumed holds no random state from {key}: it was "
-                "saved by another callback or with save_weights_only=True, so the resumed "
-                "run's random draws will differ from an uninterrupted run's"
-            )
-            log.warning(message)
-            warnings.warn(message, TaskpointWarning, stacklevel=2)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)  # type: ignore[misc]
