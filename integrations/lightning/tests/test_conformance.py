@@ -165,6 +165,10 @@ def run_spawn(store_url: str, workdir: Path, max_epochs: int) -> tuple[int, int]
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("STARTED "))
     epoch, step = line.split()[1:3]
+    saves = dict(x.split()[1:3] for x in done.stdout.splitlines() if x.startswith("TORCH_SAVES "))
+    # Only the rank writing the checkpoint saves anything: gathering every rank's random
+    # state once pickled tensors, which calls torch.save on every rank.
+    assert saves.get("1") == "0", saves
     return int(epoch), int(step)
 
 

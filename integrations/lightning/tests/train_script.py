@@ -34,6 +34,24 @@ class ReportStart(L.Callback):
             print("STARTED", trainer.current_epoch, trainer.global_step, flush=True)
 
 
+class CountSaves(L.Callback):
+    """Prints ``TORCH_SAVES <rank> <n>`` at the end: how often this rank called
+    ``torch.save`` while training. Only the rank writing checkpoints should."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        real = torch.save
+        self.count = 0
+
+        def counting(*args: object, **kwargs: object) -> object:
+            self.count += 1
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        torch.save = counting  # type: ignore[assignment]
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        print("TORCH_SAVES", trainer.global_rank, self.count, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("store")
@@ -63,7 +81,7 @@ def main() -> None:
     model.before_kill = mc.wait  # mirrors upload in the background: die between two
     extra = {"devices": args.devices, "strategy": args.strategy} if args.devices > 1 else {}
     spawn = args.strategy == "ddp_spawn"
-    callbacks = [mc, ReportStart()] if spawn else [mc]
+    callbacks = [mc, ReportStart(), CountSaves()] if spawn else [mc]
     trainer = lib.trainer(
         callbacks, max_epochs=args.max_epochs, default_root_dir=args.workdir, **extra
     )

@@ -95,9 +95,43 @@ def capture_rng(*, include_cuda: bool, mid_epoch: bool) -> dict[str, Any]:
     _, world_size = _world()
     ranks: list[Any] = [local]
     if world_size > 1:
-        ranks = [None] * world_size
-        torch.distributed.all_gather_object(ranks, local)
+        # Gathered as bytes: pickling a tensor calls torch.save, and a rank that is not
+        # writing the checkpoint must not save anything (Lightning's own tests count it).
+        gathered: list[Any] = [None] * world_size
+        torch.distributed.all_gather_object(gathered, _to_wire(local))
+        ranks = [_from_wire(state) for state in gathered]
     return {"format": RNG_FORMAT, "mid_epoch": bool(mid_epoch), "ranks": ranks}
+
+
+_TENSOR = "__taskpoint_tensor__"
+
+
+def _to_wire(value: Any) -> Any:
+    """``value`` with every tensor replaced by its dtype, shape and bytes."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous()
+        raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        return (_TENSOR, str(data.dtype).removeprefix("torch."), list(data.shape), raw)
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+def _from_wire(value: Any) -> Any:
+    """The inverse of :func:`_to_wire`."""
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == _TENSOR:
+        _, dtype_name, shape, raw = value
+        dtype = getattr(torch, dtype_name)
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+    if isinstance(value, dict):
+        return {k: _from_wire(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_wire(v) for v in value]
+    return value
 
 
 def pick_rng(stored: dict[str, Any], global_rank: int) -> dict[str, Any]:
