@@ -31,8 +31,10 @@ DEFAULT_FILES = ("test_trainer_callback.py", "test_trainer_checkpointing.py")
 CONFTEST = '''\
 """Written by taskpoint's upstream/hf_swap.py: every Trainer gets a TaskpointTrainerCallback."""
 
+import atexit
 import functools
 import itertools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -41,6 +43,7 @@ from taskpoint import Checkpoint
 from taskpoint_hf import TaskpointTrainerCallback
 
 _STORES = Path(tempfile.mkdtemp(prefix="hf-swap-stores-"))
+atexit.register(shutil.rmtree, _STORES, True)
 _NUMBERS = itertools.count()
 _INIT = transformers.Trainer.__init__
 
