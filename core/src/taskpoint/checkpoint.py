@@ -225,7 +225,7 @@ class Checkpoint:
                 never rewritten in place (what the Trainer and Lightning do with finished
                 checkpoints; ``torch.save`` over an existing path rewrites it in place): a
                 linked file rewritten before the upload has read it fails the save with
-                :class:`CheckpointError` rather than storing content not the snapshot's.
+                :class:`CheckpointSaveError` rather than storing content not the snapshot's.
 
         Concurrent saves on one ``Checkpoint`` run one at a time; the one started last
         is the newest once all have returned.
