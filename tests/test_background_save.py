@@ -202,3 +202,30 @@ def test_link_snapshot_never_commits_a_file_rewritten_in_place(tmp_path: Path) -
         assert (restored / "marker").read_bytes() == b"before"  # the checkpoint before it
     else:  # read before the writer began: the snapshot's content, whole
         assert (restored / "state.bin").read_bytes() == old
+
+
+def test_link_snapshot_copies_small_files_so_rewriting_them_in_place_is_harmless(
+    tmp_path: Path,
+) -> None:
+    """Frameworks rewrite small files in place (a model card, a trainer state) while the
+    upload of the folder holding them runs; a link snapshot copies those, so the save
+    commits the content they had when it was taken instead of failing."""
+    import os
+
+    from taskpoint._save import LINK_MIN
+
+    ckpt = Checkpoint((tmp_path / "store").as_uri())
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "a-weights.bin").write_bytes(os.urandom(24 << 20))  # read first, for a while
+    (folder / "README.md").write_text("model card, first version\n")
+    assert (folder / "README.md").stat().st_size < LINK_MIN
+    ckpt.save_sync(folder, background=True, snapshot="link")
+    with (folder / "README.md").open("w") as fh:  # truncates and rewrites the same inode
+        fh.write("model card, second vers")
+        fh.flush()
+        ckpt.wait()  # raises if the save was refused
+        fh.write("ion\n")
+    restored = Checkpoint(ckpt.url).load_sync(into=tmp_path / "restored")
+    assert restored is not None
+    assert (restored / "README.md").read_text() == "model card, first version\n"

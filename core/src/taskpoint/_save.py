@@ -318,6 +318,11 @@ class Saver:
         return box["w"].digest, name, codec
 
 
+LINK_MIN = 1 << 20
+"""A ``"link"`` snapshot copies files smaller than this (bytes) instead of linking them:
+copying them costs little, and small files (a model card, a trainer state) are the ones
+frameworks rewrite in place, which a linked file cannot survive."""
+
 Snapshot = Literal["copy", "link"]
 """How a background save snapshots a path (see :meth:`taskpoint.Checkpoint.save_sync`)."""
 
@@ -338,8 +343,9 @@ def _link_or_copy(src: str, dst: str) -> None:
 def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
     """A private snapshot of ``source`` that later changes to the original cannot reach.
 
-    ``how="link"`` hard-links files (see :meth:`taskpoint.Checkpoint.save_sync`); it is placed beside
-    the original, on its file system, so links are possible. Each linked file's content key
+    ``how="link"`` hard-links files of :data:`LINK_MIN` bytes or more and copies smaller
+    ones (see :meth:`taskpoint.Checkpoint.save_sync`); it is placed beside the original,
+    on its file system, so links are possible. Each linked file's content key
     is recorded (``pinned``): a file rewritten in place through the original's name before
     the snapshot is committed fails that commit rather than storing content that is not the
     snapshot's (perhaps half written).
@@ -358,6 +364,9 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
     linked: dict[str, ContentKey] = {}
 
     def link(src: str, dst: str) -> None:
+        if os.lstat(src).st_size < LINK_MIN:  # cheap to copy, and often rewritten in place
+            shutil.copy2(src, dst, follow_symlinks=False)
+            return
         _link_or_copy(src, dst)
         info = os.lstat(dst)
         if info.st_nlink > 1:  # shared with the original: pin the content it has now
