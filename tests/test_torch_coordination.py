@@ -96,6 +96,7 @@ def test_ranks_gather_through_torchruns_store_before_a_process_group(tmp_path: P
         # once a process group is up, the job's coordinator is a TorchCoordinator, and
         # closing it destroys its gloo group
         assert f"rank {rank}: grouped [0, 1]" in done.stdout
+        assert f"rank {rank}: any rank True False" in done.stdout  # both agree to stop
         assert f"rank {rank}: groups after close 0" in done.stdout
 
 
@@ -107,3 +108,11 @@ def test_a_rank_that_never_gathers_is_named_after_the_timeout(tmp_path: Path) ->
     assert found, done.stdout[-3000:] + done.stderr[-3000:]
     assert 2.5 < float(found.group(1)) < 120  # the 3 s timeout, not a hang
     assert "rank(s) [1] of 2 never arrived" in done.stdout
+
+
+def test_any_rank_alone_is_the_flag_itself() -> None:
+    from taskpoint.torch_coordination import AnyRank
+
+    vote = AnyRank()
+    assert vote(True) is True and vote(False) is False
+    vote.close()

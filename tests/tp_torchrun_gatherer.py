@@ -6,7 +6,7 @@ Usage: torchrun --standalone --nproc_per_node=2 tp_torchrun_gatherer.py MODE
 ``MODE`` ``ok``: every rank gathers twice through :func:`torch_job_coordinator` (a
 :class:`TorchrunCoordinator`), checks that the first round's keys are gone from the store,
 then starts a gloo process group, gathers once through a :class:`TorchCoordinator` and
-closes it. ``missing``: rank 1 exits at once; rank 0 gathers with a 3 s timeout. Each rank
+closes it, then ors a flag set on rank 1 only through an :class:`AnyRank`. ``missing``: rank 1 exits at once; rank 0 gathers with a 3 s timeout. Each rank
 prints ``rank R: <result>`` lines.
 """
 
@@ -19,6 +19,7 @@ import time
 import torch.distributed as dist
 from taskpoint import CheckpointCoordinationError
 from taskpoint.torch_coordination import (
+    AnyRank,
     TorchCoordinator,
     TorchrunCoordinator,
     torch_job_coordinator,
@@ -62,6 +63,9 @@ def main() -> None:
     print(f"rank {rank}: grouped {grouped.all_gather(rank)}")
     grouped.close()
     grouped.close()
+    vote = AnyRank(timeout=HANG_S)  # a SIGTERM that reached rank 1 only stops both
+    print(f"rank {rank}: any rank {vote(rank == 1)} {vote(False)}")
+    vote.close()
     print(f"rank {rank}: groups after close {len(dist.distributed_c10d._world.pg_map) - groups}")
     dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)

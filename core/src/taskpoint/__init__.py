@@ -35,6 +35,7 @@ from taskpoint.errors import (
     TaskpointWarning,
 )
 from taskpoint.history import SaveStats
+from taskpoint.progress import report_step
 from taskpoint.runtime import TaskEnvironment
 from taskpoint.store import RetryPolicy
 from taskpoint.versions import require_version
@@ -66,5 +67,6 @@ __all__ = [
     "__version__",
     "ctx",
     "latest_checkpoint",
+    "report_step",
     "require_version",
 ]

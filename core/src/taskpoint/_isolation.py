@@ -19,11 +19,12 @@ import sys
 import tempfile
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, ModuleType
 from typing import TYPE_CHECKING, Any
 
+from taskpoint import progress
 from taskpoint.errors import TaskAttemptError
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class Outcome:
     message: str = ""
     traceback: str = ""
     fatal: bool = False
+    step: int | None = field(default_factory=progress.current_step)  # the attempt reached
 
 
 def _locate(func: Any) -> tuple[str, str | None, str]:
@@ -126,6 +128,8 @@ def run_attempt(
         spec_path.chmod(0o600)
         returncode = _run_child(spec_path, outcome_path)
         outcome = _read_outcome(outcome_path)
+    if outcome is not None and outcome.step is not None:
+        progress.report_step(outcome.step)  # this process records the attempt's end
     if outcome is None:
         raise TaskAttemptError(
             f"attempt {context.attempt} of {context.action} died: {_describe(returncode)}",

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from taskpoint import _tree_save, archive, retention
+from taskpoint import _tree_save, archive, preemption, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Progress
 from taskpoint.coordination import Coordinator, check_agreement
@@ -48,6 +48,7 @@ from taskpoint.manifest import (
     parse_entries,
     tree_checksum,
 )
+from taskpoint.progress import current_step
 
 __all__ = ["Part", "PartsCommit", "check_part", "merge_parts", "save_part", "upload_part"]
 
@@ -175,7 +176,8 @@ def upload_part(
     return {
         "name": root.name, "entries": [e.to_record() for e in saved.entries],
         "objects": saved.objects, "size": saved.size, "uploaded": saved.uploaded,
-        "reused": saved.reused,
+        "reused": saved.reused, "step": current_step(),
+        "preemption": preemption.requested(),
     }
 
 
@@ -448,6 +450,7 @@ def _commit(
         reused=reused, save_s=now - called, upload_s=now - upload_started,
         blocked_s=now - called, background=False,
     )
+    step = records[0].get("step")  # the committing rank's; ranks step together
     record = stats.to_record()
     record["writers"] = len(records)
     record["written"] = size
@@ -456,6 +459,8 @@ def _commit(
         checksum=tree_checksum(entries), payload=None, attempt=attempt, seq=seq,
         created=time.time(), format=TREE_FORMAT, stats=record, entries=entries,
         objects=objects, parts=paths,
+        step=step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None,
+        preemption=any(r.get("preemption") is True for r in records),
     )
     lease.check()
     store.write_atomic(key, manifest.to_json())

@@ -27,11 +27,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from taskpoint import _parts, _tree_save, _uploader, archive, retention
+from taskpoint import _parts, _tree_save, _uploader, archive, preemption, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
 from taskpoint._statcache import ContentKey, StatCache, content_key
@@ -46,6 +46,7 @@ from taskpoint.manifest import (
     payload_name,
     tree_checksum,
 )
+from taskpoint.progress import current_step
 
 __all__ = [
     "Background",
@@ -76,6 +77,8 @@ class Source:
     called: float = 0.0  # time.monotonic() when save was called
     blocked_s: float | None = None  # how long a background save held its caller
     pinned: dict[str, ContentKey] | None = None  # a link snapshot's files, as linked
+    step: int | None = field(default_factory=current_step)  # reported at the call
+    preemption: bool = field(default_factory=preemption.requested)  # called after SIGTERM
 
 
 def classify(data: object, called: float) -> Source:
@@ -202,6 +205,7 @@ class Saver:
                 created=time.time(), format=TREE_FORMAT,
                 stats=self._timed(stats, source, upload_started).to_record(),
                 entries=saved.entries, objects=saved.objects,
+                step=source.step, preemption=source.preemption,
             )
             lease.check()
             self._store.write_atomic(key, manifest.to_json())
@@ -253,6 +257,8 @@ class Saver:
             seq=seq,
             created=time.time(),
             stats=self._timed(stats, source, upload_started).to_record(),
+            step=source.step,
+            preemption=source.preemption,
         )
         self._store.write_atomic(key, manifest.to_json())
         self._catalog.intact.add((manifest.key, manifest.checksum))
@@ -388,6 +394,7 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
     return Source(
         source.kind, path=target, snapshot=folder, called=source.called,
         blocked_s=time.monotonic() - source.called, pinned=linked or None,
+        step=source.step, preemption=source.preemption,
     )
 
 

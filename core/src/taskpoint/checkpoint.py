@@ -36,13 +36,14 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Union
 
-from taskpoint import _parts, _uploader, archive, history, retention
+from taskpoint import _parts, _uploader, archive, history, preemption, progress, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Progress
 from taskpoint._load import Loader
 from taskpoint._save import Saver, Saves, Snapshot, take_snapshot
 from taskpoint._statcache import StatCache
 from taskpoint.coordination import Coordinator
+from taskpoint.errors import CheckpointError
 from taskpoint.history import SaveStats
 from taskpoint.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, Manifest, check_paths
 from taskpoint.store import RetryPolicy, Store, check_location
@@ -390,15 +391,36 @@ class Checkpoint:
         """
         self._attempt.started()
 
-    def mark_ended(self, outcome: history.Outcome, error: str | None = None) -> None:
+    def mark_ended(
+        self, outcome: history.Outcome, error: str | None = None, *, step: int | None = None
+    ) -> None:
         """Record how this checkpoint's attempt ended; nothing if it never claimed one.
 
-        Best effort, like every run record (see :mod:`taskpoint.history`).
+        The record names the training step the attempt reached (``step``, by default the
+        one last given to :func:`taskpoint.report_step` in this process) and, for an attempt
+        that was preempted or received a preemption signal, whether a save made after the
+        signal committed. Best effort, like every run record (see :mod:`taskpoint.history`).
 
         Raises:
             ValueError: ``outcome`` is not one of :data:`taskpoint.history.OUTCOMES`.
         """
-        self._attempt.ended(outcome, error)
+        if self._attempt.number is None:
+            return
+        save: history.PreemptionSave | None = None
+        if outcome == "preempted" or preemption.requested():
+            save = "committed" if self._preemption_saved() else "missed"
+        self._attempt.ended(
+            outcome, error, step=progress.current_step() if step is None else step,
+            preemption_save=save,
+        )
+
+    def _preemption_saved(self) -> bool:
+        """Whether this attempt committed a save made after its preemption signal."""
+        try:
+            committed = self.committed()
+        except CheckpointError:
+            return False  # unknown reads as missed: the record errs on the side of caution
+        return any(m.preemption and m.attempt == self._attempt.number for m in committed)
 
     def prune(self, keep: int) -> int:
         """Keep the newest ``keep`` intact checkpoints; delete what is older, and stale payloads.
@@ -533,6 +555,7 @@ class Checkpoint:
             return None
         path, manifest, elapsed = found
         self._attempt.resumed(manifest, elapsed)
+        history.log_resume(self._store, manifest, self._attempt.number)
         return path
 
     async def load(

@@ -5,12 +5,18 @@ action (a public contract, see the README's layout section); store format 1 read
 the names they do not know::
 
     attempts/<n:06d>              the claim: {"format", "started", "pid", "host"}
-    attempts/<n:06d>.resume.json  {"format", "at", "checkpoint", "restore_s", "size"}
-    attempts/<n:06d>.end.json     {"format", "ended", "outcome", "error"}
+    attempts/<n:06d>.resume.json  {"format", "at", "checkpoint", "restore_s", "size", "step"}
+    attempts/<n:06d>.end.json     {"format", "ended", "outcome", "error", "step",
+                                   "preemption_save"}
     status.json                   {"format", "state", "attempts", "finished"}
 
 ``outcome`` is ``"succeeded"``, ``"failed"``, ``"preempted"`` or ``"crashed"`` (the attempt's
-process died: a signal or an exit without an outcome). What a save cost is recorded in its
+process died: a signal or an exit without an outcome). ``step`` is a training step as
+reported with :func:`taskpoint.report_step` (``null`` when none was): in an end record the
+step the attempt reached, in a resume record the step of the checkpoint it loaded; the
+difference between one attempt's end and the next one's resume is the work the failure
+cost. ``preemption_save`` (``"committed"`` or ``"missed"``) says, for an attempt that
+received a preemption signal, whether a save made after the signal committed. What a save cost is recorded in its
 manifest's ``stats`` object and handed to :meth:`taskpoint.Checkpoint.on_commit` listeners as
 a :class:`SaveStats`. An :class:`Attempt` is one :class:`taskpoint.Checkpoint`'s attempt:
 its number, claimed from the store at its first save unless its runner gave one, the
@@ -49,15 +55,19 @@ __all__ = [
     "STATUS",
     "Attempt",
     "AttemptRecord",
+    "PreemptionSave",
     "SaveStats",
     "attempt_numbers",
     "claim_attempt",
     "finite_number",
+    "log_resume",
     "read_attempts",
     "read_status",
     "record_end",
     "record_finished",
     "record_resume",
+    "resume_line",
+    "steps_lost",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,6 +79,7 @@ STATUS = "status.json"
 
 Outcome = Literal["succeeded", "failed", "preempted", "crashed"]
 OUTCOMES: tuple[Outcome, ...] = ("succeeded", "failed", "preempted", "crashed")
+PreemptionSave = Literal["committed", "missed"]
 
 _CLAIM_RE = re.compile(r"^\d{6,}$")
 _RESUME = ".resume.json"
@@ -135,6 +146,11 @@ class AttemptRecord:
         resumed_at: Unix time (seconds) the load finished.
         restore_s: seconds the load took.
         restored_size: stored bytes of the checkpoint it loaded.
+        step: the training step it had reached when it ended (the last one reported
+            with :func:`taskpoint.report_step`).
+        resumed_step: the step of the checkpoint it loaded.
+        preemption_save: for an attempt that received a preemption signal, whether a
+            save made after the signal committed (``"committed"``) or not (``"missed"``).
         unreadable: ``(record key, error)`` for each of its records the store could not
             read (its fields read as unknown).
     """
@@ -150,6 +166,9 @@ class AttemptRecord:
     resumed_at: float | None = None
     restore_s: float | None = None
     restored_size: int | None = None
+    step: int | None = None
+    resumed_step: int | None = None
+    preemption_save: str | None = None
     unreadable: tuple[tuple[str, str], ...] = ()
 
 
@@ -200,16 +219,29 @@ def mark_attempt(store: Store, attempt: int) -> None:
 def record_resume(store: Store, attempt: int, manifest: Manifest, restore_s: float) -> None:
     """Record that ``attempt`` resumed from ``manifest``; best effort."""
     record = _record(
-        at=time.time(), checkpoint=manifest.key, restore_s=round(restore_s, 6), size=manifest.size
+        at=time.time(), checkpoint=manifest.key, restore_s=round(restore_s, 6), size=manifest.size,
+        step=manifest.step,
     )
     _best_effort(store, f"{_claim_key(attempt)}{_RESUME}", record)
 
 
-def record_end(store: Store, attempt: int, outcome: Outcome, error: str | None = None) -> None:
-    """Record how ``attempt`` ended; best effort."""
+def record_end(
+    store: Store,
+    attempt: int,
+    outcome: Outcome,
+    error: str | None = None,
+    *,
+    step: int | None = None,
+    preemption_save: PreemptionSave | None = None,
+) -> None:
+    """Record how ``attempt`` ended, at which training ``step``, and for a preempted one
+    whether its preemption save committed; best effort."""
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
-    record = _record(ended=time.time(), outcome=outcome, error=error)
+    record = _record(
+        ended=time.time(), outcome=outcome, error=error, step=step,
+        preemption_save=preemption_save,
+    )
     _best_effort(store, f"{_claim_key(attempt)}{_END}", record)
 
 
@@ -309,14 +341,24 @@ class Attempt:
         if self.number is not None:
             mark_attempt(self.store, self.number)
 
-    def ended(self, outcome: Outcome, error: str | None = None) -> None:
+    def ended(
+        self,
+        outcome: Outcome,
+        error: str | None = None,
+        *,
+        step: int | None = None,
+        preemption_save: PreemptionSave | None = None,
+    ) -> None:
         """Record how the attempt ended, if it has a number; best effort.
 
         Raises:
             ValueError: ``outcome`` is not one of :data:`OUTCOMES`.
         """
         if self.number is not None:
-            record_end(self.store, self.number, outcome, error)
+            record_end(
+                self.store, self.number, outcome, error, step=step,
+                preemption_save=preemption_save,
+            )
 
     def resumed(self, manifest: Manifest, restore_s: float) -> None:
         """Record that the attempt resumed from ``manifest``: now, or once it is claimed."""
@@ -324,6 +366,50 @@ class Attempt:
             record_resume(self.store, self.number, manifest, restore_s)
         else:
             self._resumed = (manifest, restore_s)
+
+
+def steps_lost(failed: AttemptRecord, resumed_step: int | None) -> int | None:
+    """Training steps between where ``failed`` ended and the step the next attempt resumed
+    at (``resumed_step``; ``None``: it started over, at 0), or ``None`` when ``failed``
+    reported no step."""
+    if failed.step is None:
+        return None
+    return max(0, failed.step - (resumed_step or 0))
+
+
+def resume_line(
+    manifest: Manifest, attempt: int | None, earlier: list[AttemptRecord]
+) -> str:
+    """The line a resume logs: the step resumed at, and for the attempt before it, the
+    step it failed at and the steps lost (each where known).
+
+    Args:
+        manifest: the checkpoint loaded.
+        attempt: the loading attempt's number, ``None`` while unclaimed.
+        earlier: the action's attempt records (:func:`read_attempts`).
+    """
+    at = "an unknown step" if manifest.step is None else f"step {manifest.step}"
+    line = f"resuming at {at} from save {manifest.seq} of attempt {manifest.attempt}"
+    before = [r for r in earlier if attempt is None or r.attempt < attempt]
+    ended = [r for r in before if r.outcome is not None and r.outcome != "succeeded"]
+    if ended:
+        last = ended[-1]
+        lost = steps_lost(last, manifest.step)
+        line += f"; attempt {last.attempt} {last.outcome}"
+        if last.step is not None:
+            line += f" at step {last.step}: {lost} step{'' if lost == 1 else 's'} lost"
+    return line
+
+
+def log_resume(store: Store, manifest: Manifest, attempt: int | None) -> None:
+    """Log :func:`resume_line` for a load of ``manifest`` at INFO; best effort."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    try:
+        earlier = read_attempts(store)
+    except CheckpointError:
+        earlier = []
+    log.info("%s: %s", store.url, resume_line(manifest, attempt, earlier))
 
 
 def read_attempts(store: Store) -> list[AttemptRecord]:
@@ -360,6 +446,9 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
                 resumed_at=finite_number(resume.get("at")),
                 restore_s=finite_number(resume.get("restore_s")),
                 restored_size=_integer(resume.get("size")),
+                step=_step(end.get("step")),
+                resumed_step=_step(resume.get("step")),
+                preemption_save=_text(end.get("preemption_save")),
                 unreadable=tuple(unreadable),
             )
         )
@@ -394,6 +483,11 @@ def finite_number(value: object) -> float | None:
 
 def _integer(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _step(value: object) -> int | None:
+    step = _integer(value)
+    return step if step is not None and step >= 0 else None
 
 
 def _text(value: object) -> str | None:

@@ -19,7 +19,11 @@ Format 1 (``"format": 1``)::
       "attempt": 1, "seq": 4,         # which attempt committed it, and its save number
       "created": 1764412345.123,      # Unix time in seconds, from the writer's clock
       "stats": {"save_s": 0.8, "upload_s": 0.7, "uploaded": 1234, "reused": 0,
-                "blocked_s": 0.1, "background": true}   # optional: what the save cost
+                "blocked_s": 0.1, "background": true},  # optional: what the save cost
+      "step": 1200,                   # optional: the training step reported when the
+                                      # save was called (taskpoint.report_step)
+      "preemption": true              # optional, only when true: saved after the
+                                      # process received its preemption signal
     }
 
 Format 2 (``"format": 2``) is how directories are stored from taskpoint 0.2 on: no
@@ -282,6 +286,8 @@ class Manifest:
     entries: tuple[Entry, ...] | None = None
     objects: dict[str, int] | None = None
     parts: dict[str, tuple[str, ...]] | None = None
+    step: int | None = None
+    preemption: bool = False
 
     @property
     def is_tree(self) -> bool:
@@ -390,6 +396,10 @@ class Manifest:
             del record["parts"]
         if self.stats is None:
             del record["stats"]
+        if self.step is None:
+            del record["step"]
+        if not self.preemption:
+            del record["preemption"]
         if self.entries is None:
             del record["entries"], record["objects"]
         else:
@@ -486,6 +496,12 @@ class Manifest:
         stats = raw.get("stats")
         if stats is not None and not isinstance(stats, dict):
             raise bad("stats")
+        step = raw.get("step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise bad("step")
+        preemption = raw.get("preemption", False)
+        if not isinstance(preemption, bool):
+            raise bad("preemption")
         return cls(
             kind=raw["kind"],
             name=name,
@@ -501,6 +517,8 @@ class Manifest:
             entries=entries,
             objects=objects,
             parts=parts,
+            step=step,
+            preemption=preemption,
         )
 
 

@@ -185,5 +185,12 @@ def _handle(signum: int, frame: FrameType | None) -> None:
             _previous(signum, frame)
     finally:
         _handling = False
-    if _deferred == 0 and _fallback is not None:
+    if _deferred:
+        return  # the code inside deferred() saves and stops at its next step boundary
+    if _fallback is not None:
         _fallback(_notice)
+    elif _previous in (signal.SIG_DFL, None):
+        # Nobody handles the signal but us: end the process as the default action would,
+        # so installing taskpoint's handler never makes a process immune to SIGTERM.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)

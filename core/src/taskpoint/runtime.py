@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any, Literal, ParamSpec, TypeVar, overload
 
-from taskpoint import _isolation, preemption
+from taskpoint import _isolation, preemption, progress
 from taskpoint.archive import check_codec
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.context import (
@@ -294,6 +294,7 @@ class Runner:
         """Prepare this process for the attempt of ``context``: forget an earlier
         attempt's preemption notice and put the SIGTERM handler in place."""
         preemption.reset()
+        progress.reset()
         install_sigterm_handler()
 
     @staticmethod
@@ -346,6 +347,7 @@ class Runner:
     def _attempt(self, context: TaskContext, args: Any, kwargs: Any) -> Any:
         log.info("%s attempt %d/%d starting", context.action, context.attempt, self.retries)
         if self.isolation == "process":
+            progress.reset()  # the child reports the step it reached with its outcome
             env = self.env
             options = {
                 "name": env.name, "root": env.resolve_root(), "run_id": context.run_id,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,7 @@ from rich.measure import Measurement
 from rich.text import Text
 from rich.tree import Tree
 
-from taskpoint.history import AttemptRecord, finite_number
+from taskpoint.history import AttemptRecord, finite_number, steps_lost
 from taskpoint.manifest import Manifest, parse_manifest_name
 
 if TYPE_CHECKING:
@@ -162,11 +162,22 @@ class AttemptView:
             attempt exists), ``"running or died"`` (the newest of an unfinished run) or
             ``"no record (run <state>)"`` (the newest of a finished run).
         checkpoints: the kept checkpoints it committed, oldest first.
+        next_resumed_step: for an attempt a later one followed, the step that one resumed
+            at (0 when it started over); ``None`` otherwise or when unknown.
     """
 
     record: AttemptRecord
     state: str
     checkpoints: list[Manifest] = field(default_factory=list)
+    next_resumed_step: int | None = None
+
+    @property
+    def steps_lost(self) -> int | None:
+        """Training steps between where this attempt ended and where the next resumed;
+        ``None`` for a successful or the last attempt, or without reported steps."""
+        if self.record.outcome == "succeeded" or self.next_resumed_step is None:
+            return None
+        return steps_lost(self.record, self.next_resumed_step)
 
     @property
     def attempt(self) -> int:
@@ -215,6 +226,11 @@ def attempt_views(info: ActionInfo) -> list[AttemptView]:
                 state = "running or died"
         saves = sorted((m for m in info.checkpoints if m.attempt == attempt), key=lambda m: m.seq)
         views.append(AttemptView(record, state, saves))
+    for index, view in enumerate(views[:-1]):
+        later = views[index + 1].record
+        if later.started is not None or later.resumed_from is not None:
+            resumed = later.resumed_step if later.resumed_from is not None else 0
+            views[index] = replace(view, next_resumed_step=resumed)
     return views
 
 
@@ -280,7 +296,7 @@ def _checkpoint_json(m: Manifest, verified: Mapping[str, bool] | None) -> dict[s
     return {
         "key": m.key, "kind": m.kind, "name": m.name, "size": m.size,
         "verified": None if verified is None else verified.get(m.key),
-        "stats": save_stats(m),
+        "stats": save_stats(m), "step": m.step, "preemption": m.preemption,
     }
 
 
@@ -306,6 +322,10 @@ def to_json(info: ActionInfo, verified: Mapping[str, bool] | None = None) -> dic
             "resumed_from_damaged": None if r.resumed_from is None else r.resumed_from in damaged,
             "restore_s": r.restore_s,
             "restored_size": r.restored_size,
+            "resumed_step": r.resumed_step,
+            "step": r.step,
+            "steps_lost": view.steps_lost,
+            "preemption_save": r.preemption_save,
             "checkpoints": [m.key for m in view.checkpoints],
         })
     timeline = []
@@ -316,13 +336,19 @@ def to_json(info: ActionInfo, verified: Mapping[str, bool] | None = None) -> dic
         if event.kind == "start":
             item.update(host=record.host, pid=record.pid)
         elif event.kind == "resume":
-            item.update(checkpoint=record.resumed_from, restore_s=record.restore_s)
+            item.update(
+                checkpoint=record.resumed_from, restore_s=record.restore_s,
+                step=record.resumed_step,
+            )
         elif event.kind == "checkpoint" and event.manifest is not None:
             item.update(_checkpoint_json(event.manifest, verified))
         elif event.kind == "damaged" and event.damage is not None:
             item.update(event.damage.to_json())
         elif event.kind == "end":
-            item.update(outcome=record.outcome, error=record.error)
+            item.update(
+                outcome=record.outcome, error=record.error, step=record.step,
+                preemption_save=record.preemption_save,
+            )
         timeline.append(item)
     return {"attempts_detail": detail, "timeline": timeline}
 
@@ -459,7 +485,8 @@ def _event_text(
             restored += f" in {duration(record.restore_s)}"
         line = Text("resumed from ", style="bold")
         line.append(source, style="bold blue")
-        return _join(_lead(when, line), restored, note)
+        at = None if record.resumed_step is None else f"at step {record.resumed_step}"
+        return _join(_lead(when, line), at, restored, note)
     if event.kind == "checkpoint" and event.manifest is not None:
         m = event.manifest
         line = Text("checkpoint ")
@@ -467,7 +494,12 @@ def _event_text(
         what = f"{m.kind}, {human_size(m.size)}" if m.name is None else (
             f"{m.kind} {m.name}, {human_size(m.size)}"
         )
-        return _join(_lead(when, line), _styled(_verdict(verified, m.key)), what, _stats_text(m))
+        return _join(
+            _lead(when, line), _styled(_verdict(verified, m.key)), what,
+            None if m.step is None else f"step {m.step}",
+            Text("preemption save", style="bold yellow") if m.preemption else None,
+            _stats_text(m),
+        )
     if event.kind == "damaged" and event.damage is not None:
         line = Text("checkpoint ")
         line.append(event.damage.key.rpartition("/")[2], style="blue")
@@ -477,8 +509,27 @@ def _event_text(
         line = Text(outcome, style=STYLES.get(outcome, ""))
         if record.error:
             line.append(f": {record.error}")
-        return _join(_lead(when, line))
+        return _join(_lead(when, line), *_cost_parts(view))
     return None
+
+
+def _cost_parts(view: AttemptView) -> list[str | Text]:
+    """What an attempt's end cost: the step it reached, the next attempt's resume step and
+    the steps lost in between, and whether its preemption save committed."""
+    record = view.record
+    parts: list[str | Text] = []
+    if record.preemption_save == "committed":
+        parts.append(Text("preemption save committed", style="green"))
+    elif record.preemption_save == "missed":
+        parts.append(Text("preemption save MISSED", style="bold red"))
+    if record.step is not None:
+        parts.append(f"at step {record.step}")
+    lost = view.steps_lost
+    if lost is not None:
+        text = Text(f"next resumed at step {view.next_resumed_step}: ")
+        text.append(f"{lost} step{'' if lost == 1 else 's'} lost", style="bold" if lost else "")
+        parts.append(text)
+    return parts
 
 
 def _lead(when: Text, line: Text) -> Text:

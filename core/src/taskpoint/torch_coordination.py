@@ -65,7 +65,7 @@ from typing import Any
 from taskpoint.coordination import Coordinator, RankedCoordinator, check_rank, check_timeout
 from taskpoint.errors import CheckpointCoordinationError
 
-__all__ = ["TorchCoordinator", "TorchrunCoordinator", "torch_job_coordinator"]
+__all__ = ["AnyRank", "TorchCoordinator", "TorchrunCoordinator", "torch_job_coordinator"]
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,60 @@ class TorchCoordinator(RankedCoordinator):
                 ranks=missing,
             ) from exc
         return list(gathered)
+
+
+class AnyRank:
+    """Whether a flag is set on any rank: the agreement a preemption stop needs, since a
+    SIGTERM may reach one rank, or the ranks of one node, only.
+
+    Call it on every rank at the same point of each step (a step boundary); all get the
+    same answer, so all stop at the same step. Constructing one is a collective: it creates
+    a gloo group of its own, so the reduction is a small CPU message that never waits on
+    the GPU's stream. Without an initialised process group, or with one rank, it is the
+    flag itself.
+
+    Args:
+        timeout: seconds a reduction waits for the other ranks before it raises.
+
+    Raises:
+        ValueError: ``timeout`` is not a positive number.
+    """
+
+    def __init__(self, *, timeout: float = 600.0) -> None:
+        self._timeout = check_timeout(timeout)
+        self._group: Any = None
+        try:
+            dist = _dist()
+        except RuntimeError:
+            return
+        if _grouped(dist) and int(dist.get_world_size()) > 1:
+            self._dist = dist
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+
+    def __call__(self, flag: bool) -> bool:
+        """``flag`` or'ed across the ranks.
+
+        Raises:
+            CheckpointCoordinationError: another rank did not arrive within the timeout.
+        """
+        if self._group is None:
+            return bool(flag)
+        torch = importlib.import_module("torch")
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        try:
+            self._dist.all_reduce(value, op=self._dist.ReduceOp.MAX, group=self._group)
+        except RuntimeError as exc:
+            raise CheckpointCoordinationError(
+                f"the ranks could not agree on stopping within {self._timeout:g}s: "
+                f"{_first_line(exc)}"
+            ) from exc
+        return bool(value.item())
+
+    def close(self) -> None:
+        """Destroy the gloo group (a local call); idempotent."""
+        group, self._group = self._group, None
+        if group is not None and _grouped(self._dist):
+            self._dist.destroy_process_group(group)
 
 
 def _torchrun_variables() -> dict[str, str] | None:
