@@ -155,3 +155,22 @@ def test_an_attempt_that_returns_after_sigterm_is_preempted_never_succeeded(
     assert seen["result"] == "finished", "the early return was taken as the task's result"
     assert seen["outcomes"] == ["preempted", "succeeded"]
     assert "received SIGTERM and returned after it" in seen["errors"][0]
+
+
+def test_save_on_preemption_is_the_argument_then_the_variable_then_being_in_a_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from taskpoint import preemption
+
+    monkeypatch.delenv(preemption.ENV_SAVE, raising=False)
+    assert preemption.save_on_preemption(None, in_task=True) is True
+    assert preemption.save_on_preemption(None, in_task=False) is False
+    assert preemption.save_on_preemption(False, in_task=True) is False
+    monkeypatch.setenv(preemption.ENV_SAVE, "1")
+    assert preemption.save_on_preemption(None, in_task=False) is True
+    monkeypatch.setenv(preemption.ENV_SAVE, "off")
+    assert preemption.save_on_preemption(None, in_task=True) is False
+    assert preemption.save_on_preemption(True, in_task=False) is True
+    monkeypatch.setenv(preemption.ENV_SAVE, "maybe")
+    with pytest.raises(ValueError, match="TASKPOINT_SAVE_ON_PREEMPTION must be"):
+        preemption.save_on_preemption(None, in_task=True)

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 import taskpoint
 from taskpoint import progress
 from taskpoint.manifest import Manifest
@@ -133,7 +132,7 @@ def test_a_manifest_with_a_forged_step_or_preemption_mark_is_damaged(field: str)
         '"payload": "000000-000000000-abcd.payload", "attempt": 0, "seq": 0, '
         f'"created": 1.0, {field}}}'
     )
-    with pytest.raises(taskpoint.CheckpointCorruptError, match="step|preemption"):
+    with pytest.raises(taskpoint.CheckpointCorruptError, match=r"step|preemption"):
         Manifest.from_json(record.encode(), url="m")
 
 

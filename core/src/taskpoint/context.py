@@ -40,6 +40,7 @@ __all__ = [
     "TaskContext",
     "ctx",
     "environment_context",
+    "in_task",
     "root_from",
 ]
 
@@ -121,6 +122,12 @@ def root_from(env: Mapping[str, str]) -> str:
     if value is None:
         return str(DEFAULT_ROOT.absolute())
     return check_location(ENV_ROOT, value)
+
+
+def in_task() -> bool:
+    """Whether this code runs inside a taskpoint task (``@env.task``), whose runner retries
+    the attempt, rather than under the environment contract or nothing."""
+    return _current.get() is not None
 
 
 def ctx() -> TaskContext | None:

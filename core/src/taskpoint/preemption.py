@@ -46,6 +46,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_GRACE_S",
     "ENV_GRACE",
+    "ENV_SAVE",
     "Notice",
     "deferred",
     "grace_period",
@@ -53,12 +54,41 @@ __all__ = [
     "notice",
     "requested",
     "reset",
+    "save_on_preemption",
 ]
 
 ENV_GRACE = "TASKPOINT_GRACE_PERIOD"
 """Seconds between the preemption signal and the kill that follows it."""
 DEFAULT_GRACE_S = 30.0
 """The grace period without ``TASKPOINT_GRACE_PERIOD``: Kubernetes' default."""
+ENV_SAVE = "TASKPOINT_SAVE_ON_PREEMPTION"
+"""``1`` (or ``true``/``yes``/``on``) makes the adapters save on SIGTERM outside a taskpoint
+task too; ``0`` (``false``/``no``/``off``) turns it off inside one."""
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def save_on_preemption(choice: bool | None, *, in_task: bool) -> bool:
+    """Whether an adapter turns SIGTERM into a save: ``choice`` when given (the adapter's
+    own ``save_on_preemption`` argument), else ``TASKPOINT_SAVE_ON_PREEMPTION`` when set,
+    else whether the code runs inside a taskpoint task (``in_task``), whose runner retries
+    a preempted attempt.
+
+    Raises:
+        ValueError: the variable is set to something other than a yes or a no.
+    """
+    if choice is not None:
+        return bool(choice)
+    value = os.environ.get(ENV_SAVE, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    if value:
+        raise ValueError(
+            f"{ENV_SAVE} must be 1/true/yes/on or 0/false/no/off; got {os.environ[ENV_SAVE]!r}"
+        )
+    return in_task
 
 
 @dataclass(frozen=True)
