@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from taskpoint import Checkpoint, CheckpointError, SaveStats, _uploader
+from taskpoint import Checkpoint, CheckpointClosedError, CheckpointError, SaveStats, _uploader
 
 
-def _upload_pid(ckpt: Checkpoint, timeout: float = 60.0) -> int:
-    """The pid of ``ckpt``'s upload process, once its background thread has started it."""
+def _upload_pid(timeout: float = 60.0) -> int:
+    """The pid of this process's upload process, once it is ready (started if need be)."""
+    worker = _uploader.shared()
+    assert worker.wait_ready(timeout), "no upload process started"
+    pid = worker.pid
+    assert pid is not None
+    return pid
+
+
+def _sent(ckpt: Checkpoint, count: int, timeout: float = 60.0) -> None:
+    """Wait until ``ckpt`` has handed ``count`` saves to the upload process."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        worker = ckpt._saves.worker
-        proc = worker._proc if worker is not None else None
-        if proc is not None:
-            return proc.pid
-        time.sleep(0.01)
-    raise AssertionError("no upload process started")
+    while ckpt._saves.process_uploads < count:
+        assert time.monotonic() < deadline, "the save never reached the upload process"
+        time.sleep(0.001)
 
 
 def _tree(root: Path, mb: int, seed: int = 0) -> Path:
@@ -38,10 +45,10 @@ def test_background_saves_upload_in_another_process_and_commit_in_order(
     ckpt = Checkpoint(store_url, keep=3, background_upload="process")
     stats: list[SaveStats] = []
     ckpt.on_commit(stats.append)
+    pid = _upload_pid()
+    assert pid != os.getpid()
     first = _tree(tmp_path / "first", 8, seed=1)
     ckpt.save_sync(first, background=True)
-    pid = _upload_pid(ckpt)
-    assert pid != os.getpid()
     os.kill(pid, 0)  # alive
     ckpt.wait()
     ckpt.save_sync(_tree(tmp_path / "second", 16, seed=2), background=True)
@@ -54,6 +61,8 @@ def test_background_saves_upload_in_another_process_and_commit_in_order(
         (0, "directory", True), (1, "directory", True), (2, "bytes", False),
     ]
     assert all(s.blocked_s <= s.save_s and s.uploaded == s.size for s in stats)
+    assert ckpt._saves.process_uploads == 2
+    assert _uploader.shared().pid == pid  # the same process uploaded both
     restored = Checkpoint(store_url).load_sync()
     assert restored is not None and restored.read_bytes() == b"third"
     assert [m.seq for m in Checkpoint(store_url).committed()] == [2, 1, 0]
@@ -62,7 +71,7 @@ def test_background_saves_upload_in_another_process_and_commit_in_order(
 def test_the_upload_process_runs_below_the_training_loops_priority(tmp_path: Path) -> None:
     ckpt = Checkpoint(tmp_path / "store", background_upload="process")
     ckpt.save_sync(b"x", background=True)
-    pid = _upload_pid(ckpt)
+    pid = _upload_pid()
     try:
         assert os.getpriority(os.PRIO_PROCESS, pid) == min(
             os.getpriority(os.PRIO_PROCESS, 0) + _uploader.NICE, 19
@@ -75,7 +84,7 @@ def test_thread_mode_still_available(tmp_path: Path) -> None:
     ckpt = Checkpoint(tmp_path / "store", background_upload="thread")
     ckpt.save_sync(b"x", background=True)
     ckpt.wait()
-    assert ckpt._saves.worker is None
+    assert ckpt._saves.process_uploads == 0
     with pytest.raises(ValueError, match="background_upload"):
         Checkpoint(tmp_path / "store", background_upload="fork")
 
@@ -84,14 +93,17 @@ def test_a_killed_upload_process_fails_that_save_only(tmp_path: Path) -> None:
     store = tmp_path / "store"
     ckpt = Checkpoint(store, keep=5, background_upload="process")
     ckpt.save_sync(b"committed before")
+    pid = _upload_pid()
     ckpt.save_sync(_tree(tmp_path / "big", 64), background=True)
-    os.kill(_upload_pid(ckpt), signal.SIGKILL)
+    _sent(ckpt, 1)
+    os.kill(pid, signal.SIGKILL)
     with pytest.raises(CheckpointError, match=r"upload process died.*SIGKILL"):
         ckpt.wait()
     restored = Checkpoint(store).load_sync()
     assert restored is not None and restored.read_bytes() == b"committed before"
-    ckpt.save_sync(b"after", background=True)  # a fresh upload process takes over
+    ckpt.save_sync(b"after", background=True)  # a thread, while a fresh process starts
     ckpt.wait()
+    assert _uploader.shared().wait_ready(60) and _uploader.shared().pid != pid
     restored = Checkpoint(store).load_sync()
     assert restored is not None and restored.read_bytes() == b"after"
 
@@ -101,9 +113,102 @@ def test_the_upload_process_ignores_sigterm_and_finishes_its_upload(tmp_path: Pa
     process group by launchers, must not kill it half-way."""
     store = tmp_path / "store"
     ckpt = Checkpoint(store, background_upload="process")
+    pid = _upload_pid()
     ckpt.save_sync(_tree(tmp_path / "big", 64), background=True)
-    pid = _upload_pid(ckpt)  # set once the process said it was ready
+    _sent(ckpt, 1)
     os.kill(pid, signal.SIGTERM)
     ckpt.wait()
     restored = Checkpoint(store).load_sync()
     assert restored is not None and (restored / "weights.bin").stat().st_size == 64 * 2**20
+    assert _uploader.shared().pid == pid
+
+
+def _upload_processes() -> dict[int, int]:
+    """This process's upload processes, read from ``/proc``: pid to resident memory (bytes)."""
+    found: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+            status = (entry / "status").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid != os.getpid() or b"taskpoint._uploader" not in cmdline:
+            continue
+        rss = [line for line in status.splitlines() if line.startswith("VmRSS:")]
+        found[int(entry.name)] = int(rss[0].split()[1]) * 1024 if rss else 0
+    return found
+
+
+def test_two_hundred_checkpoints_share_one_upload_process(tmp_path: Path) -> None:
+    """Each of 200 checkpoints makes a background save through the upload process; some
+    are closed, the others dropped. Never more than one upload process runs, and its
+    memory stays bounded."""
+    assert _uploader.shared().wait_ready(60)
+    deadline = time.monotonic() + 60
+    while len(_upload_processes()) > 1:  # one an earlier test's environment started, exiting
+        assert time.monotonic() < deadline, _upload_processes()
+        time.sleep(0.05)
+    saved_in_process = 0
+    peak = 0
+    for i in range(200):
+        ckpt = Checkpoint(tmp_path / "store" / str(i), background_upload="process")
+        ckpt.save_sync(_tree(tmp_path / "tree" / str(i), 0, seed=i), background=True)
+        if i % 2:
+            ckpt.close()
+        else:
+            ckpt.wait()
+        saved_in_process += ckpt._saves.process_uploads
+        peak = max(peak, len(_upload_processes()))
+        del ckpt
+    gc.collect()
+    alive = _upload_processes()
+    assert peak <= 1 and len(alive) <= 1, alive
+    assert saved_in_process == 200  # the upload process did the work, not a thread
+    assert sum(alive.values()) < 200 * 2**20, alive  # one interpreter, not two hundred
+    restored = Checkpoint(tmp_path / "store" / "199").load_sync()
+    assert restored is not None and (restored / "step.txt").read_text() == "199"
+
+
+def test_close_waits_for_the_save_in_flight_and_ends_saving(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with Checkpoint(store, background_upload="process") as ckpt:
+        ckpt.save_sync(_tree(tmp_path / "big", 32), background=True)
+    restored = Checkpoint(store).load_sync()  # committed before the with block ended
+    assert restored is not None and (restored / "weights.bin").stat().st_size == 32 * 2**20
+    ckpt.close()  # again: nothing to do
+    with pytest.raises(CheckpointClosedError, match=r"Checkpoint\(.*was closed"):
+        ckpt.save_sync(b"late")
+    with pytest.raises(CheckpointClosedError):
+        ckpt.save_sync(b"late", background=True)
+    assert ckpt.load_sync() is not None  # loading still works
+    assert ckpt.closed and not pickle.loads(pickle.dumps(ckpt)).closed  # a copy is open
+
+
+def test_a_block_that_raises_still_waits_for_the_save_in_flight(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with pytest.raises(RuntimeError, match="training failed"), Checkpoint(store) as ckpt:
+        ckpt.save_sync(_tree(tmp_path / "big", 16, seed=3), background=True)
+        raise RuntimeError("training failed")
+    assert ckpt.closed
+    restored = Checkpoint(store).load_sync()
+    assert restored is not None and (restored / "step.txt").read_text() == "3"
+
+
+def test_close_raises_what_the_last_background_save_raised(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    ckpt = Checkpoint(store, background_upload="thread")
+    (tmp_path / "tree").mkdir()
+    ckpt.save_sync(tmp_path / "tree", background=True)
+    ckpt.wait()
+    store.rename(tmp_path / "moved")
+    store.write_text("a file where the store's folder was")
+    ckpt.save_sync(tmp_path / "tree", background=True)
+    with pytest.raises(CheckpointError):
+        ckpt.close()
+    ckpt.close()  # closed all the same
+    with pytest.raises(CheckpointClosedError):
+        ckpt.save_sync(b"late")

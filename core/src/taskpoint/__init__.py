@@ -23,6 +23,7 @@ from taskpoint.checkpoint import Checkpoint, SaveInput, latest_checkpoint
 from taskpoint.context import Preempted, TaskContext, ctx
 from taskpoint.coordination import Coordinator, StoreCoordinator
 from taskpoint.errors import (
+    CheckpointClosedError,
     CheckpointCoordinationError,
     CheckpointCorruptError,
     CheckpointError,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint",
+    "CheckpointClosedError",
     "CheckpointCoordinationError",
     "CheckpointCorruptError",
     "CheckpointError",

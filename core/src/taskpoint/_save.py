@@ -6,10 +6,10 @@ through :func:`taskpoint._tree_save.save_tree` under a :class:`taskpoint.retenti
 anything else as one format-1 payload (bytes, a file, or a tar archive of a directory)
 under a fresh name. The manifest, written last, is the commit; then older checkpoints are pruned.
 :class:`Background` runs saves on an upload thread, holding at most one queued;
-:mod:`taskpoint._uploader` runs a :class:`Saver` in a separate process instead.
+:mod:`taskpoint._uploader` runs a :class:`Saver` in the process's upload process instead.
 :class:`Saves` runs one checkpoint's saves one at a time: it numbers each, commits it in
 the caller's thread, on the upload thread or in the upload process, and tells the
-checkpoint's ``on_commit`` listeners.
+checkpoint's ``on_commit`` listeners; once closed it takes no more.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from taskpoint import _parts, _tree_save, _uploader, archive, preemption, retention
+from taskpoint import _parts, _settle, _tree_save, _uploader, archive, preemption, retention
 from taskpoint._catalog import Catalog
 from taskpoint._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
 from taskpoint._statcache import ContentKey, StatCache, content_key
-from taskpoint.errors import CheckpointSaveError, _save_failures
+from taskpoint.errors import CheckpointClosedError, CheckpointSaveError, _save_failures
 from taskpoint.history import Attempt, SaveStats
 from taskpoint.manifest import (
     CHECKPOINTS,
@@ -460,11 +460,13 @@ class Background:
                     self._running = False
                     self._cond.notify_all()
 
-    def wait(self) -> None:
-        """Block until nothing is queued or running."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or running, for at most ``timeout`` seconds
+        (``None``: no limit); whether nothing is."""
         with self._cond:
-            while self._queued is not None or self._running:
-                self._cond.wait()
+            return self._cond.wait_for(
+                lambda: self._queued is None and not self._running, timeout
+            )
 
     def take_error(self) -> BaseException | None:
         """The last failed save's error, once; ``None`` when none failed since."""
@@ -492,10 +494,12 @@ class Saves:
     """One checkpoint's saves, one at a time: numbered, committed, announced.
 
     A save commits in its caller's thread, or (a background save) on the
-    :class:`Background` thread, which hands it to the upload process
-    (:mod:`taskpoint._uploader`) when it can; a multi-writer commit
-    (:class:`taskpoint.PartsCommit`) takes its numbers here too. Each commit is announced to
-    the :meth:`on_commit` listeners.
+    :class:`Background` thread, which hands it to the process's upload process
+    (:mod:`taskpoint._uploader`) when it can: the first background save starts that
+    process without waiting for it, and saves commit on the thread itself until it is
+    ready. A multi-writer commit (:class:`taskpoint.PartsCommit`) takes its numbers here
+    too. Each commit is announced to the :meth:`on_commit` listeners. Interpreter exit
+    waits for the background saves (see :mod:`taskpoint._settle`).
 
     Args:
         saver: writes and commits one save.
@@ -519,12 +523,15 @@ class Saves:
         self._attempt = attempt
         self._options = options
         self._background_upload = background_upload
-        self.worker: _uploader.Worker | None = None
-        """The upload process's handle, once a background save started it."""
-        self._lock = threading.Lock()
+        self.process_uploads = 0
+        """How many saves were sent to the upload process."""
+        self._lock = threading.Lock()  # held while a save commits
+        self._state = threading.Lock()  # guards _closed
+        self._closed = False
         self._tickets = itertools.count()
         self._background = Background(self.run)
         self._listeners: list[Callable[[SaveStats], object]] = []
+        _settle.track(self._background)  # waited for at interpreter exit
 
     def begin(self, data: object, snapshot: object, background: bool) -> tuple[Source, int]:
         """Check and classify a save of ``data`` and give it its ticket (its place in
@@ -537,33 +544,57 @@ class Saves:
         """
         called = time.monotonic()
         check_snapshot(snapshot)
+        self.check_open()
         self.raise_error()
         source = classify(data, called)
         ticket = next(self._tickets)
         if not background:
             self._background.supersede(ticket)
+        elif self._upload_in_process:
+            _uploader.shared().start()  # while the snapshot is taken; never waits
         return source, ticket
 
     def queue(self, source: Source, ticket: int) -> None:
-        """Commit ``source`` (a private snapshot) on the upload thread."""
-        self._background.submit(source, ticket)
+        """Commit ``source`` (a private snapshot) on the upload thread.
+
+        Raises:
+            CheckpointClosedError: the saves were closed meanwhile (the snapshot is removed).
+        """
+        with self._state:
+            if not self._closed:
+                self._background.submit(source, ticket)
+                return
+        discard(source)
+        self.check_open()
 
     def run(self, source: Source, ticket: int) -> None:
         """Commit ``source`` now: in the upload process if it is a background save that
         can go there, else in this thread; then tell the listeners."""
         with self._lock:
             attempt, seq = self._attempt.next_save(ticket)
-            if source.blocked_s is not None and self._upload_in_process:
-                if self.worker is None:
-                    self.worker = _uploader.Worker()
+            worker = self._worker() if source.blocked_s is not None else None
+            if worker is not None:
                 request = _uploader.Request(
                     self._options, attempt, seq, source, frozenset(self._catalog.intact)
                 )
-                stats, intact = self.worker.run(request)
+                self.process_uploads += 1
+                stats, intact = worker.run(request)
                 self._catalog.intact.add(intact)
-            else:
+            else:  # a blocking save, or the upload process is not (yet) there
                 stats, _ = self.saver.commit(source, attempt, seq)
         self._notify(stats)
+
+    def _worker(self) -> _uploader.Worker | None:
+        """The upload process for a background save, once it is ready; ``None`` while it
+        starts (it is started if need be): the save then commits in this thread rather than
+        wait for it."""
+        if not self._upload_in_process:
+            return None
+        worker = _uploader.shared()
+        if worker.ready:
+            return worker
+        worker.start()
+        return None
 
     @property
     def _upload_in_process(self) -> bool:
@@ -581,7 +612,12 @@ class Saves:
 
     def begin_parts(self, called: float) -> _parts.PartsCommit:
         """Number a multi-writer commit, begun at ``called`` (``time.monotonic()``), and
-        start it (see :meth:`taskpoint.Checkpoint.begin_parts`)."""
+        start it (see :meth:`taskpoint.Checkpoint.begin_parts`).
+
+        Raises:
+            CheckpointClosedError: the saves were closed.
+        """
+        self.check_open()
         ticket = next(self._tickets)
         self._background.supersede(ticket)
         with self._lock:
@@ -599,6 +635,40 @@ class Saves:
         """Block until background saves have committed; raise what the last failed one raised."""
         self._background.wait()
         self.raise_error()
+
+    def close(self) -> None:
+        """Take no more saves; wait for those queued or in flight (see
+        :meth:`taskpoint.Checkpoint.close`). A second call does nothing.
+
+        Raises:
+            CheckpointError: what the last failed background save raised.
+        """
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._background.wait()
+            with self._lock:  # a blocking save another thread had started has committed
+                pass
+        finally:
+            _settle.untrack(self._background)
+        self.raise_error()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def check_open(self) -> None:
+        """Raises CheckpointClosedError once :meth:`close` was called."""
+        if self._closed:
+            url = self._catalog.store.url
+            raise CheckpointClosedError(
+                f"cannot save: Checkpoint({url!r}) was closed; make a new Checkpoint to "
+                "save there again",
+                url=url,
+            )
 
     def raise_error(self) -> None:
         """Raise what the last failed background save raised, once."""

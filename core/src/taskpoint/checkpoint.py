@@ -12,7 +12,8 @@ Example::
         ckpt.save_sync(str(step + 1).encode())
 
 Inside a task, ``taskpoint.ctx().checkpoint`` is a ``Checkpoint`` already bound to the
-action's location and attempt.
+action's location and attempt. Outside one, ``with Checkpoint(url) as ckpt:`` closes it at
+the end of the block, once its background saves have committed.
 
 A save writes the payload under a fresh name, then its manifest (the commit), then prunes
 checkpoints beyond the newest ``keep``. A crash at any point leaves the newest committed
@@ -30,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Union
 
 from taskpoint import _parts, _uploader, archive, history, preemption, progress, retention
@@ -49,6 +52,8 @@ from taskpoint.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, Manifest, che
 from taskpoint.store import RetryPolicy, Store, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
+
+log = logging.getLogger(__name__)
 
 SaveInput = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 """What ``save`` accepts: raw bytes, or the path of a file or directory."""
@@ -71,18 +76,29 @@ class Checkpoint:
         progress: called with the number of payload bytes moved, as saves and loads stream.
         background_upload: where background saves upload: ``"process"`` (a separate
             upload process, so the upload's Python work never holds the training loop's
-            GIL) or ``"thread"`` (a thread of this process). ``memory://`` stores and
-            checkpoints with a ``progress`` callback always use a thread.
+            GIL) or ``"thread"`` (a thread of this process). One upload process serves
+            every ``Checkpoint`` of this Python process; the first background save starts
+            it and never waits for it: until it is ready, background saves upload from a
+            thread, so the first save is committed one upload later, however slowly the
+            process starts. ``memory://`` stores and checkpoints with a ``progress``
+            callback always use a thread.
 
         store_format: how directories are stored: ``2`` (the default) stores each file
             once by content, so a save uploads only what changed and a load into an
             existing folder fetches only what is missing; ``1`` stores one tar archive per
             checkpoint, which any ``tar xzf`` reads (and taskpoint before 0.2).
 
+    :meth:`close` (or the end of a ``with Checkpoint(url) as ckpt:`` block) waits for the
+    background saves and ends saving through the object. Neither is needed to free
+    anything: a ``Checkpoint`` holds no process or thread of its own once its background
+    saves have committed, and at interpreter exit (an exit on an uncaught exception too)
+    every background save still queued or in flight is waited for, up to
+    :data:`taskpoint.mirror.EXIT_WAIT_S` seconds in all.
+
     A ``Checkpoint`` can be pickled and deep-copied (a framework handing its callbacks to
-    spawned worker processes does both): the copy is a new ``Checkpoint`` with the same
-    arguments and attempt number, equal to the original, with its own upload thread and
-    process. Copying first waits for the background saves in flight or queued. A copy
+    spawned worker processes does both): the copy is a new, open ``Checkpoint`` with the
+    same arguments and attempt number, equal to the original, with its own upload thread.
+    Copying first waits for the background saves in flight or queued. A copy
     continues the original's attempt, so save through one of them at a time (as a
     spawned worker and its idle parent do). A ``progress`` callback must be picklable too.
 
@@ -205,6 +221,47 @@ class Checkpoint:
         """The attempt number saves are made as; ``None`` until claimed from the store."""
         return self._attempt.number
 
+    # -- closing ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the background saves queued or in flight to commit, then take no more.
+
+        A save in flight is never abandoned. Afterwards every save (``save_sync``,
+        ``save``, ``save_part_sync``, ``begin_parts``, ``upload_part``) raises
+        :class:`~taskpoint.CheckpointClosedError`; loading and the other reads still work.
+        A second call does nothing. Closing is optional: dropping a ``Checkpoint`` leaks
+        nothing (see the class docstring).
+
+        Raises:
+            CheckpointError: what the last failed background save raised (as :meth:`wait`
+                does); the checkpoint is closed all the same.
+        """
+        self._saves.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._saves.closed
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """:meth:`close`; a failed background save is raised, unless the block itself
+        raised (it is logged then, and the block's exception goes on)."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckpointError as error:
+            log.warning("a background save to %s failed: %s", self.url, error)
+
     # -- saving -----------------------------------------------------------------------
 
     def save_sync(
@@ -217,9 +274,10 @@ class Checkpoint:
                 os.PathLike) of a file, stored as-is, or of a directory, stored as one
                 compressed tar archive.
             background: snapshot ``data`` (a local copy of the file or tree) and return;
-                the upload runs in a background thread. Changing the file or tree afterwards
-                cannot change the checkpoint. A newer save supersedes a background save still
-                queued. Its errors are raised by the next save or by :meth:`wait`.
+                the upload runs in the background (see ``background_upload``). Changing
+                the file or tree afterwards cannot change the checkpoint. A newer save
+                supersedes a background save still queued. Its errors are raised by the
+                next save, by :meth:`wait` or by :meth:`close`.
             snapshot: how a background save snapshots a path. ``"copy"`` copies it;
                 ``"link"`` hard-links its files where the disk allows (copying the rest),
                 which is instant but only safe for files that are replaced or deleted,
@@ -240,6 +298,7 @@ class Checkpoint:
                 save's); earlier checkpoints are untouched.
             CheckpointSaveError: a file of ``data`` could not be read (or snapshotted),
                 or taskpoint failed; nothing was committed.
+            CheckpointClosedError: :meth:`close` was called.
         """
         source, ticket = self._saves.begin(data, snapshot, background)
         if background:
@@ -293,8 +352,10 @@ class Checkpoint:
                 ``CheckpointCoordinationError`` naming it).
             CheckpointUnsafeError: the directory holds a special file or a link leaving it.
             CheckpointStoreError: the store failed.
+            CheckpointClosedError: :meth:`close` was called.
         """
         called = time.monotonic()
+        self._saves.check_open()
         if not isinstance(coordinator, Coordinator):
             raise TypeError(
                 "coordinator must be a taskpoint.Coordinator (StoreCoordinator, "
@@ -335,6 +396,7 @@ class Checkpoint:
 
         Raises:
             CheckpointStoreError: the store failed.
+            CheckpointClosedError: :meth:`close` was called.
         """
         return self._saves.begin_parts(time.monotonic())
 
@@ -349,7 +411,9 @@ class Checkpoint:
             NotADirectoryError: ``path`` is not a directory.
             CheckpointUnsafeError: it holds a special file or a link leaving it.
             CheckpointStoreError: the store failed.
+            CheckpointClosedError: :meth:`close` was called.
         """
+        self._saves.check_open()
         return _parts.upload_part(
             self._catalog, Path(os.fspath(path)).absolute(), codec=self._codec,
             progress=self._progress,

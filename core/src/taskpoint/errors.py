@@ -14,6 +14,7 @@ Every failure that is taskpoint's own derives from :class:`CheckpointError`::
     ├── CheckpointCoordinationError  writers of one checkpoint disagreed, collided or
     │                             did not all arrive; ``committed`` says whether the
     │                             checkpoint was committed all the same
+    ├── CheckpointClosedError     a save on a ``Checkpoint`` that was closed
     └── TaskAttemptError          a process-isolated attempt died (signal, exit code)
 
 Bad arguments raise the builtin exceptions Python users expect: ``TypeError`` for a
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "CheckpointClosedError",
     "CheckpointCoordinationError",
     "CheckpointCorruptError",
     "CheckpointError",
@@ -84,6 +86,21 @@ class CheckpointSaveError(CheckpointError):
     """
 
     def __init__(self, message: str, *, url: str | None) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class CheckpointClosedError(CheckpointError):
+    """A save was started on a :class:`~taskpoint.Checkpoint` after its ``close()``.
+
+    Nothing was saved. Loading through a closed checkpoint still works; to save again,
+    make a new ``Checkpoint`` for the location.
+
+    Attributes:
+        url: the checkpoint location.
+    """
+
+    def __init__(self, message: str, *, url: str) -> None:
         super().__init__(message)
         self.url = url
 

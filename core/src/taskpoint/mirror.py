@@ -21,15 +21,17 @@ On a :class:`~taskpoint.Checkpoint` the snapshot and upload are
 thread. ``blocking=True`` uploads in :meth:`FolderMirror.save` itself. At most one upload is in flight, and none is
 ever queued behind it, so every save is uploaded, in order.
 
-Every mirror (and whatever else an adapter passes to :func:`track`) is known to
-:func:`settle_uploads`, which the adapters' restore functions call first: a retry in the
-same process never loads the store while the failed attempt's last upload still runs. At
-interpreter exit the uploads in flight are waited for, up to :data:`EXIT_WAIT_S` seconds.
+Every mirror (and whatever else an adapter passes to :func:`track`, and every
+checkpoint's background saves) is known to :func:`settle_uploads`, which the adapters'
+restore functions call first: a retry in the same process never loads the store while the
+failed attempt's last upload still runs. At interpreter exit, an exit on an uncaught
+exception included, the uploads in flight are waited for, up to :data:`EXIT_WAIT_S`
+seconds in all, before the interpreter's thread pools shut down (see
+:mod:`taskpoint._settle`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextvars
 import logging
 import os
@@ -38,13 +40,12 @@ import stat
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from taskpoint._save import Source, classify, discard, lower_priority, take_snapshot
+from taskpoint._settle import EXIT_WAIT_S, settle_uploads, track
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.coordination import Coordinator
@@ -59,8 +60,6 @@ log = logging.getLogger(__name__)
 
 PREFIX = "taskpoint/"
 """The prefix of every metric name the adapters log."""
-EXIT_WAIT_S = 60.0
-"""How long interpreter exit waits for the uploads in flight."""
 
 
 def unshare(path: str | os.PathLike[str]) -> int:
@@ -99,40 +98,6 @@ def unshare(path: str | os.PathLike[str]) -> int:
             raise
         copied += 1
     return copied
-
-
-class _Waitable(Protocol):
-    def wait(self, timeout: float | None = None) -> bool: ...
-
-
-_tracked: weakref.WeakSet[_Waitable] = weakref.WeakSet()
-
-
-def track(uploads: _Waitable) -> None:
-    """Make :func:`settle_uploads` (and interpreter exit) wait for ``uploads``."""
-    _tracked.add(uploads)
-
-
-def settle_uploads(timeout: float | None = None) -> None:
-    """Wait for every tracked upload still running in this process.
-
-    Their errors are logged, not raised: they belong to attempts that have ended (the store
-    keeps the checkpoint before each failed upload).
-
-    Args:
-        timeout: at most this many seconds per upload (``None``: no limit).
-    """
-    for uploads in list(_tracked):
-        try:
-            if not uploads.wait(timeout):
-                log.warning("an upload still runs after %ss; not waiting for it", timeout)
-        except Exception as exc:
-            log.warning("an upload of an earlier attempt failed: %s: %s", type(exc).__name__, exc)
-
-
-@atexit.register
-def _settle_at_exit() -> None:
-    settle_uploads(EXIT_WAIT_S)
 
 
 class UploadThread:
