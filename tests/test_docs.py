@@ -1,7 +1,11 @@
-"""Every fenced code block in ``README.md`` runs here, for real.
+"""The code blocks of ``README.md`` and of the guides (``docs/``) run here, for real.
 
-:data:`COVERAGE` says which test runs which block: a block no entry claims (one added to
-the README later), or an entry whose block is gone, fails :func:`test_every_block_is_run`.
+Every Python block of the guides is a test of its own, collected by ``docs/conftest.py``
+(pytest-markdown-docs' collector, with stand-ins for the reader's code that fail once on
+purpose and check that the retry resumed). This file runs the rest: every block of the
+README, and the guides' blocks a plain run cannot check by itself. :data:`COVERAGE` says
+which test runs which block: a README block no entry claims, or an entry whose block is
+gone, fails :func:`test_every_block_is_run`.
 
 - ``python`` blocks are executed. The names a block uses without defining them stand for
   the reader's own code; :data:`YOUR_CODE` documents each one, and every block's free names
@@ -9,8 +13,9 @@ the README later), or an entry whose block is gone, fails :func:`test_every_bloc
   purpose, like a reclaimed machine, so each task block really retries, and the test checks
   that the retry resumed from the checkpoint instead of starting over.
 - ``sh`` blocks are run as commands (placeholders such as ``TASK/RUN`` replaced by real
-  values), ``json`` is validated as a manifest, and the plain block (the store layout) is
-  compared with the layout a real run writes.
+  values), ``json`` is validated as a manifest, the plain block (the store layout) is
+  compared with the layout a real run writes, and the ``taskpoint show`` sample and picture
+  with what the command prints for the run they describe.
 
 Object-store URLs (``s3://``, ``gs://``, ``az://``) run against the suite's loopback
 servers (``conftest.py``): skipped with the reason where one cannot start, failed with
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import html
 import json
 import os
 import re
@@ -40,7 +46,9 @@ import taskpoint
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
-FIXTURES = Path(__file__).resolve().parent / "readme"
+DOCS = REPO / "docs"
+FIXTURES = Path(__file__).resolve().parent / "docs_blocks"
+SHOW_PICTURE = DOCS / "assets" / "taskpoint-show.svg"
 ENV_CONTRACT = ("TASKPOINT_ROOT", "TASKPOINT_ACTION", "TASKPOINT_RUN_ID", "TASKPOINT_ATTEMPT")
 """Variables that would send the blocks' checkpoints elsewhere; unset for every block."""
 
@@ -48,103 +56,164 @@ ENV_CONTRACT = ("TASKPOINT_ROOT", "TASKPOINT_ACTION", "TASKPOINT_RUN_ID", "TASKP
 pytestmark = pytest.mark.filterwarnings("ignore:Support for class-based:DeprecationWarning")
 
 
-# -- the README's blocks ------------------------------------------------------------------
+# -- the blocks -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Block:
-    """One fenced block: its info string, its text, and the README line of its opening fence."""
+    """One fenced block: its page, language, text, and the line of its opening fence."""
 
+    page: Path
     lang: str
     text: str
     line: int
+    info: str = ""
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} (```{self.lang})"
+        return f"{self.page.relative_to(REPO)}:{self.line} (```{self.info})"
 
 
-def readme_blocks() -> list[Block]:
-    """The fenced blocks of README.md, in order.
+def _language(info: str) -> str:
+    """The language of an info string: ``python`` for ``python`` and for pymdownx
+    superfences' ``{.python fixture:x}``."""
+    info = info.strip()
+    if info.startswith("{"):
+        classes = [w[1:] for w in info.strip("{}").split() if w.startswith(".")]
+        return classes[0] if classes else ""
+    return info.split()[0] if info else ""
+
+
+def page_blocks(page: Path) -> list[Block]:
+    """The fenced blocks of the Markdown file ``page``, in order.
 
     Raises:
         AssertionError: a fence is never closed.
     """
     blocks: list[Block] = []
-    lines = README.read_text(encoding="utf-8").splitlines()
+    lines = page.read_text(encoding="utf-8").splitlines()
     opened: tuple[str, int] | None = None
     body: list[str] = []
     for number, line in enumerate(lines, start=1):
-        fence = re.match(r"^ {0,3}(```+)\s*(\S*)", line)
+        fence = re.match(r"^ {0,3}(```+)\s*(.*?)\s*$", line)
         if opened is None:
             if fence:
                 opened, body = (fence.group(2), number), []
         elif fence and not fence.group(2):
-            blocks.append(Block(opened[0], "\n".join(body) + "\n", opened[1]))
+            info = opened[0]
+            blocks.append(Block(page, _language(info), "\n".join(body) + "\n", opened[1], info))
             opened = None
         else:
             body.append(line)
-    assert opened is None, f"README.md:{opened[1]}: a code fence is never closed"
+    assert opened is None, f"{page}:{opened[1]}: a code fence is never closed"
     return blocks
+
+
+def guide_pages() -> list[Path]:
+    """The guides: every Markdown page under ``docs/`` but the generated API reference."""
+    return sorted(p for p in DOCS.rglob("*.md") if "api" not in p.relative_to(DOCS).parts)
 
 
 @dataclass(frozen=True)
 class Covered:
-    """A block's language, a pattern only that block matches, and the tests that run it."""
+    """A page, a block's language, a pattern only that block matches, and the tests that run it."""
 
+    page: str
     lang: str
     pattern: str
     tests: tuple[str, ...]
 
 
 COVERAGE: list[Covered] = [
-    Covered("sh", r"uv run python examples/pytorch_checkpoint\.py",
+    Covered("README.md", "sh", r"uv run python examples/pytorch_checkpoint\.py",
             ("test_first_screen_example_command", "test_first_screen_pytest_command")),
-    Covered("python", r"def train\(steps: int = 100\)", ("test_use_it_block",)),
-    Covered("python", r"from taskpoint_pytorch import TaskpointState\n\nenv = taskpoint",
-            ("test_pytorch_quickstart",)),
-    Covered("python", r"from taskpoint_lightning import", ("test_lightning_quickstart",)),
-    Covered("python", r"from taskpoint_hf import", ("test_hf_quickstart",)),
-    Covered("python", r"from taskpoint_sklearn import", ("test_sklearn_quickstart",)),
-    Covered("python", r"from taskpoint_unsloth import", ("test_unsloth_quickstart",)),
-    Covered("python", r'taskpoint\.Checkpoint\("s3://',
+    Covered("README.md", "python", r"def train\(steps: int = 100\)", ("test_use_it_block",)),
+    Covered("docs/getting-started.md", "sh", r"uv run python examples/pytorch_checkpoint\.py",
+            ("test_first_screen_example_command",)),
+    Covered("docs/getting-started.md", "text", r"^attempt 0: starting at epoch 0 \(",
+            ("test_first_screen_example_command",)),
+    Covered("docs/frameworks/unsloth.md", "python", r"from taskpoint_unsloth import",
+            ("test_unsloth_quickstart",)),
+    Covered("docs/object-stores.md", "python", r'taskpoint\.Checkpoint\("s3://',
             ("test_object_store_block_constructs_checkpoints", "test_object_store_block_on_a_server")),
-    Covered("", r"<root>/<task>/<run id>/", ("test_store_layout_block",)),
-    Covered("json", r'"format": 1', ("test_manifest_block",)),
-    Covered("python", r"flyte\.ctx\(\)\.checkpoint", ("test_flyte_adapter_block",)),
-    Covered("python", r"taskpoint\.Checkpoint\.at\(f\"s3://", ("test_flyte_store_block",)),
-    Covered("sh", r"^taskpoint run ", ("test_command_line_block",)),
-    Covered("text", r"├── attempt 0 ", ("test_show_output_block",)),
+    Covered("docs/store-format.md", "", r"<root>/<task>/<run id>/", ("test_store_layout_block",)),
+    Covered("docs/store-format.md", "json", r'"format": 1', ("test_manifest_block",)),
+    Covered("docs/frameworks/flyte.md", "python", r"flyte\.ctx\(\)\.checkpoint",
+            ("test_flyte_adapter_block",)),
+    Covered("docs/frameworks/flyte.md", "python", r"taskpoint\.Checkpoint\.at\(f\"s3://",
+            ("test_flyte_store_block",)),
+    Covered("docs/cli.md", "sh", r"^taskpoint run ", ("test_command_line_block",)),
+    Covered("docs/cli.md", "text", r"├── attempt 0 ", ("test_show_output_block",)),
 ]
-"""Which tests run which README block."""
+"""Which tests run which block. The guides' other Python blocks run as tests of their own
+(``docs/conftest.py``); their other blocks (install commands, YAML, sample output) are
+illustrations."""
 
 
 def _matches(entry: Covered, block: Block) -> bool:
-    return entry.lang == block.lang and re.search(entry.pattern, block.text, re.MULTILINE) is not None
+    return (
+        block.page == REPO / entry.page
+        and entry.lang == block.lang
+        and re.search(entry.pattern, block.text, re.MULTILINE) is not None
+    )
 
 
-def readme_block(test: str) -> Block:
-    """The one README block :data:`COVERAGE` assigns to the test named ``test``."""
-    (entry,) = [e for e in COVERAGE if test in e.tests]
-    found = [b for b in readme_blocks() if _matches(entry, b)]
-    assert len(found) == 1, f"{test}: {len(found)} README blocks match {entry.pattern!r}"
+def _all_blocks() -> list[Block]:
+    return [b for page in [README, *guide_pages()] for b in page_blocks(page)]
+
+
+def covered_block(test: str, page: str = "", lang: str | None = None) -> Block:
+    """The one block :data:`COVERAGE` assigns to the test named ``test`` (on ``page``, in
+    ``lang``, for a test that runs several blocks)."""
+    (entry,) = [
+        e for e in COVERAGE
+        if test in e.tests and (not page or e.page == page) and (lang is None or e.lang == lang)
+    ]
+    found = [b for b in page_blocks(REPO / entry.page) if _matches(entry, b)]
+    assert len(found) == 1, f"{test}: {len(found)} blocks of {entry.page} match {entry.pattern!r}"
     return found[0]
 
 
 def test_every_block_is_run() -> None:
-    blocks = readme_blocks()
-    assert blocks, "README.md has no code blocks"
+    readme = page_blocks(README)
+    assert readme, "README.md has no code blocks"
+    blocks = _all_blocks()
     for block in blocks:
         claims = [e.pattern for e in COVERAGE if _matches(e, block)]
-        assert claims, (
-            f"{block} is run by no test: add an entry to COVERAGE in tests/test_readme.py "
-            "and a test that runs it"
-        )
-        assert len(claims) == 1, f"{block} is claimed by several COVERAGE entries: {claims}"
+        assert len(claims) <= 1, f"{block} is claimed by several COVERAGE entries: {claims}"
+        if block.page == README:
+            assert claims, (
+                f"{block} is run by no test: add an entry to COVERAGE in tests/test_docs.py "
+                "and a test that runs it"
+            )
     for entry in COVERAGE:
         matched = [b for b in blocks if _matches(entry, b)]
         assert len(matched) == 1, f"COVERAGE entry {entry.pattern!r} matches {len(matched)} blocks"
         for test in entry.tests:
             assert callable(globals().get(test)), f"COVERAGE names {test}, which does not exist"
+
+
+def test_every_guide_python_block_is_collected() -> None:
+    """pytest-markdown-docs runs a block whose language is ``python`` and whose info string
+    does not say ``notest``; ``docs/conftest.py`` collects every guide page."""
+    python = [b for b in _all_blocks() if b.page != README and b.lang in ("python", "py", "python3")]
+    assert len(python) >= 20, f"only {len(python)} Python blocks in the guides"
+    for block in python:
+        assert "notest" not in block.info.split(), f"{block} is never run: drop `notest`"
+        if block.info.startswith("{"):
+            assert block.info.startswith("{.python") and block.info.endswith("}"), (
+                f"{block}: write options as ```{{.python fixture:NAME}}``` (superfences syntax)"
+            )
+    assert not [b for b in _all_blocks() if b.lang in ("pycon", "ipython")], "untested console blocks"
+
+
+def test_readme_links_resolve() -> None:
+    """The README's relative links (to the guides, examples and adapters) name files that exist."""
+    text = README.read_text(encoding="utf-8")
+    links = re.findall(r"\]\((?!https?://|#)([^)#\s]+)", text)
+    assert links, "the README links to no guide"
+    missing = [link for link in links if not (REPO / link).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
+    assert "docs/store-format.md" in links, "the README must link the store format (the contract)"
 
 
 # -- running python blocks ----------------------------------------------------------------
@@ -161,7 +230,7 @@ YOUR_CODE: dict[str, str] = {
     "make_model_and_optimizer": "the reader's model and optimizer",
     "evaluate": "the reader's evaluation, returning a float",
 }
-"""Names README blocks use for the reader's own code, and what each stands for."""
+"""Names blocks use for the reader's own code, and what each stands for."""
 
 
 def free_names(source: str) -> set[str]:
@@ -198,19 +267,19 @@ def block_module() -> Iterator[Callable[..., types.ModuleType]]:
     """``run(block, **your_code)``: execute a python block as a module and return it.
 
     The module is importable by name while the test runs (Flyte looks its tasks up there),
-    and tracebacks point at README.md lines.
+    and tracebacks point at the page's lines.
     """
     names: list[str] = []
 
     def run(block: Block, **your_code: Any) -> types.ModuleType:
         check_free_names(block, set(your_code))
-        name = f"readme_block_{block.line}"
+        name = f"docs_block_{block.page.stem.replace('-', '_')}_{block.line}"
         module = types.ModuleType(name)
-        module.__file__ = str(README)
+        module.__file__ = str(block.page)
         module.__dict__.update(your_code)
         sys.modules[name] = module
         names.append(name)
-        exec(compile("\n" * block.line + block.text, str(README), "exec"), module.__dict__)
+        exec(compile("\n" * block.line + block.text, str(block.page), "exec"), module.__dict__)
         return module
 
     yield run
@@ -263,123 +332,11 @@ def committed_attempts(root: Path) -> set[int]:
 def test_use_it_block(workdir: Path, block_module: Callable[..., types.ModuleType]) -> None:
     steps = Recorder(crash_at=6)  # attempt 0 dies in step 5, after committing 5 steps
     module = block_module(
-        readme_block("test_use_it_block"),
+        covered_block("test_use_it_block"),
         train_step=lambda step: steps.hit((attempt(), step)),
     )
     assert module.train() == 100
     assert steps.calls == [(0, s) for s in range(6)] + [(1, s) for s in range(5, 100)]
-
-
-def test_pytorch_quickstart(workdir: Path, block_module: Callable[..., types.ModuleType]) -> None:
-    import torch
-
-    epochs = Recorder(crash_at=4)  # attempt 0 dies in epoch 3, after saving 3 epochs
-
-    def train_one_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        epochs.hit(attempt())
-        loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    module = block_module(readme_block("test_pytorch_quickstart"), train_one_epoch=train_one_epoch)
-    module.train()
-    assert epochs.calls == [0] * 4 + [1] * 7, "attempt 1 resumes at epoch 3 of 10"
-    assert committed_attempts(workdir / ".taskpoint" / "checkpoints") == {1}
-
-
-@pytest.mark.slow
-def test_lightning_quickstart(workdir: Path, block_module: Callable[..., types.ModuleType]) -> None:
-    import lightning as L
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    # 10 batches an epoch, 3 epochs: 30 steps; the block saves every 20.
-    steps = Recorder(crash_at=26)  # attempt 0 dies in step 25
-
-    class Tiny(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            steps.hit((attempt(), self.global_step))
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.layer(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def make_model() -> Tiny:
-        torch.manual_seed(0)
-        return Tiny()
-
-    def make_loader() -> DataLoader[Any]:
-        generator = torch.Generator().manual_seed(0)
-        data = TensorDataset(torch.randn(40, 4, generator=generator), torch.randn(40, 1, generator=generator))
-        return DataLoader(data, batch_size=4)
-
-    module = block_module(
-        readme_block("test_lightning_quickstart"), make_model=make_model, make_loader=make_loader
-    )
-    module.train()
-    assert steps.calls == [(0, s) for s in range(26)] + [(1, s) for s in range(20, 30)]
-    assert (workdir / "ckpts" / "last.ckpt").exists()
-
-
-@pytest.mark.slow
-def test_hf_quickstart(workdir: Path, block_module: Callable[..., types.ModuleType]) -> None:
-    import torch
-
-    # 80 rows, batches of 8 (the Trainer's default), 3 epochs: 30 steps; saved every 20.
-    forwards = Recorder(crash_at=26)  # attempt 0 dies in step 26
-
-    class Regressor(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(4, 1)
-
-        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-            forwards.hit(attempt())
-            return {"loss": torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
-
-    class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
-        def __init__(self) -> None:
-            generator = torch.Generator().manual_seed(0)
-            self.x = torch.randn(80, 4, generator=generator)
-            self.y = torch.randn(80, generator=generator)
-
-        def __len__(self) -> int:
-            return len(self.y)
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            return {"x": self.x[i], "labels": self.y[i]}
-
-    def make_model() -> Regressor:
-        torch.manual_seed(0)
-        return Regressor()
-
-    module = block_module(
-        readme_block("test_hf_quickstart"), make_model=make_model, make_dataset=Rows
-    )
-    module.train()
-    assert forwards.calls == [0] * 26 + [1] * 10, "attempt 1 resumes from checkpoint-20"
-    assert sorted(p.name for p in (workdir / "out").glob("checkpoint-*")) == ["checkpoint-20", "checkpoint-30"]
-
-
-def test_sklearn_quickstart(workdir: Path, block_module: Callable[..., types.ModuleType]) -> None:
-    import numpy as np
-
-    chunks = Recorder(crash_at=4)  # attempt 0 dies in chunk 3, after saving 3 chunks
-
-    def next_chunk(rng: np.random.Generator) -> tuple[Any, Any]:
-        chunks.hit(attempt())
-        x = rng.standard_normal((32, 8))
-        return x, (x[:, 0] > 0).astype(int)
-
-    module = block_module(readme_block("test_sklearn_quickstart"), next_chunk=next_chunk)
-    assert isinstance(module.train(), float)
-    assert chunks.calls == [0] * 4 + [1] * 7, "attempt 1 resumes at chunk 3 of 10"
 
 
 def _child_env(**extra: str) -> dict[str, str]:
@@ -397,9 +354,9 @@ def _child_env(**extra: str) -> dict[str, str]:
 @pytest.mark.timeout(900)
 def test_unsloth_quickstart(tmp_path: Path, uv: str) -> None:
     """Runs in Unsloth's environment (its pins conflict with this one), through
-    ``tests/readme/unsloth_block.py``, which supplies the reader's code and checks nothing
+    ``tests/docs_blocks/unsloth_block.py``, which supplies the reader's code and checks nothing
     itself; the assertions are here."""
-    block = readme_block("test_unsloth_quickstart")
+    block = covered_block("test_unsloth_quickstart")
     check_free_names(block, {"load_lora_model", "make_sft_config", "make_dataset"})
     if not (REPO / ".venv-unsloth").is_dir() and not _servers.in_ci():
         pytest.skip(
@@ -434,7 +391,7 @@ def _commands(block: Block) -> list[str]:
 
 @pytest.mark.slow
 def test_first_screen_example_command(tmp_path: Path, uv: str) -> None:
-    block = readme_block("test_first_screen_example_command")
+    block = covered_block("test_first_screen_example_command", "README.md")
     assert _commands(block) == ["uv run python examples/pytorch_checkpoint.py", "uv run pytest"]
     # As written, from the repository root. Here from an empty directory (the example writes
     # its checkpoints under the working directory): `--project` names the repository, and
@@ -442,19 +399,34 @@ def test_first_screen_example_command(tmp_path: Path, uv: str) -> None:
     proc = subprocess.run(
         [uv, "run", "--locked", "--project", str(REPO),
          "python", str(REPO / "examples" / "pytorch_checkpoint.py")],
-        cwd=tmp_path, env=_child_env(), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert proc.returncode == 0, proc.stdout[-8000:]
     assert re.findall(r"^attempt (\d): starting at epoch (\d+)", proc.stdout, re.MULTILINE) == [
         ("0", "0"), ("1", "3"), ("2", "6"), ("3", "9")
     ]
     assert "resumed from the checkpoint" in proc.stdout
     assert "identical: True" in proc.stdout
+    # The getting-started guide shows the same commands, and this run's output, line for
+    # line (the run id and the two predictions aside).
+    guide = "docs/getting-started.md"
+    assert _commands(covered_block("test_first_screen_example_command", guide, "sh")) == _commands(block)
+    shown = covered_block("test_first_screen_example_command", guide, "text")
+
+    def normal(text: str) -> list[str]:
+        text = re.sub(r"\d{8}T\d{6}Z-[0-9a-f]+", "RUN", text)
+        text = re.sub(r"(run:\s+)\S+", r"\1X", text)
+        return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+    assert normal(shown.text) == normal(proc.stdout), (
+        f"{guide}'s sample output is not what the example prints:\n{proc.stdout}"
+    )
 
 
 @pytest.mark.slow
 def test_first_screen_pytest_command(uv: str) -> None:
-    block = readme_block("test_first_screen_pytest_command")
+    block = covered_block("test_first_screen_pytest_command")
     assert "uv run pytest" in _commands(block)
     # `uv run pytest` would run this test again, and everything else: collecting proves the
     # command, environment and every test module are valid without recursing.
@@ -464,7 +436,7 @@ def test_first_screen_pytest_command(uv: str) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     assert re.search(r"^\d+ tests collected", proc.stdout, re.MULTILINE), proc.stdout[-2000:]
-    assert "tests/test_readme.py::test_every_block_is_run" in proc.stdout
+    assert "tests/test_docs.py::test_every_block_is_run" in proc.stdout
 
 
 # -- object stores ----------------------------------------------------------------------
@@ -487,7 +459,7 @@ def _evaluate(call: ast.expr) -> Any:
 def test_object_store_block_constructs_checkpoints(
     block_module: Callable[..., types.ModuleType],
 ) -> None:
-    block = readme_block("test_object_store_block_constructs_checkpoints")
+    block = covered_block("test_object_store_block_constructs_checkpoints")
     block_module(block)  # runs as written: constructing connects to nothing yet
     calls = _checkpoint_calls(block)
     urls = []
@@ -532,7 +504,7 @@ def test_object_store_block_on_a_server(
     ``storage_options`` with its placeholders filled in."""
     server = _server(request, kind)
     scheme = {"s3": "s3", "gcs": "gs", "azure": "az"}[kind]
-    block = readme_block("test_object_store_block_on_a_server")
+    block = covered_block("test_object_store_block_on_a_server")
     (call,) = [
         c for c in _checkpoint_calls(block)
         if isinstance(c, ast.Call) and ast.literal_eval(c.args[0]).startswith(f"{scheme}://")
@@ -590,7 +562,7 @@ def _layout_patterns(block: Block) -> tuple[str, list[re.Pattern[str]]]:
 
 
 def test_store_layout_block(workdir: Path) -> None:
-    action_line, patterns = _layout_patterns(readme_block("test_store_layout_block"))
+    action_line, patterns = _layout_patterns(covered_block("test_store_layout_block"))
     assert action_line == "<root>/<task>/<run id>/"
     root = workdir / "root"
 
@@ -651,7 +623,7 @@ def test_store_layout_block(workdir: Path) -> None:
 def test_manifest_block() -> None:
     from taskpoint.manifest import Manifest
 
-    text = readme_block("test_manifest_block").text
+    text = covered_block("test_manifest_block").text
     assert text.count("…") == 1, "the checksum is the block's only placeholder"
     data = text.replace("…", "0" * 32).encode()
     manifest = Manifest.from_json(data, url="README.md")
@@ -704,7 +676,7 @@ def test_flyte_adapter_block(
             return float(model(torch.ones(1, 4)).item())
 
     module = block_module(
-        readme_block("test_flyte_adapter_block"),
+        covered_block("test_flyte_adapter_block"),
         make_model_and_optimizer=make_model_and_optimizer,
         train_one_epoch=train_one_epoch,
         evaluate=evaluate,
@@ -720,7 +692,7 @@ def test_flyte_store_block(
     request: pytest.FixtureRequest,
 ) -> None:
     s3_server = _server(request, "s3")
-    block = readme_block("test_flyte_store_block")
+    block = covered_block("test_flyte_store_block")
     (bucket,) = re.findall(r"s3://([^/]+)/", block.text)
     if not s3_server.filesystem().exists(bucket):
         s3_server.create_bucket(bucket)
@@ -758,7 +730,7 @@ def test_command_line_block(workdir: Path) -> None:
     exe = Path(sys.executable).with_name("taskpoint")
     assert exe.exists(), f"the taskpoint console script is not installed next to {sys.executable}"
     outputs: dict[str, list[str]] = {}
-    for template in _commands(readme_block("test_command_line_block")):
+    for template in _commands(covered_block("test_command_line_block")):
         for placeholder, value in CLI_VALUES.items():
             template = template.replace(placeholder, value)
         assert not re.search(r"\[|\b[A-Z]{2,}\b", template), f"unfilled placeholder in {template!r}"
@@ -787,8 +759,11 @@ def test_command_line_block(workdir: Path) -> None:
 
 
 
-def test_show_output_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sample ``taskpoint show`` output is what it prints for the run it describes."""
+def _show(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *options: str, columns: int = 160
+) -> str:
+    """``taskpoint show`` of the run ``test_cli_show.contract_run`` writes (times in UTC,
+    ``columns`` wide), its root written ``file:///data/ckpt``; returns what it printed."""
     import time
 
     from click.testing import CliRunner
@@ -801,11 +776,89 @@ def test_show_output_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         root = tmp_path / "store"
         contract_run(root)
         result = CliRunner().invoke(
-            main, ["show", ACTION, "--root", f"file://{root}"], env={"COLUMNS": "160"}
+            main, ["show", ACTION, "--root", f"file://{root}", *options],
+            env={"COLUMNS": str(columns)},
         )
     finally:
         monkeypatch.undo()
         time.tzset()
     assert result.exit_code == 0, result.output
-    shown = result.output.replace(f"file://{root}", "file:///data/ckpt")
-    assert readme_block("test_show_output_block").text == shown
+    return result.output.replace(f"file://{root}", "file:///data/ckpt")
+
+
+def test_show_output_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sample ``taskpoint show`` output is what it prints for the run it describes."""
+    shown = _show(tmp_path, monkeypatch)
+    assert covered_block("test_show_output_block").text == shown
+
+
+def offline_svg(svg: str) -> str:
+    """``svg`` without its web fonts: rich's SVG export loads Fira Code from a CDN, which the
+    docs site must not reach; the reader's monospace font draws it instead."""
+    svg = re.sub(r"@font-face\s*\{[^}]*\}\s*", "", svg)
+    assert not re.search(r"url\((?!#)|(?:src|href)=", svg), "the picture still loads something"
+    return svg
+
+
+def test_show_picture_is_current(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``docs/assets/taskpoint-show.svg`` is what ``taskpoint show --svg`` draws for the run
+    the command-line guide describes. ``TASKPOINT_UPDATE_DOCS=1`` writes it anew."""
+    picture = tmp_path / "show.svg"
+    _show(tmp_path, monkeypatch, "--svg", str(picture), columns=100)  # legible on a page
+    svg = offline_svg(picture.read_text(encoding="utf-8"))
+    # As in the text sample, the store is file:///data/ckpt: each <text> holding the root
+    # gets the length rich gives its characters (12.2 units each), and rich's id (a hash of
+    # the content, temporary path included) a fixed name.
+    root = f"file://{tmp_path / 'store'}"
+
+    def relocate(found: re.Match[str]) -> str:
+        text = found.group(3).replace(root, "file:///data/ckpt")
+        length = 12.2 * len(html.unescape(text))
+        return f'{found.group(1)}textLength="{length:g}"{found.group(2)}>{text}</text>'
+
+    svg = re.sub(
+        r'(<text [^>]*?)textLength="[^"]*"([^>]*)>([^<]*' + re.escape(root) + r"[^<]*)</text>",
+        relocate, svg,
+    )
+    svg = re.sub(r"terminal-\d+", "terminal-taskpoint-show", svg)
+    if os.environ.get("TASKPOINT_UPDATE_DOCS") == "1":
+        SHOW_PICTURE.write_text(svg, encoding="utf-8")
+    assert SHOW_PICTURE.read_text(encoding="utf-8") == svg, (
+        "docs/assets/taskpoint-show.svg is out of date: rerun this test with TASKPOINT_UPDATE_DOCS=1"
+    )
+
+
+def test_benchmark_figures_are_current() -> None:
+    """The benchmarks guide's table and ``docs/assets/bench-checkpoint.svg`` are what
+    ``docs/_bench_plots.py`` makes of ``bench/results.json``, so a new benchmark run shows
+    in the docs or fails here. ``TASKPOINT_UPDATE_DOCS=1`` rewrites the picture."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_plots", DOCS / "_bench_plots.py")
+    assert spec is not None and spec.loader is not None
+    plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plots)
+    results = json.loads((REPO / "bench" / "results.json").read_text(encoding="utf-8"))
+    page = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    assert plots.table(results) in page, (
+        "docs/benchmarks.md's first table is not bench/results.json's: paste "
+        "docs/_bench_plots.table(results) in its place"
+    )
+    figure = DOCS / "assets" / "bench-checkpoint.svg"
+    if os.environ.get("TASKPOINT_UPDATE_DOCS") == "1":
+        figure.write_text(plots.figure(results), encoding="utf-8")
+    assert figure.read_text(encoding="utf-8") == plots.figure(results), (
+        "docs/assets/bench-checkpoint.svg is out of date: rerun this test with TASKPOINT_UPDATE_DOCS=1"
+    )
+
+
+def test_docs_site_loads_nothing_from_the_network() -> None:
+    """The site works offline: no web fonts, highlighting at build time, and no Mermaid
+    diagram (Material would fetch Mermaid from a CDN for one)."""
+    config = (REPO / "mkdocs.yml").read_text(encoding="utf-8")
+    assert re.search(r"^  font: false$", config, re.MULTILINE), "mkdocs.yml must set theme.font: false"
+    assert re.search(r"use_pygments: true", config)
+    assert "extra_javascript" not in config
+    for page in guide_pages():
+        assert not [b for b in page_blocks(page) if b.lang == "mermaid"], f"{page}: a Mermaid block"
+        assert not re.search(r"<(script|iframe|link)\b", page.read_text(encoding="utf-8")), page

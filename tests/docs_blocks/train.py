@@ -1,4 +1,4 @@
-"""The task file the README's command-line block runs (``tests/test_readme.py`` copies it
+"""The task file the command-line guide's block runs (``tests/test_docs.py`` copies it
 to ``train.py`` in an empty working directory).
 
 ``train`` counts ``steps`` steps, saving the count after each one. Attempt 0 dies at step 3

@@ -1,13 +1,14 @@
-"""Runs the README's Unsloth quickstart block, in Unsloth's environment.
+"""Runs the Unsloth guide's quickstart block (``docs/frameworks/unsloth.md``), in Unsloth's
+environment.
 
-``tests/test_readme.py::test_unsloth_quickstart`` starts it, in an empty working directory::
+``tests/test_docs.py::test_unsloth_quickstart`` starts it, in an empty working directory::
 
     UV_PROJECT_ENVIRONMENT=.venv-unsloth uv run --frozen --only-group unsloth \\
-        python tests/readme/unsloth_block.py BLOCK.py
+        python tests/docs_blocks/unsloth_block.py BLOCK.py
 
 It supplies the reader's code the block names (a tiny Llama built locally by
 ``integrations/unsloth/tests/unsloth_testkit.py``: nothing is downloaded), executes the
-block, calls its ``train`` task, and prints one line, ``RESULT {...}``: the taskpoint
+block, which calls its ``train`` task, and prints one line, ``RESULT {...}``: the taskpoint
 attempt of every forward pass of the model, and the ``checkpoint-N`` directories left in the
 output directory. The model's forward pass number ``CRASH_AT`` raises once, as a dying
 attempt would; the test checks that the retry resumed.
@@ -63,12 +64,11 @@ if __name__ == "__main__":
     BASE = kit.make_base_model(Path("base").resolve())
     block = Path(sys.argv[1])
     namespace: dict[str, Any] = {
-        "__name__": "readme_unsloth_block",
+        "__name__": "docs_unsloth_block",
         "load_lora_model": load_lora_model,
         "make_sft_config": make_sft_config,
         "make_dataset": make_dataset,
     }
-    exec(compile(block.read_text(), "README.md", "exec"), namespace)
-    namespace["train"]()
+    exec(compile(block.read_text(), "docs/frameworks/unsloth.md", "exec"), namespace)  # calls train()
     checkpoints = sorted(p.name for p in Path("out").glob("checkpoint-*"))
     print("RESULT " + json.dumps({"forwards": forwards, "checkpoints": checkpoints}), flush=True)
