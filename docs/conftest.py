@@ -41,8 +41,18 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
         return None
     from pytest_markdown_docs.plugin import MarkdownTextFile
 
+    class GuidePage(MarkdownTextFile):  # type: ignore[misc]
+        """A guide's blocks; one that needs CUDA is a ``gpu`` test, which ``pytest -m gpu``
+        selects on a CUDA machine (``conftest.py`` skips it elsewhere, with the reason)."""
+
+        def collect(self) -> Iterator[pytest.Item]:
+            for item in super().collect():
+                if "needs_cuda" in item.fixturenames:
+                    item.add_marker(pytest.mark.gpu)
+                yield item
+
     parent.config.option.markdowndocs_syntax = "superfences"
-    collected: pytest.Collector = MarkdownTextFile.from_parent(parent, path=file_path)
+    collected: pytest.Collector = GuidePage.from_parent(parent, path=file_path)
     return collected
 
 

@@ -803,13 +803,22 @@ def offline_svg(svg: str) -> str:
 def test_show_picture_is_current(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``docs/assets/taskpoint-show.svg`` is what ``taskpoint show --svg`` draws for the run
     the command-line guide describes. ``TASKPOINT_UPDATE_DOCS=1`` writes it anew."""
+    import tempfile
+
     picture = tmp_path / "show.svg"
-    _show(tmp_path, monkeypatch, "--svg", str(picture), columns=100)  # legible on a page
+    # 100 columns keep the picture legible on a page. The header names the store: a short
+    # temporary path (always 15 characters) keeps it on one line, wherever pytest's own
+    # temporary folder is.
+    short = Path(tempfile.mkdtemp(prefix="tp-", dir="/tmp"))
+    try:
+        _show(short, monkeypatch, "--svg", str(picture), columns=100)
+    finally:
+        shutil.rmtree(short)
     svg = offline_svg(picture.read_text(encoding="utf-8"))
     # As in the text sample, the store is file:///data/ckpt: each <text> holding the root
     # gets the length rich gives its characters (12.2 units each), and rich's id (a hash of
     # the content, temporary path included) a fixed name.
-    root = f"file://{tmp_path / 'store'}"
+    root = f"file://{short / 'store'}"
 
     def relocate(found: re.Match[str]) -> str:
         text = found.group(3).replace(root, "file:///data/ckpt")
