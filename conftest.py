@@ -188,9 +188,35 @@ def _fsspec_registry_restored() -> Iterator[None]:
     _registry.update(saved)
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (the default, in ``pyproject.toml``): one worker per core, at most 4,
+    since each worker starts its own object-store servers and many tests start training
+    processes of their own."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
+def _narrowed_by_stores_marker(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the ``store_url`` cases a ``@pytest.mark.stores(...)`` test does not list:
+    slow process-level tests run on the file store and one object store, not all six."""
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker("stores")
+        callspec = getattr(item, "callspec", None)
+        kind = callspec.params.get("store_url") if callspec is not None else None
+        if marker is not None and kind is not None and kind not in marker.args:
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``@pytest.mark.gpu`` tests, with the reason, where CUDA is missing; with
-    ``TASKPOINT_REQUIRE_GPU=1`` (the GPU workflow) that is an error instead."""
+    """Narrow ``@pytest.mark.stores`` tests to their stores. Skip ``@pytest.mark.gpu``
+    tests, with the reason, where CUDA is missing; with ``TASKPOINT_REQUIRE_GPU=1`` (the
+    GPU workflow) that is an error instead."""
+    _narrowed_by_stores_marker(config, items)
     if any("gpu" in item.keywords for item in items) and not _cuda_available():
         if os.environ.get("TASKPOINT_REQUIRE_GPU") == "1":
             raise pytest.UsageError(

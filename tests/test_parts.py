@@ -167,6 +167,7 @@ def test_a_path_two_writers_fill_differently_fails_every_writer(url: str, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.stores("file", "s3")  # processes and timeouts: one object store is enough
 def test_a_writer_that_never_arrives_fails_the_others_naming_it(url: str, tmp_path: Path) -> None:
     writers = Writers(url, tmp_path, 3)
     # rank 0 enters after rank 1 has, so its 3 s wait is only for rank 2; rank 1's 5 s
@@ -183,6 +184,7 @@ def test_a_writer_that_never_arrives_fails_the_others_naming_it(url: str, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.stores("file", "s3")  # processes and timeouts: one object store is enough
 def test_a_writer_killed_after_uploading_leaves_nothing_committed(url: str, tmp_path: Path) -> None:
     """Rank 1 uploads and is killed before sending its part: rank 0 gives up waiting,
     commits nothing, and the previous checkpoint stays the newest."""
@@ -199,6 +201,7 @@ def test_a_writer_killed_after_uploading_leaves_nothing_committed(url: str, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.stores("file", "s3")  # processes and timeouts: one object store is enough
 def test_a_writer_killed_after_its_part_was_gathered_leaves_a_commit_every_rank_reports(
     url: str, tmp_path: Path
 ) -> None:
@@ -259,6 +262,7 @@ def test_writers_disagreeing_about_location_fail_before_any_upload(url: str, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.stores("file", "s3")  # processes and timeouts: one object store is enough
 def test_writers_disagreeing_about_world_size_fail_clearly(url: str, tmp_path: Path) -> None:
     writers = Writers(url, tmp_path, 2)
     writers.start(0, {"a": "0"})
