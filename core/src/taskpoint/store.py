@@ -25,12 +25,10 @@ import contextlib
 import errno
 import importlib
 import io
-import logging
 import os
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, TypeVar
@@ -40,15 +38,15 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import known_implementations
 
+from taskpoint import _retry
 from taskpoint import transfer as _transfer
-from taskpoint._faults import is_denied, is_transient, status_of
+from taskpoint._faults import is_transient, status_of
+from taskpoint._retry import RetryPolicy
 from taskpoint._streams import ReadView
-from taskpoint.errors import CheckpointError, CheckpointStoreError
+from taskpoint.errors import CheckpointStoreError
 from taskpoint.transfer import Transfer
 
 __all__ = ["RetryPolicy", "Store", "check_location", "is_transient"]
-
-log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -100,46 +98,6 @@ def check_location(what: str, value: object) -> str:
             "s3://bucket/prefix"
         )
     return text
-
-
-class RetryPolicy:
-    """How store calls retry transient failures.
-
-    Args:
-        attempts: total tries per call (1 disables retrying).
-        initial: seconds to wait before the first retry; doubles each retry.
-        maximum: the longest wait between tries, in seconds.
-    """
-
-    def __init__(self, attempts: int = 5, initial: float = 0.2, maximum: float = 5.0) -> None:
-        if attempts < 1:
-            raise ValueError(f"attempts must be at least 1; got {attempts!r}")
-        self.attempts = attempts
-        self.initial = initial
-        self.maximum = maximum
-
-    def _key(self) -> tuple[int, float, float]:
-        return (self.attempts, self.initial, self.maximum)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, RetryPolicy):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return (
-            f"RetryPolicy(attempts={self.attempts!r}, initial={self.initial!r}, "
-            f"maximum={self.maximum!r})"
-        )
-
-    def delay(self, retry: int) -> float:
-        """Seconds to wait before retry number ``retry`` (0-based)."""
-        return float(min(self.maximum, self.initial * (2**retry)))
-
-
 
 
 class Store:
@@ -231,42 +189,9 @@ class Store:
         return f"{self._base}/{name}" if name else self._base or fs.root_marker
 
     def _call(self, what: str, name: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``, retrying transient failures; translate all but FileNotFoundError.
-
-        A FileNotFoundError from an object store whose bucket is missing becomes a
-        CheckpointStoreError saying so.
-        """
-        url = self.url_of(name)
-        for retry in range(self._retry.attempts):
-            try:
-                return fn()
-            except FileNotFoundError as exc:
-                self._check_bucket(exc)
-                raise
-            except CheckpointError:
-                raise
-            except Exception as exc:
-                last = retry == self._retry.attempts - 1
-                if not is_transient(exc) or last:
-                    tries = f" after {retry + 1} tries" if retry else ""
-                    hint = (
-                        " (the store refused the credentials or the permission: check "
-                        "storage_options or the credentials in the environment)"
-                        if is_denied(exc)
-                        else ""
-                    )
-                    raise CheckpointStoreError(
-                        f"checkpoint store failed to {what} {url}{tries}: "
-                        f"{type(exc).__name__}: {exc}{hint}",
-                        url=url,
-                    ) from exc
-                delay = self._retry.delay(retry)
-                log.warning(
-                    "transient store error on %s %s (%s: %s); retrying in %.1fs",
-                    what, url, type(exc).__name__, exc, delay,
-                )
-                time.sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
+        """Run ``fn`` as :func:`taskpoint._retry.run` does; a FileNotFoundError from an
+        object store whose bucket is missing becomes a CheckpointStoreError saying so."""
+        return _retry.run(self._retry, what, self.url_of(name), fn, self._check_bucket)
 
     def _check_bucket(self, cause: BaseException) -> None:
         """Raise CheckpointStoreError if this object store's bucket does not exist."""
