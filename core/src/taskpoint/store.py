@@ -22,14 +22,12 @@ taken for "no checkpoint yet".
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib
 import io
 import os
 import shutil
 import tempfile
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, TypeVar
 
@@ -38,7 +36,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import known_implementations
 
-from taskpoint import _retry
+from taskpoint import _local_files, _retry
 from taskpoint import transfer as _transfer
 from taskpoint._faults import is_transient, status_of
 from taskpoint._retry import RetryPolicy
@@ -315,17 +313,7 @@ class Store:
                 whole = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
                 self.fs.pipe_file(path, whole)
                 return
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            try:
-                with open(tmp, "wb") as fh:
-                    for part in parts:
-                        fh.write(part)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+            _local_files.replace(path, parts)
 
         self._call("write", name, run)
 
@@ -346,7 +334,7 @@ class Store:
             self._makedirs(name)
             path = self._path(name)
             if self.is_local:
-                return _link_new(path, data)
+                return _local_files.link_new(path, data)
             if self.is_memory:
                 with _MEMORY_CREATE:
                     if self.fs.exists(path):
@@ -540,34 +528,6 @@ class Store:
 
 _MEMORY_CREATE = threading.Lock()
 """Serialises exclusive creates on ``memory://``, which lives in this process alone."""
-
-
-def _link_new(path: str, data: bytes) -> bool:
-    """Put a complete file holding ``data`` at ``path`` unless something is there."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
-                raise
-            # No hard links here (some network and FUSE file systems): O_EXCL instead.
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-        return True
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 class _GuardedReader(ReadView):
