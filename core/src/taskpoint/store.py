@@ -22,7 +22,6 @@ taken for "no checkpoint yet".
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import os
 import shutil
@@ -32,13 +31,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, TypeVar
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
-from fsspec.implementations.memory import MemoryFileSystem
-from fsspec.registry import known_implementations
 
 from taskpoint import _local_files, _retry
 from taskpoint import transfer as _transfer
 from taskpoint._faults import is_transient, status_of
+from taskpoint._location import Location, check_location
 from taskpoint._retry import RetryPolicy
 from taskpoint._streams import ReadView
 from taskpoint.errors import CheckpointStoreError
@@ -47,55 +44,6 @@ from taskpoint.transfer import Transfer
 __all__ = ["RetryPolicy", "Store", "check_location", "is_transient"]
 
 T = TypeVar("T")
-
-_BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
-
-
-_PINNED_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
-"""Protocols resolved to fsspec's own backend even when another library re-registered them."""
-
-
-def _url_to_fs(url: str, options: Mapping[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
-    """Open ``url``'s filesystem, with s3fs / gcsfs / adlfs for their protocols.
-
-    Libraries can replace fsspec's handler for a protocol process-wide (``flyte.init()``
-    registers obstore for ``s3``, ``gs`` and ``abfs``), which would change what
-    ``storage_options`` mean under taskpoint's feet; bucket protocols therefore go to the
-    backend fsspec documents for them.
-    """
-    protocol = fsspec.core.split_protocol(url)[0]
-    known = known_implementations.get(protocol or "")
-    if protocol not in _PINNED_PROTOCOLS or known is None:
-        return fsspec.core.url_to_fs(url, **options)  # type: ignore[no-any-return]
-    module_name, _, class_name = known["class"].rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except ImportError as exc:
-        hint = known.get("err") or f"install {module_name.split('.')[0]}"
-        raise ImportError(f"{protocol}:// needs {module_name}: {hint}") from exc
-    kwargs = {**cls._get_kwargs_from_urls(url), **options}
-    return cls(**kwargs), cls._strip_protocol(url)
-
-
-def check_location(what: str, value: object) -> str:
-    """Return ``value`` if it can name a store location: a non-blank string or path.
-
-    A blank location would otherwise resolve to the working directory or, stripped of its
-    slashes, to the file-system root.
-
-    Raises:
-        TypeError: ``value`` is not a str or os.PathLike.
-        ValueError: ``value`` is empty or only whitespace (``what`` names it).
-    """
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{what} must be a str or os.PathLike; got {type(value).__name__}")
-    text = os.fspath(value)
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(
-            f"{what} is blank ({text!r}): give a local path or an fsspec URL such as "
-            "s3://bucket/prefix"
-        )
-    return text
 
 
 class Store:
@@ -120,13 +68,10 @@ class Store:
         transfer: Transfer | None = None,
     ) -> None:
         url = check_location("the checkpoint store URL", url)
-        self._url = url.rstrip("/") or url
-        self._options = dict(storage_options or {})
+        options = dict(storage_options or {})
         self._retry = retry or RetryPolicy()
         self._transfer = transfer or Transfer.from_env()
-        self._fs: fsspec.AbstractFileSystem | None = None
-        self._base = ""
-        self._bucket_ok = False
+        self._at = Location(url.rstrip("/") or url, options, self._retry, self._transfer)
 
     @property
     def transfer(self) -> Transfer:
@@ -136,11 +81,11 @@ class Store:
     @property
     def url(self) -> str:
         """The location's URL as given."""
-        return self._url
+        return self._at.url
 
     def url_of(self, name: str) -> str:
         """The full URL of ``name`` under this location."""
-        return f"{self._url}/{name}" if name else self._url
+        return self._at.url_of(name)
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -150,78 +95,27 @@ class Store:
             CheckpointStoreError: the URL's protocol is unknown, or its backend is not
                 installed or cannot be configured with the given options.
         """
-        if self._fs is None:
-            try:
-                fs, base = _url_to_fs(self._url, self._options)
-            except ImportError as exc:
-                raise CheckpointStoreError(
-                    f"cannot open checkpoint store {self._url}: {exc}", url=self._url
-                ) from exc
-            except Exception as exc:
-                raise CheckpointStoreError(
-                    f"cannot open checkpoint store {self._url}: {exc} (is the URL right? any "
-                    "fsspec URL such as file://, memory://, s3://, gs:// or az:// works)",
-                    url=self._url,
-                ) from exc
-            self._fs, self._base = fs, base.rstrip("/")
-            _transfer.tune_backend(fs, self._transfer, self._retry.attempts - 1, self._retry.delay)
-        return self._fs
+        return self._at.fs
 
     @property
     def is_local(self) -> bool:
         """Whether the store is the local filesystem."""
-        return isinstance(self.fs, LocalFileSystem)
+        return self._at.is_local
 
     @property
-    def _protocols(self) -> set[str]:
-        protocol = self.fs.protocol
-        return {protocol} if isinstance(protocol, str) else set(protocol)
+    def is_memory(self) -> bool:
+        """Whether the store is fsspec's in-process ``memory://`` filesystem."""
+        return self._at.is_memory
 
     @property
     def is_object_store(self) -> bool:
         """Whether the store is a bucket (or container) of S3, GCS or Azure Blob."""
-        return bool(self._protocols & _BUCKET_PROTOCOLS)
-
-    def _path(self, name: str) -> str:
-        fs = self.fs
-        return f"{self._base}/{name}" if name else self._base or fs.root_marker
+        return self._at.is_object_store
 
     def _call(self, what: str, name: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` as :func:`taskpoint._retry.run` does; a FileNotFoundError from an
         object store whose bucket is missing becomes a CheckpointStoreError saying so."""
-        return _retry.run(self._retry, what, self.url_of(name), fn, self._check_bucket)
-
-    def _check_bucket(self, cause: BaseException) -> None:
-        """Raise CheckpointStoreError if this object store's bucket does not exist."""
-        if self._bucket_ok or not self.is_object_store:
-            return
-        bucket = self._base.split("/", 1)[0]
-        if not bucket:
-            return
-        try:
-            with contextlib.suppress(Exception):
-                self.fs.invalidate_cache(bucket)
-            exists = bool(self.fs.exists(bucket))
-        except Exception:  # cannot tell: let the original error speak
-            return
-        if exists:
-            self._bucket_ok = True
-            return
-        raise CheckpointStoreError(
-            f"checkpoint store {self._url} is unusable: bucket {bucket!r} does not exist "
-            "(taskpoint never creates buckets or containers: create it, or fix the URL "
-            "or the endpoint)",
-            url=self._url,
-        ) from cause
-
-    def _invalidate(self, name: str) -> None:
-        with contextlib.suppress(Exception):
-            self.fs.invalidate_cache(self._path(name))
-
-    def _makedirs(self, name: str) -> None:
-        if self.is_local:
-            parent = os.path.dirname(self._path(name))
-            self.fs.makedirs(parent, exist_ok=True)
+        return _retry.run(self._retry, what, self.url_of(name), fn, self._at.check_bucket)
 
     def list(self, prefix: str) -> list[str]:
         """Names of the objects directly under ``prefix``; ``[]`` when it does not exist.
@@ -231,13 +125,13 @@ class Store:
         """
 
         def run() -> list[str]:
-            self._invalidate(prefix)
+            self._at.invalidate(prefix)
             try:
                 # detail=False: no per-entry stat, so an entry vanishing mid-listing (a
                 # concurrent prune) cannot make the whole prefix look missing.
-                entries = self.fs.ls(self._path(prefix), detail=False)
+                entries = self.fs.ls(self._at.path(prefix), detail=False)
             except FileNotFoundError as exc:
-                self._check_bucket(exc)
+                self._at.check_bucket(exc)
                 return []
             return sorted(os.path.basename(str(e).rstrip("/")) for e in entries)
 
@@ -251,11 +145,11 @@ class Store:
         """
 
         def run() -> dict[str, int]:
-            self._invalidate(prefix)
+            self._at.invalidate(prefix)
             try:
-                entries = self.fs.ls(self._path(prefix), detail=True)
+                entries = self.fs.ls(self._at.path(prefix), detail=True)
             except FileNotFoundError as exc:
-                self._check_bucket(exc)
+                self._at.check_bucket(exc)
                 return {}
             return {
                 os.path.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
@@ -271,7 +165,7 @@ class Store:
         Raises:
             CheckpointStoreError: the store failed.
         """
-        return bool(self._call("inspect", name, lambda: self.fs.exists(self._path(name))))
+        return bool(self._call("inspect", name, lambda: self.fs.exists(self._at.path(name))))
 
     def is_dir(self, name: str) -> bool:
         """Whether ``name`` is a directory (or, on object stores, a non-empty prefix).
@@ -279,24 +173,24 @@ class Store:
         Raises:
             CheckpointStoreError: the store failed.
         """
-        return bool(self._call("inspect", name, lambda: self.fs.isdir(self._path(name))))
+        return bool(self._call("inspect", name, lambda: self.fs.isdir(self._at.path(name))))
 
     def read_bytes(self, name: str) -> bytes:
         """The whole object ``name``. Raises FileNotFoundError when it does not exist."""
-        return self._call("read", name, lambda: bytes(self.fs.cat_file(self._path(name))))
+        return self._call("read", name, lambda: bytes(self.fs.cat_file(self._at.path(name))))
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes ``start`` to ``end`` (exclusive) of the object ``name``: one ranged GET on
         object stores. Fewer bytes come back where the object is shorter. Raises
         FileNotFoundError when it does not exist."""
         return self._call(
-            "read", name, lambda: bytes(self.fs.cat_file(self._path(name), start=start, end=end))
+            "read", name, lambda: bytes(self.fs.cat_file(self._at.path(name), start=start, end=end))
         )
 
     def local_path(self, name: str) -> str | None:
         """The operating system's path of ``name`` when the store is the local disk, so a
         reader can map it instead of copying it; ``None`` elsewhere."""
-        return self._path(name) if self.is_local else None
+        return self._at.path(name) if self.is_local else None
 
     def write_atomic(self, name: str, data: bytes) -> None:
         """Write ``data`` to ``name`` so readers see either nothing or all of it."""
@@ -307,8 +201,8 @@ class Store:
         are written one after another rather than joined first."""
 
         def run() -> None:
-            self._makedirs(name)
-            path = self._path(name)
+            self._at.makedirs(name)
+            path = self._at.path(name)
             if not self.is_local:
                 whole = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
                 self.fs.pipe_file(path, whole)
@@ -331,8 +225,8 @@ class Store:
         """
 
         def run() -> bool:
-            self._makedirs(name)
-            path = self._path(name)
+            self._at.makedirs(name)
+            path = self._at.path(name)
             if self.is_local:
                 return _local_files.link_new(path, data)
             if self.is_memory:
@@ -350,7 +244,7 @@ class Store:
                     return False
                 raise
             finally:
-                self._invalidate(name)
+                self._at.invalidate(name)
             return True
 
         return self._call("create", name, run)
@@ -369,11 +263,11 @@ class Store:
         if not self.is_object_store:
 
             def run() -> None:
-                self._makedirs(name)
+                self._at.makedirs(name)
                 # autocommit: never join an fsspec transaction another thread has open on
                 # this shared filesystem instance (Lightning saves every .ckpt in one);
                 # its commit would close this file under us.
-                with self.fs.open(self._path(name), "wb", autocommit=True) as fh:
+                with self.fs.open(self._at.path(name), "wb", autocommit=True) as fh:
                     produce(fh)
 
             self._call("write", name, run)
@@ -389,17 +283,17 @@ class Store:
 
     def _upload(self, spool: _transfer.Spool, name: str) -> None:
         if spool.path is None:
-            self._lost_upload_is_transient(lambda: self.fs.pipe_file(self._path(name), spool.data))
+            self._lost_upload_is_transient(lambda: self.fs.pipe_file(self._at.path(name), spool.data))
         else:
             self._put(spool.path, name)
 
     def _put(self, local: str, name: str) -> None:
-        path = self._path(name)
+        path = self._at.path(name)
         self._lost_upload_is_transient(
-            lambda: _transfer.put(self.fs, self._protocols, self._transfer, local, path),
+            lambda: _transfer.put(self.fs, self._at.protocols, self._transfer, local, path),
             local,
         )
-        self._invalidate(name)
+        self._at.invalidate(name)
 
     def _lost_upload_is_transient(self, upload: Callable[[], Any], local: str | None = None) -> None:
         """Run ``upload``; a "not found" from an object store becomes a transient error.
@@ -413,7 +307,7 @@ class Store:
         except FileNotFoundError as exc:
             if not self.is_object_store or (local is not None and not os.path.exists(local)):
                 raise
-            self._check_bucket(exc)
+            self._at.check_bucket(exc)
             raise _transfer.LostUpload(f"the store lost the upload in progress: {exc}") from exc
 
     def _abort_interrupted_uploads(self, name: str, *, everything: bool = False) -> None:
@@ -424,9 +318,9 @@ class Store:
             folder, last = name, None
         else:
             folder, _, last = name.rpartition("/")
-        prefix = self._path(folder).rstrip("/") + "/"
+        prefix = self._at.path(folder).rstrip("/") + "/"
         _transfer.abort_interrupted_uploads(
-            self.fs, self._protocols, prefix, last, self.url_of(folder)
+            self.fs, self._at.protocols, prefix, last, self.url_of(folder)
         )
 
     def put_file(self, local: str, name: str) -> None:
@@ -437,7 +331,7 @@ class Store:
         """
 
         def run() -> None:
-            self._makedirs(name)
+            self._at.makedirs(name)
             self._put(local, name)
 
         self._call("upload to", name, run)
@@ -475,7 +369,7 @@ class Store:
         if self.is_memory:
             fh = self._call("open", name, lambda: io.BytesIO(self._read_memory(name)))
         else:
-            fh = self._call("open", name, lambda: self.fs.open(self._path(name), "rb"))
+            fh = self._call("open", name, lambda: self.fs.open(self._at.path(name), "rb"))
         try:
             yield _GuardedReader(fh, self.url_of(name))  # type: ignore[misc]
         finally:
@@ -487,17 +381,12 @@ class Store:
             with open(local, "wb") as fh:
                 fh.write(self._read_memory(name))
             return
-        _transfer.get(self.fs, self._protocols, self._transfer, self._path(name), local)
-
-    @property
-    def is_memory(self) -> bool:
-        """Whether the store is fsspec's in-process ``memory://`` filesystem."""
-        return isinstance(self.fs, MemoryFileSystem)
+        _transfer.get(self.fs, self._at.protocols, self._transfer, self._at.path(name), local)
 
     def _read_memory(self, name: str) -> bytes:
         # fsspec's memory filesystem hands every reader the same file object (and its
         # position); concurrent readers would interleave, so copy the bytes out instead.
-        return bytes(self.fs.cat_file(self._path(name)))
+        return bytes(self.fs.cat_file(self._at.path(name)))
 
     def remove_tree(self, name: str = "") -> None:
         """Delete ``name`` and everything under it; a missing prefix is not an error.
@@ -506,11 +395,11 @@ class Store:
         """
 
         def run() -> None:
-            path = self._path(name)
+            path = self._at.path(name)
             with contextlib.suppress(FileNotFoundError):
                 if self.fs.exists(path):
                     self.fs.rm(path, recursive=True)
-            self._invalidate(name)
+            self._at.invalidate(name)
 
         self._call("delete", name, run)
         if self.is_object_store:
@@ -521,7 +410,7 @@ class Store:
 
         def run() -> None:
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(self._path(name))
+                self.fs.rm_file(self._at.path(name))
 
         self._call("delete", name, run)
 
