@@ -87,8 +87,9 @@ class Location:
             and without a trailing slash.
         options: passed to the fsspec filesystem (credentials, endpoint, ...).
         retry: the store's retry policy; it paces Azure's own per-request retries.
-        transfer: part size and parallelism, set on backends that take them only at
-            construction (see :func:`taskpoint.transfer.tune_backend`).
+        transfer: part size and parallelism of transfers to and from the location; set
+            on backends that take them only at construction (see
+            :func:`taskpoint.transfer.tune_backend`).
     """
 
     def __init__(
@@ -101,6 +102,11 @@ class Location:
         self._fs: fsspec.AbstractFileSystem | None = None
         self._base = ""
         self._bucket_ok = False
+
+    @property
+    def transfer(self) -> Transfer:
+        """The part size and parallelism of transfers to and from the location."""
+        return self._transfer
 
     @property
     def url(self) -> str:

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 
-from taskpoint import _local_files, _retry
+from taskpoint import _local_files, _payloads, _retry
 from taskpoint import transfer as _transfer
 from taskpoint._faults import is_transient, status_of
 from taskpoint._location import Location, check_location
@@ -70,13 +70,14 @@ class Store:
         url = check_location("the checkpoint store URL", url)
         options = dict(storage_options or {})
         self._retry = retry or RetryPolicy()
-        self._transfer = transfer or Transfer.from_env()
-        self._at = Location(url.rstrip("/") or url, options, self._retry, self._transfer)
+        self._at = Location(
+            url.rstrip("/") or url, options, self._retry, transfer or Transfer.from_env()
+        )
 
     @property
     def transfer(self) -> Transfer:
         """The part size and parallelism of this store's transfers."""
-        return self._transfer
+        return self._at.transfer
 
     @property
     def url(self) -> str:
@@ -272,56 +273,14 @@ class Store:
 
             self._call("write", name, run)
             return
-        spool = _transfer.Spool(self._transfer.part_size)
+        spool = _transfer.Spool(self.transfer.part_size)
         try:
             produce(spool)  # type: ignore[arg-type]
             spool.finish()
-            self._call("write", name, lambda: self._upload(spool, name))
+            self._call("write", name, lambda: _payloads.upload_spool(self._at, spool, name))
         finally:
             spool.discard()
-        self._abort_interrupted_uploads(name)
-
-    def _upload(self, spool: _transfer.Spool, name: str) -> None:
-        if spool.path is None:
-            self._lost_upload_is_transient(lambda: self.fs.pipe_file(self._at.path(name), spool.data))
-        else:
-            self._put(spool.path, name)
-
-    def _put(self, local: str, name: str) -> None:
-        path = self._at.path(name)
-        self._lost_upload_is_transient(
-            lambda: _transfer.put(self.fs, self._at.protocols, self._transfer, local, path),
-            local,
-        )
-        self._at.invalidate(name)
-
-    def _lost_upload_is_transient(self, upload: Callable[[], Any], local: str | None = None) -> None:
-        """Run ``upload``; a "not found" from an object store becomes a transient error.
-
-        Uploading creates the object, so "not found" means a missing bucket (raised as
-        such) or a multipart upload the store lost (a restart; an abort by a clean-up),
-        which uploading again from the start mends.
-        """
-        try:
-            upload()
-        except FileNotFoundError as exc:
-            if not self.is_object_store or (local is not None and not os.path.exists(local)):
-                raise
-            self._at.check_bucket(exc)
-            raise _transfer.LostUpload(f"the store lost the upload in progress: {exc}") from exc
-
-    def _abort_interrupted_uploads(self, name: str, *, everything: bool = False) -> None:
-        """Abort unfinished multipart uploads next to ``name`` that sort at or before it;
-        with ``everything``, all of those under the prefix ``name``. Best effort (see
-        :func:`taskpoint.transfer.abort_interrupted_uploads`)."""
-        if everything:
-            folder, last = name, None
-        else:
-            folder, _, last = name.rpartition("/")
-        prefix = self._at.path(folder).rstrip("/") + "/"
-        _transfer.abort_interrupted_uploads(
-            self.fs, self._at.protocols, prefix, last, self.url_of(folder)
-        )
+        _payloads.abort_interrupted_uploads(self._at, name)
 
     def put_file(self, local: str, name: str) -> None:
         """Upload the local file ``local`` to ``name``.
@@ -332,11 +291,11 @@ class Store:
 
         def run() -> None:
             self._at.makedirs(name)
-            self._put(local, name)
+            _payloads.put(self._at, local, name)
 
         self._call("upload to", name, run)
         if self.is_object_store:
-            self._abort_interrupted_uploads(name)
+            _payloads.abort_interrupted_uploads(self._at, name)
 
     def get_file(self, name: str, local: str) -> None:
         """Download ``name`` to the local path ``local``. Raises FileNotFoundError if missing.
@@ -344,7 +303,7 @@ class Store:
         On object stores in parallel ranged parts where the backend can; a failed
         download is retried whole.
         """
-        self._call("download", name, lambda: self._download(name, local))
+        self._call("download", name, lambda: _payloads.download(self._at, name, local))
 
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[BinaryIO]:
@@ -359,7 +318,7 @@ class Store:
             folder = tempfile.mkdtemp(prefix="taskpoint-download-")
             local = os.path.join(folder, "payload")
             try:
-                self._call("download", name, lambda: self._download(name, local))
+                self._call("download", name, lambda: _payloads.download(self._at, name, local))
                 with open(local, "rb") as downloaded:
                     yield _GuardedReader(downloaded, self.url_of(name))  # type: ignore[misc]
             finally:
@@ -367,7 +326,7 @@ class Store:
             return
         fh: Any
         if self.is_memory:
-            fh = self._call("open", name, lambda: io.BytesIO(self._read_memory(name)))
+            fh = self._call("open", name, lambda: io.BytesIO(_payloads.read_memory(self._at, name)))
         else:
             fh = self._call("open", name, lambda: self.fs.open(self._at.path(name), "rb"))
         try:
@@ -375,18 +334,6 @@ class Store:
         finally:
             with contextlib.suppress(Exception):
                 fh.close()
-
-    def _download(self, name: str, local: str) -> None:
-        if self.is_memory:
-            with open(local, "wb") as fh:
-                fh.write(self._read_memory(name))
-            return
-        _transfer.get(self.fs, self._at.protocols, self._transfer, self._at.path(name), local)
-
-    def _read_memory(self, name: str) -> bytes:
-        # fsspec's memory filesystem hands every reader the same file object (and its
-        # position); concurrent readers would interleave, so copy the bytes out instead.
-        return bytes(self.fs.cat_file(self._at.path(name)))
 
     def remove_tree(self, name: str = "") -> None:
         """Delete ``name`` and everything under it; a missing prefix is not an error.
@@ -403,7 +350,7 @@ class Store:
 
         self._call("delete", name, run)
         if self.is_object_store:
-            self._abort_interrupted_uploads(name, everything=True)
+            _payloads.abort_interrupted_uploads(self._at, name, everything=True)
 
     def remove(self, name: str) -> None:
         """Delete ``name``; a name that is already gone is not an error."""
