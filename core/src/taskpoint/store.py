@@ -26,15 +26,14 @@ import io
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 
-from taskpoint import _local_files, _payloads, _retry
+from taskpoint import _exclusive, _local_files, _payloads, _retry
 from taskpoint import transfer as _transfer
-from taskpoint._faults import is_transient, status_of
+from taskpoint._faults import is_transient
 from taskpoint._location import Location, check_location
 from taskpoint._retry import RetryPolicy
 from taskpoint._streams import ReadView
@@ -225,30 +224,7 @@ class Store:
             CheckpointStoreError: the store failed, or it cannot write conditionally.
         """
 
-        def run() -> bool:
-            self._at.makedirs(name)
-            path = self._at.path(name)
-            if self.is_local:
-                return _local_files.link_new(path, data)
-            if self.is_memory:
-                with _MEMORY_CREATE:
-                    if self.fs.exists(path):
-                        return False
-                    self.fs.pipe_file(path, data)
-                    return True
-            try:
-                self.fs.pipe_file(path, data, mode="create")
-            except FileExistsError:
-                return False
-            except Exception as exc:
-                if status_of(exc) in (409, 412):  # taken, or a concurrent conditional write
-                    return False
-                raise
-            finally:
-                self._at.invalidate(name)
-            return True
-
-        return self._call("create", name, run)
+        return self._call("create", name, lambda: _exclusive.create_new(self._at, name, data))
 
     def write_stream(self, name: str, produce: Callable[[BinaryIO], None]) -> None:
         """Create ``name`` from what ``produce`` writes to the stream it is handed.
@@ -360,10 +336,6 @@ class Store:
                 self.fs.rm_file(self._at.path(name))
 
         self._call("delete", name, run)
-
-
-_MEMORY_CREATE = threading.Lock()
-"""Serialises exclusive creates on ``memory://``, which lives in this process alone."""
 
 
 class _GuardedReader(ReadView):
