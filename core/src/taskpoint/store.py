@@ -1,22 +1,34 @@
 """The store: one checkpoint location on any fsspec filesystem.
 
-This module, with :mod:`taskpoint.transfer` that it delegates large objects to, is the only
-one that talks to fsspec. It resolves a URL to a filesystem lazily (so
-constructing a checkpoint does no I/O), retries transient failures with exponential backoff,
-and translates every other failure into :class:`~taskpoint.CheckpointStoreError` naming
-the URL. ``FileNotFoundError`` passes through unchanged: callers decide what "missing" means.
+:class:`Store` is the face of the store layer, the only code that talks to fsspec. It
+resolves a URL to a filesystem lazily (so constructing a checkpoint does no I/O), retries
+transient failures with exponential backoff, and translates every other failure into
+:class:`~taskpoint.CheckpointStoreError` naming the URL. ``FileNotFoundError`` passes
+through unchanged: callers decide what "missing" means.
 
 Writes of small objects (:meth:`Store.write_atomic`) are all-or-nothing: on a local disk
 through a temporary file and ``os.replace``, on object stores through a single PUT.
 
 On object stores (S3, GCS, Azure Blob) a payload is first spooled to a local temporary
 file, then uploaded with the backend's multipart (S3), resumable (GCS) or block (Azure)
-upload, parts in parallel where the backend can (see :mod:`taskpoint.transfer`). A transient failure
-repeats the upload from the spool, not the producer. After a successful upload,
-multipart uploads left behind under the same folder by interrupted saves (S3 in-progress
-uploads, Azure uncommitted blocks) are aborted, so they are neither billed nor visible.
-A bucket or container that does not exist is reported as such, never created, and never
-taken for "no checkpoint yet".
+upload, parts in parallel where the backend can (see :mod:`taskpoint.transfer`). A
+transient failure repeats the upload from the spool, not the producer. After a successful
+upload, multipart uploads left behind under the same folder by interrupted saves (S3
+in-progress uploads, Azure uncommitted blocks) are aborted, so they are neither billed nor
+visible. A bucket or container that does not exist is reported as such, never created, and
+never taken for "no checkpoint yet".
+
+The layer's modules, each importing only those listed after it:
+
+- this one: :class:`Store`, each operation one try run under the retry policy;
+- :mod:`taskpoint._exclusive` (create-if-absent) and :mod:`taskpoint._payloads` (uploads,
+  downloads, interrupted-upload clean-up): one try of what differs by kind of store;
+- :mod:`taskpoint._location`: the URL, its filesystem, names to paths, the kind of store,
+  the missing-bucket check;
+- :mod:`taskpoint._retry` (:class:`RetryPolicy`, the retry-and-translate loop),
+  :mod:`taskpoint.transfer` (the backends' transfer knobs) and
+  :mod:`taskpoint._local_files` (all-or-nothing writes on the local disk);
+- :mod:`taskpoint._faults`: what a failure means (transient? refused credentials?).
 """
 
 from __future__ import annotations
@@ -113,8 +125,9 @@ class Store:
         return self._at.is_object_store
 
     def _call(self, what: str, name: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` as :func:`taskpoint._retry.run` does; a FileNotFoundError from an
-        object store whose bucket is missing becomes a CheckpointStoreError saying so."""
+        """Run ``fn`` as :func:`taskpoint._retry.run` does, retrying transient failures; a
+        FileNotFoundError from an object store whose bucket is missing becomes a
+        CheckpointStoreError saying so."""
         return _retry.run(self._retry, what, self.url_of(name), fn, self._at.check_bucket)
 
     def list(self, prefix: str) -> list[str]:
@@ -223,7 +236,6 @@ class Store:
         Raises:
             CheckpointStoreError: the store failed, or it cannot write conditionally.
         """
-
         return self._call("create", name, lambda: _exclusive.create_new(self._at, name, data))
 
     def write_stream(self, name: str, produce: Callable[[BinaryIO], None]) -> None:
@@ -302,7 +314,9 @@ class Store:
             return
         fh: Any
         if self.is_memory:
-            fh = self._call("open", name, lambda: io.BytesIO(_payloads.read_memory(self._at, name)))
+            fh = self._call(
+                "open", name, lambda: io.BytesIO(_payloads.read_memory(self._at, name))
+            )
         else:
             fh = self._call("open", name, lambda: self.fs.open(self._at.path(name), "rb"))
         try:
