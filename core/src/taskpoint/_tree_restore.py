@@ -24,7 +24,7 @@ import tarfile
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
@@ -248,6 +248,12 @@ def _mapped(
         os.close(fd)
 
 
+_BATCH = 256
+"""Places one thread writes in a row. A pack of small files holds thousands of blobs: its
+bytes, fetched once, are shared by several threads writing a batch each, so that the
+file system creates files in several directories at once (outside the GIL)."""
+
+
 def _download(
     store: Store,
     manifest: Manifest,
@@ -262,6 +268,8 @@ def _download(
     An object is read whole when its blobs cover it (a pack written by one save), else by
     ranged reads of the stretches they lie in. Every blob is checked against its hash,
     which covers every byte written (an object's own hash would only add a second pass).
+    What one read brings is written by up to ``workers`` threads, :data:`_BATCH` places
+    each.
     """
     jobs = [
         (name, start, end, members)
@@ -269,17 +277,45 @@ def _download(
         for start, end, members in _spans(of_object)
     ]
 
-    def one(index: str) -> None:
-        name, start, end, members = jobs[int(index)]
-        local = store.local_path(f"{OBJECTS}/{name}")
-        if local is not None:
-            with _mapped(store, manifest, name, local, url) as data:
-                _place(store, data, 0, members, url, progress, create)
-        else:
-            data = memoryview(_read_span(store, manifest, name, start, end, url))
-            _place(store, data, start, members, url, progress, create)
+    with ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-write") as writers:
 
-    _run_all(workers, one, [str(i) for i in range(len(jobs))])
+        def one(index: str) -> None:
+            name, start, end, members = jobs[int(index)]
+            local = store.local_path(f"{OBJECTS}/{name}")
+            fetched: contextlib.AbstractContextManager[memoryview]
+            if local is not None:
+                fetched = _mapped(store, manifest, name, local, url)
+                start = 0
+            else:
+                fetched = contextlib.nullcontext(
+                    memoryview(_read_span(store, manifest, name, start, end, url))
+                )
+            with fetched as data:
+                if len(members) <= _BATCH:
+                    _place(store, data, start, members, url, progress, create)
+                    return
+                _wait_all([
+                    writers.submit(
+                        _place, store, data, start, members[i : i + _BATCH], url, progress,
+                        create,
+                    )
+                    for i in range(0, len(members), _BATCH)
+                ])
+
+        _run_all(workers, one, [str(i) for i in range(len(jobs))])
+
+
+def _wait_all(futures: list[Future[None]]) -> None:
+    """Wait for ``futures``; the first failure is raised once the others have stopped
+    (those not started are cancelled), so that none outlives what they share."""
+    try:
+        for future in futures:
+            future.result()
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        raise
 
 
 def _run_all(workers: int, fn: Callable[[str], None], items: Iterable[str]) -> None:
