@@ -131,3 +131,29 @@ def test_a_damaged_blob_in_a_pack_of_many_files_fails_the_restore_whole(
 
     assert not [p for p in work.rglob("*") if not p.is_dir()]
     assert not ckpt.verify(manifest)
+
+
+def test_the_collector_pause_ends_with_the_last_and_keeps_a_disabled_collector_off() -> None:
+    import gc
+
+    from taskpoint._gc import paused
+    from taskpoint.manifest import Manifest
+
+    assert gc.isenabled()
+    first = paused()
+    with paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the first is still open
+    first.end()
+    first.end()
+    assert gc.isenabled()
+    with pytest.raises(CheckpointCorruptError):
+        Manifest.from_json(b"{not json", url="memory://x")
+    assert gc.isenabled()  # a failed parse ends its pause too
+    gc.disable()
+    try:
+        with paused():
+            pass
+        assert not gc.isenabled()  # the caller's choice stands
+    finally:
+        gc.enable()

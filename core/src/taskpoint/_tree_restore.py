@@ -32,6 +32,7 @@ import xxhash
 
 from taskpoint import archive
 from taskpoint._digest import Progress
+from taskpoint._gc import paused
 from taskpoint._statcache import StatCache
 from taskpoint.errors import CheckpointCorruptError, CheckpointStoreError
 from taskpoint.manifest import Blob, Entry, Manifest
@@ -467,11 +468,12 @@ def restore_tree(
     """
     url = store.url_of(f"checkpoints/{manifest.key}")
     entries = manifest.entries or ()
-    keep = _reusable(existing, entries, workers, seen)
     by_path = {e.path: e for e in entries if e.type == "file"}
     places: dict[str, list[_Place]] = defaultdict(list)
     kept: list[tuple[Path, Path]] = []
     empty: list[str] = []
+    walk = paused()  # objects per entry, until the downloads begin: see taskpoint._gc
+    keep: dict[str, Path] = {}
 
     def deferred(member: tarfile.TarInfo, path: str) -> bool:
         """Leave a file of at most one blob to ``fill``, which creates it with its bytes."""
@@ -498,15 +500,20 @@ def restore_tree(
             offset += blob.size
 
     def fill() -> None:
+        walk.end()
         for source, path in kept:
             _adopt(source, path)
         for name in empty:
             extractor.create(name, b"")
         _download(store, manifest, places, url, workers, progress, extractor.create)
 
-    dest.mkdir(parents=True, exist_ok=True)
-    extractor = archive.Extractor(_members(entries), dest, write, deferred)
-    extractor.run(fill)
+    try:
+        keep.update(_reusable(existing, entries, workers, seen))
+        dest.mkdir(parents=True, exist_ok=True)
+        extractor = archive.Extractor(_members(entries), dest, write, deferred)
+        extractor.run(fill)
+    finally:
+        walk.end()
     return sum(b.size for ps in places.values() for b in (p.blob for p in ps))
 
 

@@ -94,6 +94,7 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from taskpoint._gc import paused
 from taskpoint.errors import (
     CheckpointCoordinationError,
     CheckpointCorruptError,
@@ -423,14 +424,17 @@ class Manifest:
             CheckpointFormatError: the manifest comes from a newer format.
             CheckpointCorruptError: it is not a valid manifest of any known format.
         """
-        try:
-            raw = loads_record(data)
-        except ValueError as exc:
-            raise CheckpointCorruptError(f"manifest {url} is not valid JSON: {exc}", url=url) from exc
-        if not isinstance(raw, dict):
-            raise CheckpointCorruptError(f"manifest {url} is not a JSON object", url=url)
-        check_format(raw, url=url)
-        manifest = cls._validated(raw, url)
+        with paused():  # a tree's manifest is millions of objects: see taskpoint._gc
+            try:
+                raw = loads_record(data)
+            except ValueError as exc:
+                raise CheckpointCorruptError(
+                    f"manifest {url} is not valid JSON: {exc}", url=url
+                ) from exc
+            if not isinstance(raw, dict):
+                raise CheckpointCorruptError(f"manifest {url} is not a JSON object", url=url)
+            check_format(raw, url=url)
+            manifest = cls._validated(raw, url)
         if name is not None and parse_manifest_name(name) != manifest.order:
             raise CheckpointCorruptError(
                 f"manifest {url} records attempt {manifest.attempt}, save {manifest.seq}: "
