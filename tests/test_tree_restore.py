@@ -157,3 +157,18 @@ def test_the_collector_pause_ends_with_the_last_and_keeps_a_disabled_collector_o
         assert not gc.isenabled()  # the caller's choice stands
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("at", [0, 8 * 2**20 - 30, 8 * 2**20 - 65, 8 * 2**20, 8 * 2**20 + 7])
+def test_an_integer_too_long_is_refused_wherever_it_lies_in_a_large_record(at: int) -> None:
+    """The scan for long digit runs reads a record 8 MiB at a time: a run across two of
+    them counts too. (A 65-digit integer stands for the millions of digits that would take
+    ``int()`` minutes.)"""
+    from taskpoint.manifest import loads_record
+
+    padding = b" " * at
+    with pytest.raises(ValueError, match="digits"):
+        loads_record(b'{"pad": "x",' + padding + b'"n": ' + b"9" * 65 + b"}")
+    assert loads_record(b'{"pad": "x",' + padding + b'"n": ' + b"9" * 64 + b"}") == {
+        "pad": "x", "n": int("9" * 64)
+    }

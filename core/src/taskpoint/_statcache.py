@@ -132,12 +132,13 @@ class StatCache:
         docstring).
         """
         records: dict[str, Record] = {}
+        prefix = os.path.join(root, "")
         with paused():  # a record per file: see taskpoint._gc
             for entry in entries:
                 if entry.type != "file":
                     continue
                 try:
-                    st = os.lstat(os.path.join(root, entry.path))
+                    st = os.lstat(prefix + entry.path)  # a relative path: the restore's
                 except OSError:
                     continue
                 if (

@@ -346,7 +346,7 @@ class Extractor:
     ) -> None:
         self._members = members
         self._dest = dest
-        self._root = os.fspath(dest)
+        self._prefix = os.path.join(os.fspath(dest), "")
         self._write = write
         self._deferred = deferred
         self._seen: dict[tuple[str, ...], str] = {(): "dir"}
@@ -427,7 +427,7 @@ class Extractor:
             os.close(fd)
 
     def _path(self, parts: tuple[str, ...]) -> str:
-        return os.path.join(self._root, *parts)
+        return self._prefix + "/".join(parts)  # checked parts: neither empty nor absolute
 
     def _make_parents(self, member: tarfile.TarInfo, parents: tuple[str, ...]) -> None:
         for depth in range(1, len(parents) + 1):

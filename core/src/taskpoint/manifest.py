@@ -150,7 +150,23 @@ _PAYLOAD_RE = re.compile(r"^(\d{6,})-(\d{9,})-[^-/]+\.payload$")
 _MAX_DIGITS = 64
 
 
-_LONG_DIGITS = re.compile(rb"\d{%d}" % (_MAX_DIGITS + 1))
+_DIGIT_CLASSES = bytes(0x30 if 0x30 <= b <= 0x39 else 0x78 for b in range(256))
+"""A translation of bytes that keeps ``0`` for an ASCII digit and makes any other ``x``."""
+_LONG_RUN = b"0" * (_MAX_DIGITS + 1)
+_SCAN = 8 * 2**20
+
+
+def _has_long_digits(data: bytes) -> bool:
+    """Whether ``data`` holds more than ``_MAX_DIGITS`` ASCII digits in a row.
+
+    Looks for a run in a translation of ``data``, 8 MiB at a time (the overlap catches a
+    run across two): ``re.search(rb"\\d{65}")`` tried a match at every digit, 30 MB/s,
+    1.6 s of a 200k-file manifest.
+    """
+    for start in range(0, len(data), _SCAN):
+        if _LONG_RUN in data[start : start + _SCAN + _MAX_DIGITS].translate(_DIGIT_CLASSES):
+            return True
+    return False
 
 
 def _parse_int(text: str) -> int:
@@ -182,7 +198,7 @@ def loads_record(data: bytes) -> object:
     # hides them: a tree's manifest holds several integers per file, and one call per
     # integer was a tenth of a large tree's restore.
     plain = isinstance(data, bytes) and json.detect_encoding(data).startswith("utf-8")
-    bounded = int if plain and not _LONG_DIGITS.search(data) else _parse_int
+    bounded = int if plain and not _has_long_digits(data) else _parse_int
     try:
         return json.loads(
             data, parse_int=bounded, parse_float=_parse_float, parse_constant=_refuse_constant
