@@ -3,9 +3,18 @@
 Restoring checks every path with :class:`taskpoint.archive.Extractor` (the rules that guard
 tar restores), reads in parallel each object whole, or the stretches of it that the tree
 uses by ranged reads, verifies each blob against its hash, and writes blobs straight to
-their offsets. Restoring into a directory that already holds some files keeps every file
-whose size and hash match. An object found missing or damaged is marked broken
-(:func:`taskpoint.tree.mark_broken`), so that no later save references it.
+their offsets. A file of one blob (every small file) is created holding it, with its mode
+and time, in one open; a pack's files are written by several threads, so that the file
+system creates them in several folders at once. Restoring into a directory that already
+holds some files keeps every file whose size and hash match. An object found missing or
+damaged is marked broken (:func:`taskpoint.tree.mark_broken`), so that no later save
+references it.
+
+Where a restore of 200k files of 64 bytes spends its time (2-core VM, ext4, load average
+7; ``bench/bench_many_files.py``): 17 to 22 s in all (37 s before files were created in
+one open), of which 10 to 13 s creating and writing the files (6.5 s of it in the
+kernel), 4 s reading, parsing and checking the manifest (50 MB of JSON, 2 s of CPU), 1 to
+2 s checking and walking the entries, and 2 s recording each restored file's stat.
 
 Example::
 
