@@ -345,7 +345,6 @@ class Extractor:
         deferred: Callable[[tarfile.TarInfo, str], bool] | None = None,
     ) -> None:
         self._members = members
-        self._dest = dest
         self._prefix = os.path.join(os.fspath(dest), "")
         self._write = write
         self._deferred = deferred
