@@ -45,6 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from taskpoint._gc import paused
 from taskpoint.manifest import Entry
 
 __all__ = [
@@ -131,17 +132,19 @@ class StatCache:
         docstring).
         """
         records: dict[str, Record] = {}
-        for entry in entries:
-            if entry.type != "file":
-                continue
-            try:
-                st = os.lstat(os.path.join(root, entry.path))
-            except OSError:
-                continue
-            if (
-                st.st_size == entry.size
-                and st.st_mtime_ns == entry.mtime_ns
-                and settled(st, clock, ctime=False)
-            ):
-                records[entry.path] = Record(stat_key(st), entry)
+        prefix = os.path.join(root, "")
+        with paused():  # a record per file: see taskpoint._gc
+            for entry in entries:
+                if entry.type != "file":
+                    continue
+                try:
+                    st = os.lstat(prefix + entry.path)  # a relative path: the restore's
+                except OSError:
+                    continue
+                if (
+                    st.st_size == entry.size
+                    and st.st_mtime_ns == entry.mtime_ns
+                    and settled(st, clock, ctime=False)
+                ):
+                    records[entry.path] = Record(stat_key(st), entry)
         self.replace(root, records)

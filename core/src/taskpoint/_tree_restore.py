@@ -3,9 +3,18 @@
 Restoring checks every path with :class:`taskpoint.archive.Extractor` (the rules that guard
 tar restores), reads in parallel each object whole, or the stretches of it that the tree
 uses by ranged reads, verifies each blob against its hash, and writes blobs straight to
-their offsets. Restoring into a directory that already holds some files keeps every file
-whose size and hash match. An object found missing or damaged is marked broken
-(:func:`taskpoint.tree.mark_broken`), so that no later save references it.
+their offsets. A file of one blob (every small file) is created holding it, with its mode
+and time, in one open; a pack's files are written by several threads, so that the file
+system creates them in several folders at once. Restoring into a directory that already
+holds some files keeps every file whose size and hash match. An object found missing or
+damaged is marked broken (:func:`taskpoint.tree.mark_broken`), so that no later save
+references it.
+
+Where a restore of 200k files of 64 bytes spends its time (2-core VM, ext4, load average
+7; ``bench/bench_many_files.py``): 17 to 22 s in all (37 s before files were created in
+one open), of which 10 to 13 s creating and writing the files (6.5 s of it in the
+kernel), 4 s reading, parsing and checking the manifest (50 MB of JSON, 2 s of CPU), 1 to
+2 s checking and walking the entries, and 2 s recording each restored file's stat.
 
 Example::
 
@@ -24,7 +33,7 @@ import tarfile
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
@@ -32,6 +41,7 @@ import xxhash
 
 from taskpoint import archive
 from taskpoint._digest import Progress
+from taskpoint._gc import paused
 from taskpoint._statcache import StatCache
 from taskpoint.errors import CheckpointCorruptError, CheckpointStoreError
 from taskpoint.manifest import Blob, Entry, Manifest
@@ -49,16 +59,19 @@ class _Member(tarfile.TarInfo):
     mtime_ns: int
 
 
+_TYPES = {
+    "file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE,
+    "symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE,
+}
+
+
 def _members(entries: Iterable[Entry]) -> Iterator[tarfile.TarInfo]:
     for entry in entries:
         info = _Member(entry.path)
         info.mode = entry.mode
         info.mtime = entry.mtime_ns / 1e9
         info.mtime_ns = entry.mtime_ns
-        info.type = {
-            "file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE,
-            "symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE,
-        }[entry.type]
+        info.type = _TYPES[entry.type]
         info.size = entry.size
         if entry.target is not None:
             info.linkname = entry.target
@@ -66,11 +79,17 @@ def _members(entries: Iterable[Entry]) -> Iterator[tarfile.TarInfo]:
 
 
 class _Place(NamedTuple):
-    """Where a blob goes: ``path``, at ``offset`` in the file (one per blob of a tree)."""
+    """Where a blob goes: ``path``, at ``offset`` in the file (one per blob of a tree);
+    ``new`` when the blob is the whole file, which does not exist yet (the extractor's
+    ``create`` makes it, holding the blob)."""
 
-    path: Path
+    path: str
     offset: int
     blob: Blob
+    new: bool = False
+
+
+_Create = Callable[[str, "bytes | memoryview"], None]
 
 
 def _fetch(store: Store, manifest: Manifest, name: str, url: str) -> bytes:
@@ -173,9 +192,10 @@ def _place(
     members: list[_Place],
     url: str,
     progress: Progress | None,
+    create: _Create,
 ) -> None:
     """Check the blobs of ``members`` in ``data`` (an object's bytes from ``start`` on) and
-    write each where it goes."""
+    write each where it goes: a whole file by ``create``, a piece of one at its offset."""
     checked: dict[Blob, bytes | memoryview] = {}
     for place in members:
         blob = place.blob
@@ -183,11 +203,14 @@ def _place(
         if raw is None:
             at = blob.offset - start
             raw = checked[blob] = _blob_bytes(store, data[at : at + blob.length], blob, url)
-        fd = os.open(place.path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
-        try:
-            os.pwrite(fd, raw, place.offset)
-        finally:
-            os.close(fd)
+        if place.new:
+            create(place.path, raw)
+        else:
+            fd = os.open(place.path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                os.pwrite(fd, raw, place.offset)
+            finally:
+                os.close(fd)
         if progress is not None:
             progress(len(raw))
 
@@ -235,6 +258,12 @@ def _mapped(
         os.close(fd)
 
 
+_BATCH = 256
+"""Places one thread writes in a row. A pack of small files holds thousands of blobs: its
+bytes, fetched once, are shared by several threads writing a batch each, so that the
+file system creates files in several directories at once (outside the GIL)."""
+
+
 def _download(
     store: Store,
     manifest: Manifest,
@@ -242,12 +271,15 @@ def _download(
     url: str,
     workers: int,
     progress: Progress | None,
+    create: _Create,
 ) -> None:
     """Fetch what each object of ``places`` holds for them and write its blobs where they go.
 
     An object is read whole when its blobs cover it (a pack written by one save), else by
     ranged reads of the stretches they lie in. Every blob is checked against its hash,
     which covers every byte written (an object's own hash would only add a second pass).
+    What one read brings is written by up to ``workers`` threads, :data:`_BATCH` places
+    each.
     """
     jobs = [
         (name, start, end, members)
@@ -255,17 +287,45 @@ def _download(
         for start, end, members in _spans(of_object)
     ]
 
-    def one(index: str) -> None:
-        name, start, end, members = jobs[int(index)]
-        local = store.local_path(f"{OBJECTS}/{name}")
-        if local is not None:
-            with _mapped(store, manifest, name, local, url) as data:
-                _place(store, data, 0, members, url, progress)
-        else:
-            data = memoryview(_read_span(store, manifest, name, start, end, url))
-            _place(store, data, start, members, url, progress)
+    with ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-write") as writers:
 
-    _run_all(workers, one, [str(i) for i in range(len(jobs))])
+        def one(index: str) -> None:
+            name, start, end, members = jobs[int(index)]
+            local = store.local_path(f"{OBJECTS}/{name}")
+            fetched: contextlib.AbstractContextManager[memoryview]
+            if local is not None:
+                fetched = _mapped(store, manifest, name, local, url)
+                start = 0
+            else:
+                fetched = contextlib.nullcontext(
+                    memoryview(_read_span(store, manifest, name, start, end, url))
+                )
+            with fetched as data:
+                if len(members) <= _BATCH:
+                    _place(store, data, start, members, url, progress, create)
+                    return
+                _wait_all([
+                    writers.submit(
+                        _place, store, data, start, members[i : i + _BATCH], url, progress,
+                        create,
+                    )
+                    for i in range(0, len(members), _BATCH)
+                ])
+
+        _run_all(workers, one, [str(i) for i in range(len(jobs))])
+
+
+def _wait_all(futures: list[Future[None]]) -> None:
+    """Wait for ``futures``; the first failure is raised once the others have stopped
+    (those not started are cancelled), so that none outlives what they share."""
+    try:
+        for future in futures:
+            future.result()
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        raise
 
 
 def _run_all(workers: int, fn: Callable[[str], None], items: Iterable[str]) -> None:
@@ -307,26 +367,46 @@ def verify_tree(store: Store, manifest: Manifest, *, workers: int = MIN_WORKERS)
     return True
 
 
-def _present(base: Path, rel: str) -> Path | None:
-    """``base/rel`` if it is a regular file reached through real directories only.
+def _present(base: Path, entries: Iterable[Entry]) -> dict[str, tuple[Path, os.stat_result]]:
+    """The file entries that are regular files at ``base/path`` reached through real
+    directories only, by path, each with its path and ``lstat``.
 
-    ``rel`` is a manifest's, not yet checked by the extractor: one no path can name (a NUL
-    in it) is not present, and the extractor refuses it next.
+    Each directory is looked at once, however many entries lie in it. The paths are a
+    manifest's, not yet checked by the extractor: one no path can name (a NUL in it) or
+    climbing with ``..`` is not present, and the extractor refuses it next.
     """
-    here = base
-    parts = rel.split("/")
-    for part in parts[:-1]:
-        here = here / part
+    root = os.fspath(base)
+    real: dict[tuple[str, ...], bool] = {(): True}  # directories below base, by parts
+
+    def is_real(parts: tuple[str, ...]) -> bool:
+        known = len(parts)
+        while parts[:known] not in real:  # the deepest ancestor already looked at
+            known -= 1
+        ok = real[parts[:known]]
+        for depth in range(known + 1, len(parts) + 1):  # then each directory below it
+            if ok:
+                try:
+                    ok = stat.S_ISDIR(os.lstat(os.path.join(root, *parts[:depth])).st_mode)
+                except (OSError, ValueError):
+                    ok = False
+            real[parts[:depth]] = ok
+        return ok
+
+    found: dict[str, tuple[Path, os.stat_result]] = {}
+    for entry in entries:
+        if entry.type != "file":
+            continue
+        parts = tuple(p for p in entry.path.split("/") if p not in ("", "."))
+        if not parts or ".." in parts or not is_real(parts[:-1]):
+            continue
+        path = os.path.join(root, *parts)
         try:
-            if not stat.S_ISDIR(here.lstat().st_mode):
-                return None
+            st = os.lstat(path)
         except (OSError, ValueError):
-            return None
-    here = here / parts[-1]
-    try:
-        return here if stat.S_ISREG(here.lstat().st_mode) else None
-    except (OSError, ValueError):
-        return None
+            continue
+        if stat.S_ISREG(st.st_mode):
+            found[entry.path] = (Path(path), st)
+    return found
 
 
 def _matches(path: Path, entry: Entry) -> bool:
@@ -353,18 +433,12 @@ def _reusable(
     """
     if existing is None:
         return {}
-    candidates = {
-        e.path: p for e in entries
-        if e.type == "file" and (p := _present(existing, e.path)) is not None
-    }
+    present = _present(existing, entries)
+    candidates = {rel: path for rel, (path, _) in present.items()}
     by_path = {e.path: e for e in entries}
     found: dict[str, Path] = {}
     if seen is not None:
-        for rel, path in list(candidates.items()):
-            try:
-                st = path.lstat()
-            except OSError:
-                continue
+        for rel, (_, st) in present.items():
             known = seen.lookup(existing, rel, st)
             if known is not None and (known.size, known.hash) == (
                 by_path[rel].size, by_path[rel].hash
@@ -403,10 +477,25 @@ def restore_tree(
     """
     url = store.url_of(f"checkpoints/{manifest.key}")
     entries = manifest.entries or ()
-    keep = _reusable(existing, entries, workers, seen)
     by_path = {e.path: e for e in entries if e.type == "file"}
     places: dict[str, list[_Place]] = defaultdict(list)
     kept: list[tuple[Path, Path]] = []
+    empty: list[str] = []
+    walk = paused()  # objects per entry, until the downloads begin: see taskpoint._gc
+    keep: dict[str, Path] = {}
+
+    def deferred(member: tarfile.TarInfo, path: str) -> bool:
+        """Leave a file of at most one blob to ``fill``, which creates it with its bytes."""
+        if member.name in keep:
+            return False
+        blobs = by_path[member.name].blobs
+        if len(blobs) > 1:
+            return False
+        if blobs:
+            places[blobs[0].object].append(_Place(path, 0, blobs[0], True))
+        else:
+            empty.append(path)
+        return True
 
     def write(member: tarfile.TarInfo, path: Path, out: BinaryIO) -> None:
         if member.name in keep:
@@ -414,19 +503,26 @@ def restore_tree(
             return
         # The file grows as its checked blobs are written: nothing is allocated for what
         # the manifest merely claims.
-        entry = by_path[member.name]
         offset = 0
-        for blob in entry.blobs:
-            places[blob.object].append(_Place(path, offset, blob))
+        for blob in by_path[member.name].blobs:
+            places[blob.object].append(_Place(os.fspath(path), offset, blob, False))
             offset += blob.size
 
     def fill() -> None:
+        walk.end()
         for source, path in kept:
             _adopt(source, path)
-        _download(store, manifest, places, url, workers, progress)
+        for name in empty:
+            extractor.create(name, b"")
+        _download(store, manifest, places, url, workers, progress, extractor.create)
 
-    dest.mkdir(parents=True, exist_ok=True)
-    archive.Extractor(_members(entries), dest, write).run(fill)
+    try:
+        keep.update(_reusable(existing, entries, workers, seen))
+        dest.mkdir(parents=True, exist_ok=True)
+        extractor = archive.Extractor(_members(entries), dest, write, deferred)
+        extractor.run(fill)
+    finally:
+        walk.end()
     return sum(b.size for ps in places.values() for b in (p.blob for p in ps))
 
 

@@ -270,6 +270,14 @@ def pack_directory(root: Path, out: BinaryIO, codec: Codec = "gzip") -> None:
                 tar.addfile(info)
 
 
+_WINDOWS = os.name == "nt"
+"""Where a name can be absolute without a leading ``/`` (``C:x``, ``\\\\server``)."""
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(
+    os, "O_BINARY", 0
+)
+"""A regular file made new: never one that exists, nor through a link at its name."""
+
 _MAX_LINK_HOPS = 40
 """Links followed while resolving one path before it counts as a loop (Linux's limit)."""
 
@@ -283,9 +291,11 @@ def _member_parts(member: tarfile.TarInfo) -> tuple[str, ...]:
     name = member.name
     if "\x00" in name:
         raise _refuse(member, "NUL in the name")
-    if name.startswith("/") or os.path.isabs(name) or os.path.splitdrive(name)[0]:
+    if name.startswith("/") or (_WINDOWS and (os.path.isabs(name) or os.path.splitdrive(name)[0])):
         raise _refuse(member, "absolute path")
-    parts = tuple(p for p in name.split("/") if p not in ("", "."))
+    parts = tuple(name.split("/"))
+    if "" in parts or "." in parts:
+        parts = tuple(p for p in parts if p not in ("", "."))
     if not parts:
         raise _refuse(member, "empty name")
     if ".." in parts:
@@ -304,6 +314,9 @@ class Extractor:
     The entries are ``tarfile.TarInfo`` records, from a tar archive or built from a
     format-2 manifest; ``write(member, path, out)`` fills each regular file (created
     empty, exclusively, without following links) and may defer the bytes to ``fill``.
+    A file for which ``deferred(member, path)`` answers true is not created during the
+    walk: ``fill`` creates it, holding its bytes, with :meth:`create` (one open, write and
+    close, where creating it empty and writing it later opens it twice).
 
     Python's ``tarfile`` filters have been unsound on many releases (a symlink chain
     longer than ``PATH_MAX`` escapes the ``data`` filter: CVE-2025-4517), so nothing here
@@ -318,6 +331,10 @@ class Extractor:
       ``dest`` (following the links already there, at most 40 hops); one that leaves
       ``dest`` or loops is refused and the links already made are removed;
     - only regular files, directories and links are accepted.
+
+    The checks cost a few dictionary lookups per entry, and a directory's checks are made
+    once, when it is first met: a tree of many small files is limited by the file
+    system's own cost of creating them.
     """
 
     def __init__(
@@ -325,47 +342,91 @@ class Extractor:
         members: Iterable[tarfile.TarInfo],
         dest: Path,
         write: Callable[[tarfile.TarInfo, Path, BinaryIO], None],
+        deferred: Callable[[tarfile.TarInfo, str], bool] | None = None,
     ) -> None:
         self._members = members
-        self._dest = dest
+        self._prefix = os.path.join(os.fspath(dest), "")
         self._write = write
+        self._deferred = deferred
         self._seen: dict[tuple[str, ...], str] = {(): "dir"}
-        self._dirs: list[tuple[Path, tarfile.TarInfo]] = []
-        self._files: list[tuple[Path, tarfile.TarInfo]] = []
+        self._dirs: list[tuple[str, tarfile.TarInfo]] = []
+        self._files: list[tuple[str, tarfile.TarInfo]] = []
         self._links: list[tuple[tuple[str, ...], tarfile.TarInfo]] = []
+        self._pending: dict[str, tarfile.TarInfo] = {}
+        self._late_links: list[tuple[str, str]] = []
 
     def run(self, fill: Callable[[], None] | None = None) -> None:
-        """Check and create every entry; ``fill`` runs once all exist, before modes and
-        times are set (a caller that writes file contents later waits for them there)."""
+        """Check and create every entry; ``fill`` runs once all exist (but the files
+        ``deferred`` left to it, and hard links to those), before modes and times are set
+        (a caller that writes file contents later waits for them there).
+
+        Raises:
+            CheckpointUnsafeError: an entry breaks a rule above. Nothing is written for it.
+            RuntimeError: ``fill`` returned without creating every deferred file.
+            OSError: creating an entry failed.
+        """
+        seen = self._seen
         for member in self._members:
             parts = _member_parts(member)
-            if parts in self._seen and not (member.isdir() and self._seen[parts] == "dir"):
+            if parts in seen and not (member.isdir() and seen[parts] == "dir"):
                 raise _refuse(member, "a second entry with the same name")
-            if self._seen.get(parts[:-1]) != "dir":
+            if seen.get(parts[:-1]) != "dir":
                 self._make_parents(member, parts[:-1])
-            if member.isdir():
-                self._directory(member, parts)
-            elif member.isreg():
+            if member.isreg():
                 self._file(member, parts)
+            elif member.isdir():
+                self._directory(member, parts)
             elif member.islnk():
                 self._hard_link(member, parts)
             elif member.issym():
-                self._seen[parts] = "sym"
+                seen[parts] = "sym"
                 self._links.append((parts, member))
             else:
                 raise _refuse(member, "not a regular file, directory or link")
         self._symlinks()
         if fill is not None:
             fill()
+        if self._pending:
+            raise RuntimeError(
+                f"{len(self._pending)} files left to fill were not created, "
+                f"{next(iter(self._pending))!r} among them"
+            )
+        for target, path in self._late_links:
+            os.link(target, path, follow_symlinks=False)
         for path, member in self._files:
             os.chmod(path, member.mode & 0o777)
-            os.utime(path, ns=(_mtime_ns(member), _mtime_ns(member)))
+            mtime_ns = _mtime_ns(member)
+            os.utime(path, ns=(mtime_ns, mtime_ns))
         for path, member in reversed(self._dirs):  # children first: their writes are done
             os.chmod(path, member.mode & 0o777)
             os.utime(path, (member.mtime, member.mtime))
 
-    def _path(self, parts: tuple[str, ...]) -> Path:
-        return self._dest.joinpath(*parts)
+    def create(self, path: str, data: bytes | memoryview) -> None:
+        """Create the file at ``path``, which ``deferred`` left to ``fill``, holding
+        ``data``, with its entry's mode and modification time. Safe to call from several
+        threads, each file once.
+
+        Raises:
+            ValueError: no file at ``path`` was left to fill, or it was created already.
+            OSError: creating or writing the file failed (one already there included).
+        """
+        member = self._pending.pop(path, None)
+        if member is None:
+            raise ValueError(f"{path!r} is not a file left to fill, or was created already")
+        fd = os.open(path, _CREATE, 0o600)
+        try:
+            if data and os.write(fd, data) < len(data):
+                _write_all(fd, data)
+            # Set through the descriptor: the mode applies to later opens only (a file
+            # made read-only is written all the same), and nothing writes it afterwards.
+            os.fchmod(fd, member.mode & 0o777)
+            mtime_ns = _mtime_ns(member)
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
+        finally:
+            os.close(fd)
+
+    def _path(self, parts: tuple[str, ...]) -> str:
+        return self._prefix + "/".join(parts)  # checked parts: neither empty nor absolute
 
     def _make_parents(self, member: tarfile.TarInfo, parents: tuple[str, ...]) -> None:
         for depth in range(1, len(parents) + 1):
@@ -387,23 +448,29 @@ class Extractor:
 
     def _file(self, member: tarfile.TarInfo, parts: tuple[str, ...]) -> None:
         path = self._path(parts)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-        fd = os.open(path, flags, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            self._write(member, path, cast(BinaryIO, out))
+        if self._deferred is not None and self._deferred(member, path):
+            self._pending[path] = member
+        else:
+            fd = os.open(path, _CREATE, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                self._write(member, Path(path), cast(BinaryIO, out))
+            self._files.append((path, member))
         self._seen[parts] = "file"
-        self._files.append((path, member))
 
     def _hard_link(self, member: tarfile.TarInfo, parts: tuple[str, ...]) -> None:
         target = tarfile.TarInfo(member.linkname)
         target_parts = _member_parts(target)
         if self._seen.get(target_parts) != "file":
             raise _refuse(member, "a hard link to something other than a file extracted before it")
-        os.link(self._path(target_parts), self._path(parts), follow_symlinks=False)
+        source, path = self._path(target_parts), self._path(parts)
+        if source in self._pending:  # made once fill has created it
+            self._late_links.append((source, path))
+        else:
+            os.link(source, path, follow_symlinks=False)
         self._seen[parts] = "file"
 
     def _symlinks(self) -> None:
-        made: list[Path] = []
+        made: list[str] = []
         try:
             for parts, member in self._links:
                 self._check_link_text(member)
@@ -458,6 +525,14 @@ class Extractor:
     def _link_steps(base: tuple[str, ...], target: str) -> list[str]:
         """``base`` followed by ``target``'s components, ``.`` and empty ones dropped."""
         return [*base, *(p for p in target.split("/") if p not in ("", "."))]
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``fd`` from its start, however many calls that takes."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 class _ForwardReader:
