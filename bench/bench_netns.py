@@ -240,8 +240,12 @@ def main() -> int:
     if reason is not None:
         print(f"SKIPPED: simulated nodes need network namespaces: {reason}", flush=True)
         return 0
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _interrupted)
+    # Every way out unwinds through the clean-up below. A signal this process was started
+    # ignoring (nohup's SIGHUP, a background job's SIGINT) stays ignored.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) != signal.SIG_IGN:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
+                          else _interrupted)
     with open("/proc/loadavg") as fh:
         load = fh.read().split()[:3]
     print(f"{os.cpu_count()} CPUs, load {' '.join(load)}; taskpoint {taskpoint.__version__}; "
