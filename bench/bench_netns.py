@@ -23,20 +23,25 @@ node writing its ``--size-mb``. For 1, 2 and 4 nodes (``--writers``) it reports:
 
 Each node is a process started with ``ip netns exec`` (imports and data made before the
 clock starts; each step starts on a go file); each round writes a fresh location. Besides
-each ratio it prints the seconds, how busy the nodes' links were (bytes they carried /
-(rate x wall)), and how busy this machine's CPUs were (all processes, from /proc/stat):
-near 100% CPU means the figure measures the CPUs after all. ``file://`` is not measured:
-a local store goes through no link.
+each ratio it prints the seconds, how much of its rate the busiest link carried, the CPU
+time per GiB the nodes and the server spent, and how busy this machine's CPUs were (all
+processes, from /proc/stat). The links are the bottleneck only while the CPUs can carry
+what every link carries at once: a step whose links at full rate would need more than
+80% of the CPUs (at the CPU time per byte measured) says CPU-BOUND, and its ratio measures
+the CPUs again. On 2 CPUs, uploads cost about 30 CPU-s per GiB (SeaweedFS two thirds of
+it), so 2 CPUs carry about 65 MiB/s: 4 links at 100 Mbit/s ask for 48. ``file://`` is not
+measured: a local store goes through no link.
 
 Needs Linux, root and iproute2 (``ip``, ``tc``); says why and exits 0 (skipped) without
-them, and removes the namespaces on every exit (SIGINT, SIGTERM, an error). The full run
-(about 15 minutes on an idle machine; its SeaweedFS keeps about 17 GB in /tmp until it
-stops):
+them, and removes the namespaces on every exit (SIGINT, SIGTERM, SIGHUP, an error; after a
+SIGKILL the next run removes them). The full run (about 30 minutes on an idle 2-CPU
+machine; its SeaweedFS keeps up to 15 GB in /tmp until it stops; on 4 or more CPUs
+``--rate-mbit 200``):
 
     flock /tmp/taskpoint-bench.lock uv run python bench/bench_netns.py \\
-        --size-mb 250 --rate-mbit 200 --writers 1,2,4
+        --size-mb 250 --rate-mbit 100 --writers 1,2,4
 
-A quick one: ``--size-mb 50 --rate-mbit 100 --repeat 1 --warmup 0``.
+A quick one: ``--size-mb 50 --repeat 1``.
 """
 
 from __future__ import annotations
@@ -77,12 +82,35 @@ def _cpu_jiffies() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+def _tree_cpu(roots: list[int]) -> dict[int, float]:
+    """CPU seconds (user + system, every thread) so far of each process descending from
+    ``roots`` (the roots included), by process id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, seconds)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    ours = set(roots)
+    grew = True
+    while grew:
+        more = {pid for pid, (parent, _) in stats.items() if parent in ours} - ours
+        ours |= more
+        grew = bool(more)
+    return {pid: stats[pid][1] for pid in ours if pid in stats}
+
+
 class Run:
     """One mode on ``world`` nodes: their processes, and the timing of each step."""
 
     def __init__(self, nodes: _netns.Nodes, server: Weed, scratch: Path, mode: str,
                  world: int, data: list[Path], rounds: int) -> None:
-        self.nodes, self.mode, self.world = nodes, mode, world
+        self.nodes, self.server, self.mode, self.world = nodes, server, mode, world
         self.root = Path(tempfile.mkdtemp(prefix=f"{mode}-{world}-", dir=scratch))
         self.sync = self.root / "sync"
         self.sync.mkdir()
@@ -125,6 +153,8 @@ class Run:
                     raise self._failed(f"node {rank} never got ready for {name}")
                 time.sleep(0.01)
         links = [self.nodes.link_bytes(r) for r in range(self.world)]
+        roots = [p.pid for p in self.procs]
+        ours, serving = _tree_cpu(roots), _tree_cpu([self.server.process.pid])
         cpu = _cpu_jiffies()
         go = time.time()
         (self.sync / f"go-{name}").touch()
@@ -143,11 +173,15 @@ class Run:
             ends.append(record["end"])
         wall = max(ends) - go
         busy, total = (b - a for a, b in zip(cpu, _cpu_jiffies(), strict=True))
+        used = sum(t - ours.get(pid, 0.0) for pid, t in _tree_cpu(roots).items())
+        served = sum(t - serving.get(pid, 0.0)
+                     for pid, t in _tree_cpu([self.server.process.pid]).items())
         carried = [after[1 if download else 0] - before[1 if download else 0]
                    for before, after in zip(links, (self.nodes.link_bytes(r) for r in range(self.world)), strict=True)]
         rate = self.nodes.rate_mbit * 1e6 / 8
         return {"wall": wall, "link": max(carried) / (rate * wall), "cpu": busy / max(total, 1),
-                "bytes": float(max(carried))}
+                "bytes": float(max(carried)), "nodes": used, "server": served,
+                "total": float(sum(carried))}
 
     def finish(self) -> None:
         for rank, proc in enumerate(self.procs):
@@ -176,9 +210,29 @@ def measure(nodes: _netns.Nodes, server: Weed, scratch: Path, mode: str, world: 
             for kind, runs in got.items()}
 
 
-def _line(what: str, f: dict[str, float]) -> str:
-    return (f"{what} {f['wall']:.2f}s (largest link load {f['bytes'] / 2**20:.0f} MiB, link "
-            f"busy {f['link']:.0%}, CPUs busy {f['cpu']:.0%})")
+CPU_BOUND = 0.8
+"""The share of this machine's CPUs past which the nodes' links at full rate would need
+more CPU than is there (at the CPU time per byte measured): the figure measures the CPUs."""
+
+
+def _line(what: str, f: dict[str, float], links: int, rate_mbit: float) -> str:
+    """One step's figures; says CPU-BOUND when ``links`` links at ``rate_mbit`` would need
+    more than :data:`CPU_BOUND` of this machine's CPUs."""
+    cores = os.cpu_count() or 1
+    gib = max(f["total"], 1) / 2**30
+    per_gib = (f["nodes"] + f["server"]) / gib
+    carry = cores / max(per_gib, 1e-9) * 1024  # MiB/s
+    asked = links * rate_mbit * 1e6 / 8 / 2**20
+    line = (f"{what} {f['wall']:.2f}s; busiest link carried {f['bytes'] / 2**20:.0f} MiB, "
+            f"{f['link']:.0%} of its rate; CPU-s per GiB carried: nodes "
+            f"{f['nodes'] / gib:.0f}, server {f['server'] / gib:.0f} (so {cores} CPUs carry "
+            f"at most {carry:.0f} MiB/s); all CPUs {f['cpu']:.0%} busy")
+    if asked > CPU_BOUND * carry:
+        line += (f"; CPU-BOUND: {links} link(s) at full rate carry {asked:.0f} MiB/s, more "
+                 f"than {CPU_BOUND:.0%} of what the CPUs carry (lower --rate-mbit)")
+    elif f["cpu"] >= 0.95:
+        line += "; CPUS SATURATED (by other processes too?): the figure may measure them"
+    return line
 
 
 def cases(nodes: _netns.Nodes, server: Weed, scratch: Path, args: argparse.Namespace,
@@ -194,14 +248,14 @@ def cases(nodes: _netns.Nodes, server: Weed, scratch: Path, args: argparse.Names
     alone: dict[str, dict[str, float]] | None = None
     if "parts" in modes:
         alone = measure(nodes, server, scratch, "alone", 1, data, args)
-        note(_line(f"one node, {size} MB, save_sync:", alone["save"]))
-        note(_line(f"one node, {size} MB, load_sync:", alone["load"]))
+        note(_line(f"one node, {size} MB, save_sync:", alone["save"], 1, args.rate_mbit))
+        note(_line(f"one node, {size} MB, load_sync:", alone["load"], 1, args.rate_mbit))
     for mode in modes:
         figures = {n: measure(nodes, server, scratch, mode, n, data, args) for n in writers}
         base = alone if mode == "parts" and alone is not None else figures.get(1)
         for n, got in figures.items():
-            note(_line(f"{mode}: {n} node(s) x {size} MB, save:", got["save"]))
-            note(_line(f"{mode}: {n} node(s) x {size} MB, load:", got["load"]))
+            note(_line(f"{mode}: {n} node(s) x {size} MB, save:", got["save"], n, args.rate_mbit))
+            note(_line(f"{mode}: {n} node(s) x {size} MB, load:", got["load"], n, args.rate_mbit))
         if base is None:
             note(f"{mode}: no 1-node figure to compare with (add 1 to --writers)")
             continue
@@ -224,7 +278,7 @@ def _interrupted(signum: int, frame: FrameType | None) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=250, help="each node's share (MiB)")
-    parser.add_argument("--rate-mbit", type=float, default=200.0,
+    parser.add_argument("--rate-mbit", type=float, default=100.0,
                         help="each node's link, each way (Mbit/s)")
     parser.add_argument("--writers", default="1,2,4", help="node counts to measure")
     parser.add_argument("--modes", default=",".join(MODES), help="of: parts, dcp, hf")
