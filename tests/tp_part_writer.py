@@ -1,13 +1,16 @@
-"""One writer of a multi-writer checkpoint, as its own process (for tests/test_parts.py).
+"""One writer of a multi-writer checkpoint, as its own process (for tests/test_parts.py and
+tests/test_netns.py).
 
 Usage: python tp_part_writer.py SPEC_JSON
 
 The spec: ``{"url", "meet", "rank", "world_size", "session", "timeout", "folder",
-"files": {relative path: text}, "ready", "go", "out"}`` and optionally ``"timeouts"``,
-``"die_before_round"``, ``"die_after_round"`` and ``"await"``. It builds ``folder`` from
-``files`` and its :class:`taskpoint.StoreCoordinator` meeting at ``meet``, writes the file
-``ready`` once connected to the store, waits until the file ``go`` exists (so the test
-starts every writer's save at once, however slowly each process started), calls
+"files": {relative path: text}, "ready", "go", "out"}`` and optionally ``"random"``,
+``"timeouts"``, ``"die_before_round"``, ``"die_after_round"`` and ``"await"``. It builds
+``folder`` from ``files`` (and ``"random": {relative path: [seed, size]}``: ``size`` bytes
+of ``random.Random(seed).randbytes``, incompressible) and its
+:class:`taskpoint.StoreCoordinator` meeting at ``meet``, writes the file ``ready`` once
+connected to the store, waits until the file ``go`` exists (so the test starts every
+writer's save at once, however slowly each process started), calls
 ``Checkpoint(url).save_part_sync``, and writes ``{"ok": true}`` or ``{"error": "<type>:
 <message>", "ranks": [...], "committed": ...}`` to ``out``, with the save's seconds.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -84,6 +88,9 @@ def main() -> None:
     for rel, text in spec["files"].items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_text(text)
+    for rel, (seed, size) in spec.get("random", {}).items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(random.Random(seed).randbytes(size))
     coord = Scripted(spec)
     checkpoint = taskpoint.Checkpoint(spec["url"])
     checkpoint.committed()  # connected to the store before the test says go
