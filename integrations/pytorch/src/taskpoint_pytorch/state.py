@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
@@ -53,7 +53,15 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from taskpoint_pytorch._distributed import all_gather, broadcast_from_zero, rank_and_size
-from taskpoint_pytorch._errors import StateError, StateLayoutError, StateMismatchError
+from taskpoint_pytorch._errors import StateError, StateMismatchError
+from taskpoint_pytorch._layout import (
+    KINDS,
+    LAYOUT,
+    LAYOUT_VERSION,
+    STATE_FILE,
+    check_layout,
+    read_bundle,
+)
 from taskpoint_pytorch._rng import capture_rng, restore_rng
 from taskpoint_pytorch._safety import check_weights_only
 from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
@@ -61,17 +69,6 @@ from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
 __all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
 
 log = logging.getLogger(__name__)
-
-LAYOUT = "taskpoint-pytorch/state"
-"""The ``layout`` tag every bundle carries."""
-LAYOUT_VERSION = 1
-"""The newest bundle layout version this package writes and reads."""
-STATE_FILE = "state.pt"
-"""The bundle's file name in the store (and inside a restored directory)."""
-
-_KINDS = ("models", "optimizers", "schedulers", "scalers", "generators")
-_REQUIRED = frozenset({*_KINDS, "rng", "epoch", "step", "extra", "world_size", "save_id"})
-_LISTED = 10
 
 MapLocation = str | torch.device | None
 
@@ -159,12 +156,6 @@ def _check_counter(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int; got {value!r}")
     return value
-
-
-def _listed(keys: list[str]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:_LISTED])
-    more = f" and {len(keys) - _LISTED} more" if len(keys) > _LISTED else ""
-    return f"[{shown}{more}]"
 
 
 def _describe_error(exc: BaseException | None) -> str | None:
@@ -275,7 +266,7 @@ class TaskpointState:
 
     def layout(self) -> dict[str, list[str]]:
         """The component names per kind, as a bundle records them (for messages and tests)."""
-        return {kind: sorted(self._parts(kind)) for kind in _KINDS}
+        return {kind: sorted(self._parts(kind)) for kind in KINDS}
 
     def _parts(self, kind: str) -> Mapping[str, Any]:
         parts: dict[str, Mapping[str, Any]] = {
@@ -650,7 +641,8 @@ class TaskpointState:
         rest = load_sharded(
             checkpoint, {n: _unwrap(m) for n, m in self._models.items()}, self._optimizers
         )
-        self._check_layout(rest, Path(f"{checkpoint.url} (sharded state)"))
+        parts = {kind: self._parts(kind) for kind in KINDS}
+        check_layout(rest, Path(f"{checkpoint.url} (sharded state)"), parts, self._rng)
         self._apply(rest, rank, world, tensors=False)
         if rank == 0:
             log.info(
@@ -666,86 +658,10 @@ class TaskpointState:
         return torch.device("cpu")
 
     def _read(self, restored: Path | None, map_location: MapLocation) -> dict[str, Any] | None:
-        if restored is None:
-            return None
-        path = Path(restored)
-        file = path / STATE_FILE if path.is_dir() else path
-        if not file.is_file():
-            raise StateLayoutError(
-                f"the checkpoint restored to {str(path)!r} is a directory without "
-                f"{STATE_FILE!r}: it was not saved by TaskpointState"
-            )
+        parts = {kind: self._parts(kind) for kind in KINDS}
+        parts["models"] = {n: _unwrap(m) for n, m in self._models.items()}
         location = map_location if map_location is not None else self._device()
-        try:
-            bundle = torch.load(file, map_location=location, weights_only=True)
-        except Exception as exc:
-            raise StateLayoutError(
-                f"cannot load {str(file)!r} with torch.load(weights_only=True) "
-                f"({type(exc).__name__}, details in the chained exception): it is not a state "
-                "bundle written by TaskpointState, and restoring never unpickles other objects"
-            ) from exc
-        self._check_layout(bundle, file)
-        self._check_fit(bundle)
-        return cast(dict[str, Any], bundle)
-
-    def _check_layout(self, bundle: Any, file: Path) -> None:
-        if not isinstance(bundle, dict) or "layout" not in bundle:
-            held = (
-                f"a dict with keys {_listed(sorted(map(str, bundle)))}"
-                if isinstance(bundle, dict)
-                else f"a {type(bundle).__name__}"
-            )
-            raise StateLayoutError(
-                f"{str(file)!r} is not a TaskpointState bundle: it holds {held} and no "
-                f"'layout' entry. A file saved with plain torch.save is loaded with torch.load; "
-                f"TaskpointState restores bundles of layout {LAYOUT!r} only"
-            )
-        if bundle["layout"] != LAYOUT:
-            raise StateLayoutError(
-                f"{str(file)!r} has bundle layout {bundle['layout']!r}; this TaskpointState "
-                f"reads {LAYOUT!r}"
-            )
-        version = bundle.get("version")
-        if not isinstance(version, int) or not 1 <= version <= LAYOUT_VERSION:
-            raise StateLayoutError(
-                f"{str(file)!r} has {LAYOUT!r} version {version!r}; this taskpoint-pytorch "
-                f"reads versions 1 to {LAYOUT_VERSION}: upgrade taskpoint-pytorch to restore it"
-            )
-        missing = sorted(_REQUIRED - set(bundle))
-        if missing:
-            raise StateLayoutError(
-                f"{str(file)!r} is a damaged {LAYOUT!r} bundle: it lacks the entries {missing}"
-            )
-        differences = []
-        for kind in _KINDS:
-            saved = sorted(bundle[kind])
-            mine = sorted(self._parts(kind))
-            if saved != mine:
-                differences.append(f"{kind}: checkpoint has {saved}, this state has {mine}")
-        if differences:
-            raise StateLayoutError(
-                f"{str(file)!r} holds other components than this TaskpointState ("
-                + "; ".join(differences)
-                + "). Restore into a TaskpointState built with the same names"
-            )
-        if self._rng and bundle.get("rng") is None and rank_and_size()[0] == 0:
-            log.warning(
-                "checkpoint %s was saved without RNG states (rng=False): the resumed run "
-                "will not draw the same random numbers as an uninterrupted one", file,
-            )
-
-    def _check_fit(self, bundle: dict[str, Any]) -> None:
-        for name, module in self._models.items():
-            _check_model(f"models[{name!r}]", _unwrap(module), bundle["models"][name])
-        for name, optimizer in self._optimizers.items():
-            _check_optimizer(f"optimizers[{name!r}]", optimizer, bundle["optimizers"][name])
-        for name, scaler in self._scalers.items():
-            if scaler.is_enabled() and not bundle["scalers"][name]:
-                raise StateMismatchError(
-                    f"scalers[{name!r}] is enabled but was saved from a disabled GradScaler "
-                    "(its state is empty); enable or disable it as when it was saved",
-                    component=f"scalers[{name!r}]",
-                )
+        return read_bundle(restored, location, parts, self._rng)
 
     def _finish_restore(
         self, bundle: dict[str, Any] | None, error: Exception | None
@@ -909,49 +825,3 @@ def _check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
             raise TypeError(f"extra keys must be strings; got {key!r}")
     return dict(extra)
 
-
-def _check_model(component: str, module: nn.Module, saved: Mapping[str, Any]) -> None:
-    current = module.state_dict()
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
-    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for key in sorted(set(current) & set(saved)):
-        have, got = current[key], saved[key]
-        if isinstance(have, torch.Tensor) and isinstance(got, torch.Tensor) and have.shape != got.shape:
-            shapes[key] = (tuple(got.shape), tuple(have.shape))
-    if not (missing or unexpected or shapes):
-        return
-    parts = []
-    if missing:
-        parts.append(f"in the model but not the checkpoint: {_listed(missing)}")
-    if unexpected:
-        parts.append(f"in the checkpoint but not the model: {_listed(unexpected)}")
-    if shapes:
-        listed = [f"{k!r} saved {s} vs model {c}" for k, (s, c) in list(shapes.items())[:_LISTED]]
-        more = f" and {len(shapes) - _LISTED} more" if len(shapes) > _LISTED else ""
-        parts.append("shapes differ: " + ", ".join(listed) + more)
-    raise StateMismatchError(
-        f"{component} does not match the checkpoint: " + "; ".join(parts)
-        + ". Build the model as it was when the checkpoint was saved",
-        component=component,
-        missing=missing,
-        unexpected=unexpected,
-        shapes=shapes,
-    )
-
-
-def _check_optimizer(component: str, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
-    groups = saved.get("param_groups")
-    if not isinstance(groups, list):
-        raise StateMismatchError(
-            f"{component}: the checkpoint's optimizer state has no param_groups list",
-            component=component,
-        )
-    saved_sizes = [len(group.get("params", [])) for group in groups]
-    current_sizes = [len(group["params"]) for group in optimizer.param_groups]
-    if saved_sizes != current_sizes:
-        raise StateMismatchError(
-            f"{component} has parameter groups of sizes {current_sizes}, the checkpoint's "
-            f"optimizer had {saved_sizes}; build the optimizer over the same parameters",
-            component=component,
-        )
