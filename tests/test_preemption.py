@@ -174,3 +174,31 @@ def test_save_on_preemption_is_the_argument_then_the_variable_then_being_in_a_ta
     monkeypatch.setenv(preemption.ENV_SAVE, "maybe")
     with pytest.raises(ValueError, match="TASKPOINT_SAVE_ON_PREEMPTION must be"):
         preemption.save_on_preemption(None, in_task=True)
+
+
+def test_a_rank_told_by_another_notes_the_notice_without_running_any_handler(
+    tmp_path: Path,
+) -> None:
+    """A SIGTERM that reached another rank only: this rank's saves count as preemption
+    saves too, and nothing installed for the signal runs here."""
+    seen = _run(tmp_path, """
+        import json, os, signal
+        import taskpoint
+        from taskpoint import preemption
+
+        ran = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: ran.append("framework"))
+        preemption.install()
+        before = preemption.requested()
+        first = preemption.note()
+        again = preemption.note("SIGINT")
+        ckpt = taskpoint.Checkpoint(os.environ["STORE"])
+        ckpt.save_sync(b"state")
+        (manifest,) = ckpt.committed()
+        print(json.dumps({"ran": ran, "before": before, "kept": first is again,
+                          "signal": again.signal, "remaining": again.remaining(),
+                          "marked": manifest.preemption}))
+    """, TASKPOINT_GRACE_PERIOD="20")
+    assert seen["ran"] == [] and seen["before"] is False and seen["kept"] is True
+    assert seen["signal"] == "SIGTERM" and 10 < seen["remaining"] <= 20
+    assert seen["marked"] is True

@@ -51,6 +51,7 @@ __all__ = [
     "deferred",
     "grace_period",
     "install",
+    "note",
     "notice",
     "requested",
     "reset",
@@ -149,6 +150,25 @@ def notice() -> Notice | None:
 def requested() -> bool:
     """Whether a preemption signal arrived since the last :func:`reset`."""
     return _notice is not None
+
+
+def note(signal_name: str = "SIGTERM") -> Notice:
+    """Set the notice as if ``signal_name`` had arrived now, running no handler.
+
+    For a rank that learns from the others that one of them received the signal (the
+    ranks agreed to stop with :class:`taskpoint.torch_coordination.AnyRank`): its saves
+    are then marked as preemption saves and its attempt counts as preempted, like the
+    signalled rank's. The deadline is the grace period from now. A notice already set is
+    kept.
+
+    Returns:
+        The notice in force.
+    """
+    global _notice
+    with _lock:
+        if _notice is None:
+            _notice = Notice(signal_name, time.time(), time.monotonic() + _grace)
+        return _notice
 
 
 def reset() -> None:
