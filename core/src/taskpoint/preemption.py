@@ -33,6 +33,7 @@ handler back on top, calling that library's handler in turn.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 import signal
@@ -53,6 +54,7 @@ __all__ = [
     "install",
     "note",
     "notice",
+    "pinned",
     "requested",
     "reset",
     "save_on_preemption",
@@ -140,6 +142,9 @@ _grace = DEFAULT_GRACE_S
 _fallback: Callable[[Notice], None] | None = None
 _deferred = 0
 _handling = False
+_pinned: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "taskpoint_preemption_pinned", default=None
+)
 
 
 def notice() -> Notice | None:
@@ -148,8 +153,23 @@ def notice() -> Notice | None:
 
 
 def requested() -> bool:
-    """Whether a preemption signal arrived since the last :func:`reset`."""
-    return _notice is not None
+    """Whether a preemption signal arrived since the last :func:`reset` (inside
+    :func:`pinned`, the answer pinned there)."""
+    answer = _pinned.get()
+    return _notice is not None if answer is None else answer
+
+
+@contextlib.contextmanager
+def pinned(answer: bool) -> Iterator[None]:
+    """Within, in this context only (this thread, or this task), :func:`requested` is
+    ``answer``: for a save made before (or after) the signal and handed to a checkpoint
+    later from another thread, so its manifest says whether it was a preemption save as
+    of when it was made (take ``answer`` with :func:`requested` then)."""
+    token = _pinned.set(bool(answer))
+    try:
+        yield
+    finally:
+        _pinned.reset(token)
 
 
 def note(signal_name: str = "SIGTERM") -> Notice:
