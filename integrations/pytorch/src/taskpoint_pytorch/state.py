@@ -48,7 +48,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
-from taskpoint.mirror import UploadThread, settle_uploads, track
+from taskpoint.mirror import settle_uploads, track
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
@@ -62,6 +62,7 @@ from taskpoint_pytorch._layout import (
     check_layout,
     read_bundle,
 )
+from taskpoint_pytorch._preemption import Preemption
 from taskpoint_pytorch._rng import capture_rng, restore_rng
 from taskpoint_pytorch._safety import check_weights_only
 from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
@@ -214,6 +215,10 @@ class TaskpointState:
             returns, and serialises and uploads it in a thread; the next save waits for it
             only while it still runs. Its error is raised by the next save or
             :meth:`wait`. Restoring first waits for uploads still in flight.
+        save_on_preemption: whether a SIGTERM becomes a save at the next ``save_sync``
+            call (see :meth:`save_sync`); ``None``: ``TASKPOINT_SAVE_ON_PREEMPTION``, else
+            inside a taskpoint task. An upload in flight when the attempt ends (the loop
+            raised) is waited for first, up to a minute or the grace period left.
 
     Raises:
         TypeError: an object of the wrong kind.
@@ -231,6 +236,7 @@ class TaskpointState:
         rng: bool = True,
         blocking: bool = True,
         sharded: bool = False,
+        save_on_preemption: bool | None = None,
     ) -> None:
         self._models = _named("model", "model", model, _is_a(nn.Module, "a torch.nn.Module"))
         self._optimizers = _named(
@@ -257,7 +263,8 @@ class TaskpointState:
         if self._sharded:
             for optimizer in self._optimizers.values():
                 owner_of(optimizer, {n: _unwrap(m) for n, m in self._models.items()})
-        self._uploads = UploadThread("taskpoint-state-upload")
+        self._preemption = Preemption(save_on_preemption)
+        self._uploads = self._preemption.uploads
         track(self._uploads)
 
     def __repr__(self) -> str:
@@ -288,8 +295,16 @@ class TaskpointState:
         step: int = 0,
         extra: Mapping[str, Any] | None = None,
         background: bool | None = None,
-    ) -> None:
+        every: int | None = None,
+    ) -> bool:
         """Commit the current state to ``checkpoint``, blocking until it is durable.
+
+        Each call is a step boundary: the loop's counter (``step``, else ``epoch``) is
+        reported (:func:`taskpoint.report_step`), and when SIGTERM becomes a save (the
+        state's ``save_on_preemption``) a signal that reached any rank since the last
+        call makes this call save at once, wait for the commit within the grace period
+        left, and raise :class:`taskpoint.Preempted`: the next attempt resumes at this
+        step. A loop that saves every N steps calls it at every step with ``every=N``.
 
         Args:
             checkpoint: a :class:`taskpoint.Checkpoint` or any ``CheckpointLike``.
@@ -301,6 +316,11 @@ class TaskpointState:
             background: copy the state and return; serialise and upload it in a background
                 thread (``None``: the opposite of the state's ``blocking``). A save while the
                 previous background save still runs waits for it first.
+            every: save only when the counter is a multiple of ``every`` (or on a
+                preemption); ``None``: save now.
+
+        Returns:
+            Whether it saved (``False``: ``every`` said not yet).
 
         Under ``torch.distributed`` every rank must call this; only global rank 0 writes,
         and every rank returns once the commit is done (a background save: once rank 0
@@ -309,27 +329,33 @@ class TaskpointState:
         Raises:
             TypeError: ``checkpoint`` is not checkpoint-like, or a value (in ``extra``, a
                 model's extra state, ...) would not load with ``weights_only=True``.
-            ValueError: a negative or non-int counter.
+            ValueError: a negative or non-int counter, or ``every`` below 1.
             taskpoint.CheckpointError: the store failed (on rank 0; this save's, or a
                 background save's before it), or :class:`StateError` on the other ranks
                 when rank 0 failed.
+            taskpoint.Preempted: a rank received SIGTERM; the preemption save committed,
+                failed (chained) or could not fit in the grace period left (none made).
         """
-        if self._sharded:
-            self._save_sharded(checkpoint, epoch, step, extra, background)
-            return
-        if self._in_background(background):
-            self._save_background(checkpoint, epoch, step, extra)
-            return
-        staged = self._stage(checkpoint, epoch, step, extra)
-        try:
-            if staged.path is not None:
+        turn = self._preemption.reached(checkpoint, epoch, step, every)
+        if not turn.save:
+            return False
+        with turn:
+            if self._sharded:
+                self._save_sharded(checkpoint, epoch, step, extra, background)
+            elif self._in_background(background):
+                self._save_background(checkpoint, epoch, step, extra)
+            else:
+                staged = self._stage(checkpoint, epoch, step, extra)
                 try:
-                    checkpoint.save_sync(staged.path)
-                except Exception as exc:
-                    staged.error = exc
-            self._settle(staged)
-        finally:
-            staged.cleanup()
+                    if staged.path is not None:
+                        try:
+                            checkpoint.save_sync(staged.path)
+                        except Exception as exc:
+                            staged.error = exc
+                    self._settle(staged)
+                finally:
+                    staged.cleanup()
+        return True
 
     async def save(
         self,
@@ -339,26 +365,31 @@ class TaskpointState:
         step: int = 0,
         extra: Mapping[str, Any] | None = None,
         background: bool | None = None,
-    ) -> None:
+        every: int | None = None,
+    ) -> bool:
         """Async :meth:`save_sync`: the upload is awaited; serialisation, and under
         ``torch.distributed`` the collectives, run on the calling thread. A background save
         returns once the copy is taken, as :meth:`save_sync`'s does."""
-        if self._sharded:
-            self._save_sharded(checkpoint, epoch, step, extra, background)
-            return
-        if self._in_background(background):
-            self._save_background(checkpoint, epoch, step, extra)
-            return
-        staged = self._stage(checkpoint, epoch, step, extra)
-        try:
-            if staged.path is not None:
+        turn = self._preemption.reached(checkpoint, epoch, step, every)
+        if not turn.save:
+            return False
+        with turn:
+            if self._sharded:
+                self._save_sharded(checkpoint, epoch, step, extra, background)
+            elif self._in_background(background):
+                self._save_background(checkpoint, epoch, step, extra)
+            else:
+                staged = self._stage(checkpoint, epoch, step, extra)
                 try:
-                    await checkpoint.save(staged.path)
-                except Exception as exc:
-                    staged.error = exc
-            self._settle(staged)
-        finally:
-            staged.cleanup()
+                    if staged.path is not None:
+                        try:
+                            await checkpoint.save(staged.path)
+                        except Exception as exc:
+                            staged.error = exc
+                    self._settle(staged)
+                finally:
+                    staged.cleanup()
+        return True
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the background save in flight (if any) has committed.
@@ -636,6 +667,7 @@ class TaskpointState:
         if newest is None:
             if rank == 0:
                 log.info("no state committed yet: starting from scratch")
+            self._preemption.begin(0, 0)
             return None
         assert isinstance(checkpoint, Checkpoint)
         rest = load_sharded(
@@ -644,6 +676,7 @@ class TaskpointState:
         parts = {kind: self._parts(kind) for kind in KINDS}
         check_layout(rest, Path(f"{checkpoint.url} (sharded state)"), parts, self._rng)
         self._apply(rest, rank, world, tensors=False)
+        self._preemption.begin(rest["epoch"], rest["step"])
         if rank == 0:
             log.info(
                 "restored sharded state saved by %d rank(s) on %d: epoch=%d step=%d",
@@ -684,8 +717,10 @@ class TaskpointState:
         if bundle is None:
             if rank == 0:
                 log.info("no state bundle committed yet: starting from scratch")
+            self._preemption.begin(0, 0)
             return None
         self._apply(bundle, rank, world)
+        self._preemption.begin(bundle["epoch"], bundle["step"])
         if rank == 0:
             log.info(
                 "restored state bundle saved by %d rank(s): epoch=%d step=%d",
