@@ -14,7 +14,10 @@ Example::
 
 A bundle is one ``torch.save`` file, ``state.pt``, holding plain tensors, numbers, strings
 and containers only, so restoring runs ``torch.load(..., weights_only=True)`` and never
-executes pickled code. Its ``layout`` entry names the format and its version.
+executes pickled code. Its ``layout`` entry names the format and its version. On a
+:class:`taskpoint.Checkpoint` it is saved as the one file of a folder (a restore returns
+the folder), which the store keeps by content: a save uploads only the chunks of
+``state.pt`` that changed since the last one.
 
 Under ``torch.distributed`` every rank calls ``save``/``restore``: the RNG states of all
 ranks are gathered, global rank 0 alone writes and commits, and no rank returns from
@@ -48,6 +51,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
+from taskpoint.manifest import TREE_FORMAT
 from taskpoint.mirror import settle_uploads, track
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -349,7 +353,7 @@ class TaskpointState:
                 try:
                     if staged.path is not None:
                         try:
-                            checkpoint.save_sync(staged.path)
+                            checkpoint.save_sync(_upload_target(checkpoint, staged.path))
                         except Exception as exc:
                             staged.error = exc
                     self._settle(staged)
@@ -383,7 +387,7 @@ class TaskpointState:
                 try:
                     if staged.path is not None:
                         try:
-                            await checkpoint.save(staged.path)
+                            await checkpoint.save(_upload_target(checkpoint, staged.path))
                         except Exception as exc:
                             staged.error = exc
                     self._settle(staged)
@@ -809,6 +813,18 @@ def _cpu_copy(value: Any) -> Any:
     return copied
 
 
+def _upload_target(checkpoint: object, path: Path) -> Path:
+    """What a save hands to ``checkpoint``: for a :class:`taskpoint.Checkpoint` that stores
+    folders by content (store format 2, the default), the folder holding the bundle, so a
+    save uploads only the chunks of ``state.pt`` that changed since the last one (a
+    restore finds the bundle in the folder); else the bundle file itself."""
+    if isinstance(checkpoint, Checkpoint):
+        config = getattr(checkpoint, "_config", {})  # no public accessor for the format
+        if config.get("store_format", TREE_FORMAT) == TREE_FORMAT:
+            return path.parent
+    return path
+
+
 def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
     """A background save's work: serialise ``bundle`` and commit it."""
     folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
@@ -819,7 +835,7 @@ def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
                   threading.current_thread().name)
         if isinstance(checkpoint, Checkpoint):
             # Its upload process (or thread) sends it, off this process's GIL.
-            checkpoint.save_sync(path, background=True, snapshot="link")
+            checkpoint.save_sync(_upload_target(checkpoint, path), background=True, snapshot="link")
             checkpoint.wait()
         else:
             checkpoint.save_sync(path)
