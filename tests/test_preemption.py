@@ -174,3 +174,39 @@ def test_save_on_preemption_is_the_argument_then_the_variable_then_being_in_a_ta
     monkeypatch.setenv(preemption.ENV_SAVE, "maybe")
     with pytest.raises(ValueError, match="TASKPOINT_SAVE_ON_PREEMPTION must be"):
         preemption.save_on_preemption(None, in_task=True)
+
+
+def test_a_rank_told_by_another_notes_the_notice_without_running_any_handler(
+    tmp_path: Path,
+) -> None:
+    """A SIGTERM that reached another rank only: this rank's saves count as preemption
+    saves too, and nothing installed for the signal runs here."""
+    seen = _run(tmp_path, """
+        import json, os, signal, threading
+        import taskpoint
+        from taskpoint import preemption
+
+        ran = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: ran.append("framework"))
+        preemption.install()
+        before = preemption.requested()
+        first = preemption.note()
+        again = preemption.note("SIGINT")
+        ckpt = taskpoint.Checkpoint(os.environ["STORE"], keep=5)
+        ckpt.save_sync(b"state")
+
+        def made_before_the_signal():  # handed over later, from another thread
+            with preemption.pinned(False):
+                ckpt.save_sync(b"older state")
+
+        thread = threading.Thread(target=made_before_the_signal)
+        thread.start()
+        thread.join()
+        marked = [m.preemption for m in ckpt.committed()]
+        print(json.dumps({"ran": ran, "before": before, "kept": first is again,
+                          "signal": again.signal, "remaining": again.remaining(),
+                          "marked": marked, "after": preemption.requested()}))
+    """, TASKPOINT_GRACE_PERIOD="20")
+    assert seen["ran"] == [] and seen["before"] is False and seen["kept"] is True
+    assert seen["signal"] == "SIGTERM" and 10 < seen["remaining"] <= 20
+    assert seen["marked"] == [False, True] and seen["after"] is True

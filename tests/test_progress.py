@@ -118,6 +118,37 @@ def test_a_manifest_carries_the_step_of_a_background_save_made_in_the_upload_pro
     assert (newest.step, newest.preemption) == (40, False)
 
 
+def test_a_save_handed_over_later_from_another_thread_carries_the_step_pinned_there(
+    tmp_path: Path,
+) -> None:
+    """An adapter serialising in a thread of its own calls ``save_sync`` after the loop
+    moved on; the step pinned in that thread is the manifest's, and nobody else's."""
+    import threading
+
+    ckpt = taskpoint.Checkpoint(tmp_path / "store", keep=5)
+    seen: list[int | None] = []
+    try:
+        taskpoint.report_step(40)
+
+        def hand_over() -> None:
+            with progress.pinned(40):
+                taskpoint.report_step(43)  # the loop, meanwhile (same process-wide value)
+                seen.append(progress.current_step())
+                ckpt.save_sync(b"state at 40")
+
+        thread = threading.Thread(target=hand_over)
+        thread.start()
+        thread.join()
+        seen.append(progress.current_step())
+        ckpt.save_sync(b"state at 43")
+    finally:
+        progress.reset()
+    assert seen == [40, 43]
+    assert [m.step for m in ckpt.committed()] == [43, 40]
+    with pytest.raises(ValueError, match="step must be >= 0"), progress.pinned(-2):
+        pass
+
+
 @pytest.mark.parametrize("step", [-1, True, 2.0, "3"])
 def test_a_step_that_is_not_a_count_is_refused(step: object) -> None:
     with pytest.raises((TypeError, ValueError), match="step must be"):

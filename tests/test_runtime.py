@@ -109,6 +109,50 @@ def test_context_inside_and_outside() -> None:
     assert seen[0].checkpoint.url == f"memory://ctx-test/ctx.task/{seen[0].run_id}"
 
 
+def test_end_callbacks_run_after_each_attempt_before_its_outcome_is_recorded(
+    tmp_path: Path,
+) -> None:
+    """What a plain loop's adapter relies on: the attempt's end, raised or returned, before
+    the record and the retry; newest first, all of them; an error fails a good attempt."""
+    from taskpoint.history import read_attempts
+    from taskpoint.store import Store
+
+    root = tmp_path / "store"
+    env = taskpoint.TaskEnvironment(name="ends", root=str(root), run_id="r")
+    calls: list[str] = []
+
+    def ended_records() -> int:
+        return sum(r.outcome is not None for r in read_attempts(Store(str(root / "ends.task/r"))))
+
+    @env.task(retries=2, backoff=0)
+    def task() -> str:
+        context = taskpoint.ctx()
+        assert context is not None
+        attempt = context.attempt
+
+        @context.on_end
+        def first() -> None:
+            calls.append(f"{attempt}:first:{ended_records()}")
+
+        def failing() -> None:
+            calls.append(f"{attempt}:failing")
+            raise RuntimeError("an upload failed")
+
+        context.on_end(failing if attempt == 1 else lambda: calls.append(f"{attempt}:second"))
+        if attempt == 0:
+            raise ValueError("first attempt fails")
+        return "ok"
+
+    assert task() == "ok"
+    assert calls == [
+        "0:second", "0:first:0",  # before attempt 0's record was written
+        "1:failing", "1:first:1",  # the error fails attempt 1, which returned
+        "2:second", "2:first:2",
+    ]
+    outcomes = [r.outcome for r in read_attempts(Store(str(root / "ends.task/r")))]
+    assert outcomes == ["failed", "failed", "succeeded"]
+
+
 def test_checkpoints_disabled_gives_none() -> None:
     env = taskpoint.TaskEnvironment(name="nockpt", checkpoints=False)
 

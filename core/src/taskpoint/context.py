@@ -83,6 +83,9 @@ class TaskContext:
     _preempt_callbacks: list[Callable[[], object]] = field(
         default_factory=list, repr=False, compare=False
     )
+    _end_callbacks: list[Callable[[], object]] = field(
+        default_factory=list, repr=False, compare=False
+    )
 
     def on_preempt(self, callback: Callable[[], object]) -> Callable[[], object]:
         """Run ``callback`` when this attempt receives SIGTERM, before it ends.
@@ -98,6 +101,30 @@ class TaskContext:
     def _run_preempt_callbacks(self) -> None:
         for callback in list(self._preempt_callbacks):
             callback()
+
+    def on_end(self, callback: Callable[[], object]) -> Callable[[], object]:
+        """Run ``callback`` once this attempt's function has returned or raised, before the
+        attempt's outcome is recorded and before a retry starts.
+
+        For adapters of plain training loops, which see no "training ended" call: they
+        wait there for an upload still in flight and undo what they set up for the
+        attempt. Callbacks run once each, newest first; they all run even when one raises,
+        and the first error then fails a successful attempt (a failed one logs it). Usable
+        as a decorator; returns ``callback``.
+        """
+        self._end_callbacks.append(callback)
+        return callback
+
+    def _run_end_callbacks(self) -> None:
+        """Run and forget the :meth:`on_end` callbacks; raise the first error after all ran."""
+        error: Exception | None = None
+        while self._end_callbacks:
+            try:
+                self._end_callbacks.pop()()
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 _current: contextvars.ContextVar[TaskContext | None] = contextvars.ContextVar(

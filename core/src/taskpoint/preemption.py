@@ -33,6 +33,7 @@ handler back on top, calling that library's handler in turn.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 import signal
@@ -51,7 +52,9 @@ __all__ = [
     "deferred",
     "grace_period",
     "install",
+    "note",
     "notice",
+    "pinned",
     "requested",
     "reset",
     "save_on_preemption",
@@ -139,6 +142,9 @@ _grace = DEFAULT_GRACE_S
 _fallback: Callable[[Notice], None] | None = None
 _deferred = 0
 _handling = False
+_pinned: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "taskpoint_preemption_pinned", default=None
+)
 
 
 def notice() -> Notice | None:
@@ -147,8 +153,42 @@ def notice() -> Notice | None:
 
 
 def requested() -> bool:
-    """Whether a preemption signal arrived since the last :func:`reset`."""
-    return _notice is not None
+    """Whether a preemption signal arrived since the last :func:`reset` (inside
+    :func:`pinned`, the answer pinned there)."""
+    answer = _pinned.get()
+    return _notice is not None if answer is None else answer
+
+
+@contextlib.contextmanager
+def pinned(answer: bool) -> Iterator[None]:
+    """Within, in this context only (this thread, or this task), :func:`requested` is
+    ``answer``: for a save made before (or after) the signal and handed to a checkpoint
+    later from another thread, so its manifest says whether it was a preemption save as
+    of when it was made (take ``answer`` with :func:`requested` then)."""
+    token = _pinned.set(bool(answer))
+    try:
+        yield
+    finally:
+        _pinned.reset(token)
+
+
+def note(signal_name: str = "SIGTERM") -> Notice:
+    """Set the notice as if ``signal_name`` had arrived now, running no handler.
+
+    For a rank that learns from the others that one of them received the signal (the
+    ranks agreed to stop with :class:`taskpoint.torch_coordination.AnyRank`): its saves
+    are then marked as preemption saves and its attempt counts as preempted, like the
+    signalled rank's. The deadline is the grace period from now. A notice already set is
+    kept.
+
+    Returns:
+        The notice in force.
+    """
+    global _notice
+    with _lock:
+        if _notice is None:
+            _notice = Notice(signal_name, time.time(), time.monotonic() + _grace)
+        return _notice
 
 
 def reset() -> None:

@@ -10,14 +10,24 @@ cost of a failure:
   ``taskpoint show`` and the resume log line state the steps lost in between.
 
 The step is per process: the last value reported wins. A task's runner forgets it when
-an attempt starts.
+an attempt starts. An adapter whose save reaches the checkpoint later, from a thread of
+its own (serialising first), runs that call under :func:`pinned` so its manifest names the
+step of the save, not a step reported meanwhile.
 """
 
 from __future__ import annotations
 
-__all__ = ["current_step", "report_step", "reset"]
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+__all__ = ["current_step", "pinned", "report_step", "reset"]
 
 _step: int | None = None
+_UNPINNED = -1
+_pinned: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "taskpoint_pinned_step", default=_UNPINNED
+)
 
 
 def report_step(step: int) -> None:
@@ -28,16 +38,47 @@ def report_step(step: int) -> None:
         ValueError: ``step`` is negative.
     """
     global _step
+    _step = _checked(step)
+
+
+def _checked(step: object) -> int:
+    """``step`` if it is a count of steps.
+
+    Raises:
+        TypeError: ``step`` is not an integer.
+        ValueError: ``step`` is negative.
+    """
     if not isinstance(step, int) or isinstance(step, bool):
         raise TypeError(f"step must be an int (a count of training steps); got {step!r}")
     if step < 0:
         raise ValueError(f"step must be >= 0; got {step!r}")
-    _step = step
+    return step
 
 
 def current_step() -> int | None:
-    """The step last given to :func:`report_step`, or ``None`` if none was."""
-    return _step
+    """The step last given to :func:`report_step`, or ``None`` if none was; inside
+    :func:`pinned`, the step pinned there."""
+    step = _pinned.get()
+    return _step if step == _UNPINNED else step
+
+
+@contextlib.contextmanager
+def pinned(step: int | None) -> Iterator[None]:
+    """Within, in this context only (this thread, or this task), :func:`current_step` is
+    ``step``: for a save handed to a checkpoint after the training loop moved on, made for
+    a step reached earlier (taken with :func:`current_step` when the save was called).
+
+    Raises:
+        TypeError: ``step`` is neither an integer nor ``None``.
+        ValueError: ``step`` is negative.
+    """
+    if step is not None:
+        _checked(step)
+    token = _pinned.set(step)
+    try:
+        yield
+    finally:
+        _pinned.reset(token)
 
 
 def reset() -> None:

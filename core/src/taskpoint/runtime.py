@@ -274,16 +274,24 @@ class Runner:
         return again
 
     def settle(self, context: TaskContext, failed: bool) -> None:
-        """Wait for the attempt's background saves; their errors fail a successful attempt."""
-        if context.checkpoint is None:
+        """Run the attempt's :meth:`~TaskContext.on_end` callbacks (adapters wait there for
+        their uploads in flight), then wait for its background saves; their errors fail a
+        successful attempt."""
+        waits: list[Callable[[], object]] = [context._run_end_callbacks]
+        if context.checkpoint is not None:
+            waits.append(context.checkpoint.wait)
+        error: Exception | None = None
+        for wait in waits:  # all of them, whatever the first raised
+            try:
+                wait()
+            except Exception as exc:
+                error = error or exc
+        if error is None:
             return
-        try:
-            context.checkpoint.wait()
-        except Exception as exc:
-            if not failed:
-                raise
-            log.warning("%s: a background save of the failed attempt failed too: %s",
-                        context.action, exc)
+        if not failed:
+            raise error
+        log.warning("%s: a background save of the failed attempt failed too: %s",
+                    context.action, error)
 
     def _finish(self, context: TaskContext, state: str) -> None:
         if context.checkpoint is not None:

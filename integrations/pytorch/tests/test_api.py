@@ -9,7 +9,7 @@ import pytest
 import taskpoint
 import taskpoint_pytorch
 import torch
-from taskpoint_pytorch import ResumePoint, TaskpointState, _errors, state
+from taskpoint_pytorch import STATE_FILE, ResumePoint, TaskpointState, _errors, state
 from taskpoint_pytorch._compat import check_torch_version
 from torch import nn
 
@@ -88,7 +88,8 @@ def test_wrapped_models_save_and_restore_unwrapped(tmp_path: Path) -> None:
     TaskpointState(nn.DataParallel(plain)).save_sync(checkpoint, epoch=1)
     path = checkpoint.load_sync()
     assert path is not None
-    assert set(torch.load(path, weights_only=True)["models"]["model"]) == {"weight", "bias"}
+    bundle = torch.load(path / STATE_FILE, weights_only=True)
+    assert set(bundle["models"]["model"]) == {"weight", "bias"}
 
     fresh = nn.Linear(3, 2)
     TaskpointState(torch.compile(fresh)).restore_sync(checkpoint)
@@ -130,3 +131,27 @@ async def test_async_save_and_restore(store_url: str) -> None:
     assert resume is not None and (resume.epoch, resume.step) == (7, 70)
     assert torch.equal(fresh.weight, model.weight)
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+@pytest.mark.stores("file", "s3")  # the chunking is the store's, the same on every store
+@pytest.mark.parametrize("background", [False, True])
+def test_a_save_uploads_only_the_chunks_that_changed(store_url: str, background: bool) -> None:
+    """The bundle is stored as a folder kept by content: with 1 of 10 weight tensors of
+    1 MiB changed, the next save sends about a tenth of the state, not all of it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(10)])
+    checkpoint = taskpoint.Checkpoint(store_url, keep=2)
+    stats: list[taskpoint.SaveStats] = []
+    checkpoint.on_commit(stats.append)
+    state = TaskpointState(model, rng=False, blocking=not background)
+    state.save_sync(checkpoint, step=1)
+    with torch.no_grad():
+        model[3].weight.add_(1.0)
+    state.save_sync(checkpoint, step=2)
+    state.wait()
+    first, second = stats
+    assert first.uploaded >= 10 * 2**20 and first.kind == "directory"
+    assert second.uploaded < 0.25 * first.uploaded, (first, second)
+    fresh = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(10)])
+    TaskpointState(fresh, rng=False).restore_sync(checkpoint)
+    assert torch.equal(fresh[3].weight, model[3].weight)

@@ -63,7 +63,7 @@ def test_every_cuda_device_rng_state_is_restored(store_url: str) -> None:
     TaskpointState(nn.Linear(1, 1).cuda()).save_sync(checkpoint)
     path = checkpoint.load_sync()
     assert path is not None
-    assert len(torch.load(path, weights_only=True)["rng"][0]["cuda"]) == len(devices)
+    assert len(torch.load(path / "state.pt", weights_only=True)["rng"][0]["cuda"]) == len(devices)
 
     expected = [torch.rand(5, device=device) for device in devices]
     for device in devices:

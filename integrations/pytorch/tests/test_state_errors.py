@@ -98,7 +98,7 @@ def test_directory_checkpoint(checkpoint: taskpoint.Checkpoint, tmp_path: Path) 
     TaskpointState(model).save_sync(checkpoint, epoch=5)
     bundle = checkpoint.load_sync()
     assert bundle is not None
-    shutil.copy(bundle, empty / "state.pt")
+    shutil.copy(bundle / "state.pt", empty / "state.pt")
     checkpoint.save_sync(empty)
     resume = TaskpointState(_mlp()).restore_sync(checkpoint)
     assert resume is not None and resume.epoch == 5
@@ -107,7 +107,7 @@ def test_directory_checkpoint(checkpoint: taskpoint.Checkpoint, tmp_path: Path) 
 def _rewrite(checkpoint: taskpoint.Checkpoint, tmp_path: Path, **changes: object) -> None:
     path = checkpoint.load_sync()
     assert path is not None
-    bundle = torch.load(path, weights_only=True)
+    bundle = torch.load(path / "state.pt", weights_only=True)
     bundle.update(changes)
     target = tmp_path / "state.pt"
     torch.save(bundle, target)
@@ -138,7 +138,7 @@ def test_bundle_missing_entries_is_a_layout_error(
     TaskpointState(model).save_sync(checkpoint)
     path = checkpoint.load_sync()
     assert path is not None
-    bundle = torch.load(path, weights_only=True)
+    bundle = torch.load(path / "state.pt", weights_only=True)
     del bundle["save_id"], bundle["optimizers"]
     torch.save(bundle, tmp_path / "state.pt")
     checkpoint.save_sync(tmp_path / "state.pt")

@@ -133,6 +133,46 @@ async def run_async(
     return snapshot(parts, history)
 
 
+STEPS = 12
+"""Steps of :func:`run_steps`."""
+
+
+def data_generator() -> torch.Generator:
+    """The generator :func:`run_steps` draws each step's batch from (saved as the state's
+    ``generators={"data": ...}``, so a resumed run draws the same batches mid-epoch)."""
+    return torch.Generator().manual_seed(4321)
+
+
+def run_steps(
+    parts: Parts,
+    data: torch.Generator,
+    state: TaskpointState | None = None,
+    checkpoint: CheckpointLike | None = None,
+    *,
+    steps: int = STEPS,
+    every: int | None = None,
+    background: bool = False,
+    before_step: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """A loop counted in steps, one batch drawn from ``data`` per step, calling
+    ``save_sync(..., step=, every=every)`` after every step when a checkpoint is given."""
+    resume = state.restore_sync(checkpoint) if state is not None and checkpoint is not None else None
+    history: list[float] = list(resume.extra["history"]) if resume else []
+    for step in range((resume.step if resume else 0) + 1, steps + 1):
+        if before_step is not None:
+            before_step(step)
+        x = torch.randn(BATCH, FEATURES, generator=data)
+        history.append(train_step(parts, x, x[:, :1] - x[:, 1:2]))
+        if state is not None and checkpoint is not None:
+            state.save_sync(
+                checkpoint, step=step, extra={"history": history}, every=every,
+                background=background,
+            )
+    if state is not None and background:
+        state.wait()
+    return snapshot(parts, history)
+
+
 def _clone(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone()

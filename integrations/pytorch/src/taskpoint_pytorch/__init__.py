@@ -31,6 +31,14 @@ attempt)::
             state.save_sync(checkpoint, epoch=epoch + 1)
         return model(torch.ones(1, 4)).item()
 
+Each ``save_sync`` call is a step boundary. Inside a taskpoint task a SIGTERM (a spot
+reclaim, a pod eviction) is noted, and the next ``save_sync`` saves at once, waits for the
+commit within the grace period (``TASKPOINT_GRACE_PERIOD``) and raises
+:class:`taskpoint.Preempted`: the next attempt resumes at that step, with no line added to
+the loop above. Outside a task, ``TASKPOINT_SAVE_ON_PREEMPTION=1`` does the same. A loop
+that saves every N steps calls ``state.save_sync(checkpoint, step=step, every=N)`` at every
+step, so it stops at the next step rather than the next save.
+
 Under ``torch.distributed`` (DDP, any backend, gloo on CPU included) every rank calls the
 same methods: only global rank 0 writes and commits, the other ranks wait for the commit,
 and on restore every rank loads the same bundle and its own RNG state.

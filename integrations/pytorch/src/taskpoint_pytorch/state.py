@@ -14,7 +14,10 @@ Example::
 
 A bundle is one ``torch.save`` file, ``state.pt``, holding plain tensors, numbers, strings
 and containers only, so restoring runs ``torch.load(..., weights_only=True)`` and never
-executes pickled code. Its ``layout`` entry names the format and its version.
+executes pickled code. Its ``layout`` entry names the format and its version. On a
+:class:`taskpoint.Checkpoint` it is saved as the one file of a folder (a restore returns
+the folder), which the store keeps by content: a save uploads only the chunks of
+``state.pt`` that changed since the last one.
 
 Under ``torch.distributed`` every rank calls ``save``/``restore``: the RNG states of all
 ranks are gathered, global rank 0 alone writes and commits, and no rank returns from
@@ -44,16 +47,26 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
-from taskpoint.mirror import UploadThread, settle_uploads, track
+from taskpoint.manifest import TREE_FORMAT
+from taskpoint.mirror import settle_uploads, track
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from taskpoint_pytorch._distributed import all_gather, broadcast_from_zero, rank_and_size
-from taskpoint_pytorch._errors import StateError, StateLayoutError, StateMismatchError
+from taskpoint_pytorch._errors import StateError, StateMismatchError
+from taskpoint_pytorch._layout import (
+    KINDS,
+    LAYOUT,
+    LAYOUT_VERSION,
+    STATE_FILE,
+    check_layout,
+    read_bundle,
+)
+from taskpoint_pytorch._preemption import Preemption
 from taskpoint_pytorch._rng import capture_rng, restore_rng
 from taskpoint_pytorch._safety import check_weights_only
 from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
@@ -61,17 +74,6 @@ from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
 __all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
 
 log = logging.getLogger(__name__)
-
-LAYOUT = "taskpoint-pytorch/state"
-"""The ``layout`` tag every bundle carries."""
-LAYOUT_VERSION = 1
-"""The newest bundle layout version this package writes and reads."""
-STATE_FILE = "state.pt"
-"""The bundle's file name in the store (and inside a restored directory)."""
-
-_KINDS = ("models", "optimizers", "schedulers", "scalers", "generators")
-_REQUIRED = frozenset({*_KINDS, "rng", "epoch", "step", "extra", "world_size", "save_id"})
-_LISTED = 10
 
 MapLocation = str | torch.device | None
 
@@ -161,12 +163,6 @@ def _check_counter(name: str, value: object) -> int:
     return value
 
 
-def _listed(keys: list[str]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:_LISTED])
-    more = f" and {len(keys) - _LISTED} more" if len(keys) > _LISTED else ""
-    return f"[{shown}{more}]"
-
-
 def _describe_error(exc: BaseException | None) -> str | None:
     return None if exc is None else f"{type(exc).__name__}: {exc}"
 
@@ -223,6 +219,10 @@ class TaskpointState:
             returns, and serialises and uploads it in a thread; the next save waits for it
             only while it still runs. Its error is raised by the next save or
             :meth:`wait`. Restoring first waits for uploads still in flight.
+        save_on_preemption: whether a SIGTERM becomes a save at the next ``save_sync``
+            call (see :meth:`save_sync`); ``None``: ``TASKPOINT_SAVE_ON_PREEMPTION``, else
+            inside a taskpoint task. An upload in flight when the attempt ends (the loop
+            raised) is waited for first, up to a minute or the grace period left.
 
     Raises:
         TypeError: an object of the wrong kind.
@@ -240,6 +240,7 @@ class TaskpointState:
         rng: bool = True,
         blocking: bool = True,
         sharded: bool = False,
+        save_on_preemption: bool | None = None,
     ) -> None:
         self._models = _named("model", "model", model, _is_a(nn.Module, "a torch.nn.Module"))
         self._optimizers = _named(
@@ -266,7 +267,8 @@ class TaskpointState:
         if self._sharded:
             for optimizer in self._optimizers.values():
                 owner_of(optimizer, {n: _unwrap(m) for n, m in self._models.items()})
-        self._uploads = UploadThread("taskpoint-state-upload")
+        self._preemption = Preemption(save_on_preemption)
+        self._uploads = self._preemption.uploads
         track(self._uploads)
 
     def __repr__(self) -> str:
@@ -275,7 +277,7 @@ class TaskpointState:
 
     def layout(self) -> dict[str, list[str]]:
         """The component names per kind, as a bundle records them (for messages and tests)."""
-        return {kind: sorted(self._parts(kind)) for kind in _KINDS}
+        return {kind: sorted(self._parts(kind)) for kind in KINDS}
 
     def _parts(self, kind: str) -> Mapping[str, Any]:
         parts: dict[str, Mapping[str, Any]] = {
@@ -297,8 +299,16 @@ class TaskpointState:
         step: int = 0,
         extra: Mapping[str, Any] | None = None,
         background: bool | None = None,
-    ) -> None:
+        every: int | None = None,
+    ) -> bool:
         """Commit the current state to ``checkpoint``, blocking until it is durable.
+
+        Each call is a step boundary: the loop's counter (``step``, else ``epoch``) is
+        reported (:func:`taskpoint.report_step`), and when SIGTERM becomes a save (the
+        state's ``save_on_preemption``) a signal that reached any rank since the last
+        call makes this call save at once, wait for the commit within the grace period
+        left, and raise :class:`taskpoint.Preempted`: the next attempt resumes at this
+        step. A loop that saves every N steps calls it at every step with ``every=N``.
 
         Args:
             checkpoint: a :class:`taskpoint.Checkpoint` or any ``CheckpointLike``.
@@ -310,6 +320,11 @@ class TaskpointState:
             background: copy the state and return; serialise and upload it in a background
                 thread (``None``: the opposite of the state's ``blocking``). A save while the
                 previous background save still runs waits for it first.
+            every: save only when the counter is a multiple of ``every`` (or on a
+                preemption); ``None``: save now.
+
+        Returns:
+            Whether it saved (``False``: ``every`` said not yet).
 
         Under ``torch.distributed`` every rank must call this; only global rank 0 writes,
         and every rank returns once the commit is done (a background save: once rank 0
@@ -318,27 +333,33 @@ class TaskpointState:
         Raises:
             TypeError: ``checkpoint`` is not checkpoint-like, or a value (in ``extra``, a
                 model's extra state, ...) would not load with ``weights_only=True``.
-            ValueError: a negative or non-int counter.
+            ValueError: a negative or non-int counter, or ``every`` below 1.
             taskpoint.CheckpointError: the store failed (on rank 0; this save's, or a
                 background save's before it), or :class:`StateError` on the other ranks
                 when rank 0 failed.
+            taskpoint.Preempted: a rank received SIGTERM; the preemption save committed,
+                failed (chained) or could not fit in the grace period left (none made).
         """
-        if self._sharded:
-            self._save_sharded(checkpoint, epoch, step, extra, background)
-            return
-        if self._in_background(background):
-            self._save_background(checkpoint, epoch, step, extra)
-            return
-        staged = self._stage(checkpoint, epoch, step, extra)
-        try:
-            if staged.path is not None:
+        turn = self._preemption.reached(checkpoint, epoch, step, every)
+        if not turn.save:
+            return False
+        with turn:
+            if self._sharded:
+                self._save_sharded(checkpoint, epoch, step, extra, background)
+            elif self._in_background(background):
+                self._save_background(checkpoint, epoch, step, extra)
+            else:
+                staged = self._stage(checkpoint, epoch, step, extra)
                 try:
-                    checkpoint.save_sync(staged.path)
-                except Exception as exc:
-                    staged.error = exc
-            self._settle(staged)
-        finally:
-            staged.cleanup()
+                    if staged.path is not None:
+                        try:
+                            checkpoint.save_sync(_upload_target(checkpoint, staged.path))
+                        except Exception as exc:
+                            staged.error = exc
+                    self._settle(staged)
+                finally:
+                    staged.cleanup()
+        return True
 
     async def save(
         self,
@@ -348,26 +369,31 @@ class TaskpointState:
         step: int = 0,
         extra: Mapping[str, Any] | None = None,
         background: bool | None = None,
-    ) -> None:
+        every: int | None = None,
+    ) -> bool:
         """Async :meth:`save_sync`: the upload is awaited; serialisation, and under
         ``torch.distributed`` the collectives, run on the calling thread. A background save
         returns once the copy is taken, as :meth:`save_sync`'s does."""
-        if self._sharded:
-            self._save_sharded(checkpoint, epoch, step, extra, background)
-            return
-        if self._in_background(background):
-            self._save_background(checkpoint, epoch, step, extra)
-            return
-        staged = self._stage(checkpoint, epoch, step, extra)
-        try:
-            if staged.path is not None:
+        turn = self._preemption.reached(checkpoint, epoch, step, every)
+        if not turn.save:
+            return False
+        with turn:
+            if self._sharded:
+                self._save_sharded(checkpoint, epoch, step, extra, background)
+            elif self._in_background(background):
+                self._save_background(checkpoint, epoch, step, extra)
+            else:
+                staged = self._stage(checkpoint, epoch, step, extra)
                 try:
-                    await checkpoint.save(staged.path)
-                except Exception as exc:
-                    staged.error = exc
-            self._settle(staged)
-        finally:
-            staged.cleanup()
+                    if staged.path is not None:
+                        try:
+                            await checkpoint.save(_upload_target(checkpoint, staged.path))
+                        except Exception as exc:
+                            staged.error = exc
+                    self._settle(staged)
+                finally:
+                    staged.cleanup()
+        return True
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the background save in flight (if any) has committed.
@@ -645,13 +671,16 @@ class TaskpointState:
         if newest is None:
             if rank == 0:
                 log.info("no state committed yet: starting from scratch")
+            self._preemption.begin(0, 0)
             return None
         assert isinstance(checkpoint, Checkpoint)
         rest = load_sharded(
             checkpoint, {n: _unwrap(m) for n, m in self._models.items()}, self._optimizers
         )
-        self._check_layout(rest, Path(f"{checkpoint.url} (sharded state)"))
+        parts = {kind: self._parts(kind) for kind in KINDS}
+        check_layout(rest, Path(f"{checkpoint.url} (sharded state)"), parts, self._rng)
         self._apply(rest, rank, world, tensors=False)
+        self._preemption.begin(rest["epoch"], rest["step"])
         if rank == 0:
             log.info(
                 "restored sharded state saved by %d rank(s) on %d: epoch=%d step=%d",
@@ -666,86 +695,10 @@ class TaskpointState:
         return torch.device("cpu")
 
     def _read(self, restored: Path | None, map_location: MapLocation) -> dict[str, Any] | None:
-        if restored is None:
-            return None
-        path = Path(restored)
-        file = path / STATE_FILE if path.is_dir() else path
-        if not file.is_file():
-            raise StateLayoutError(
-                f"the checkpoint restored to {str(path)!r} is a directory without "
-                f"{STATE_FILE!r}: it was not saved by TaskpointState"
-            )
+        parts = {kind: self._parts(kind) for kind in KINDS}
+        parts["models"] = {n: _unwrap(m) for n, m in self._models.items()}
         location = map_location if map_location is not None else self._device()
-        try:
-            bundle = torch.load(file, map_location=location, weights_only=True)
-        except Exception as exc:
-            raise StateLayoutError(
-                f"cannot load {str(file)!r} with torch.load(weights_only=True) "
-                f"({type(exc).__name__}, details in the chained exception): it is not a state "
-                "bundle written by TaskpointState, and restoring never unpickles other objects"
-            ) from exc
-        self._check_layout(bundle, file)
-        self._check_fit(bundle)
-        return cast(dict[str, Any], bundle)
-
-    def _check_layout(self, bundle: Any, file: Path) -> None:
-        if not isinstance(bundle, dict) or "layout" not in bundle:
-            held = (
-                f"a dict with keys {_listed(sorted(map(str, bundle)))}"
-                if isinstance(bundle, dict)
-                else f"a {type(bundle).__name__}"
-            )
-            raise StateLayoutError(
-                f"{str(file)!r} is not a TaskpointState bundle: it holds {held} and no "
-                f"'layout' entry. A file saved with plain torch.save is loaded with torch.load; "
-                f"TaskpointState restores bundles of layout {LAYOUT!r} only"
-            )
-        if bundle["layout"] != LAYOUT:
-            raise StateLayoutError(
-                f"{str(file)!r} has bundle layout {bundle['layout']!r}; this TaskpointState "
-                f"reads {LAYOUT!r}"
-            )
-        version = bundle.get("version")
-        if not isinstance(version, int) or not 1 <= version <= LAYOUT_VERSION:
-            raise StateLayoutError(
-                f"{str(file)!r} has {LAYOUT!r} version {version!r}; this taskpoint-pytorch "
-                f"reads versions 1 to {LAYOUT_VERSION}: upgrade taskpoint-pytorch to restore it"
-            )
-        missing = sorted(_REQUIRED - set(bundle))
-        if missing:
-            raise StateLayoutError(
-                f"{str(file)!r} is a damaged {LAYOUT!r} bundle: it lacks the entries {missing}"
-            )
-        differences = []
-        for kind in _KINDS:
-            saved = sorted(bundle[kind])
-            mine = sorted(self._parts(kind))
-            if saved != mine:
-                differences.append(f"{kind}: checkpoint has {saved}, this state has {mine}")
-        if differences:
-            raise StateLayoutError(
-                f"{str(file)!r} holds other components than this TaskpointState ("
-                + "; ".join(differences)
-                + "). Restore into a TaskpointState built with the same names"
-            )
-        if self._rng and bundle.get("rng") is None and rank_and_size()[0] == 0:
-            log.warning(
-                "checkpoint %s was saved without RNG states (rng=False): the resumed run "
-                "will not draw the same random numbers as an uninterrupted one", file,
-            )
-
-    def _check_fit(self, bundle: dict[str, Any]) -> None:
-        for name, module in self._models.items():
-            _check_model(f"models[{name!r}]", _unwrap(module), bundle["models"][name])
-        for name, optimizer in self._optimizers.items():
-            _check_optimizer(f"optimizers[{name!r}]", optimizer, bundle["optimizers"][name])
-        for name, scaler in self._scalers.items():
-            if scaler.is_enabled() and not bundle["scalers"][name]:
-                raise StateMismatchError(
-                    f"scalers[{name!r}] is enabled but was saved from a disabled GradScaler "
-                    "(its state is empty); enable or disable it as when it was saved",
-                    component=f"scalers[{name!r}]",
-                )
+        return read_bundle(restored, location, parts, self._rng)
 
     def _finish_restore(
         self, bundle: dict[str, Any] | None, error: Exception | None
@@ -768,8 +721,10 @@ class TaskpointState:
         if bundle is None:
             if rank == 0:
                 log.info("no state bundle committed yet: starting from scratch")
+            self._preemption.begin(0, 0)
             return None
         self._apply(bundle, rank, world)
+        self._preemption.begin(bundle["epoch"], bundle["step"])
         if rank == 0:
             log.info(
                 "restored state bundle saved by %d rank(s): epoch=%d step=%d",
@@ -858,6 +813,18 @@ def _cpu_copy(value: Any) -> Any:
     return copied
 
 
+def _upload_target(checkpoint: object, path: Path) -> Path:
+    """What a save hands to ``checkpoint``: for a :class:`taskpoint.Checkpoint` that stores
+    folders by content (store format 2, the default), the folder holding the bundle, so a
+    save uploads only the chunks of ``state.pt`` that changed since the last one (a
+    restore finds the bundle in the folder); else the bundle file itself."""
+    if isinstance(checkpoint, Checkpoint):
+        config = getattr(checkpoint, "_config", {})  # no public accessor for the format
+        if config.get("store_format", TREE_FORMAT) == TREE_FORMAT:
+            return path.parent
+    return path
+
+
 def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
     """A background save's work: serialise ``bundle`` and commit it."""
     folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
@@ -868,7 +835,7 @@ def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
                   threading.current_thread().name)
         if isinstance(checkpoint, Checkpoint):
             # Its upload process (or thread) sends it, off this process's GIL.
-            checkpoint.save_sync(path, background=True, snapshot="link")
+            checkpoint.save_sync(_upload_target(checkpoint, path), background=True, snapshot="link")
             checkpoint.wait()
         else:
             checkpoint.save_sync(path)
@@ -909,49 +876,3 @@ def _check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
             raise TypeError(f"extra keys must be strings; got {key!r}")
     return dict(extra)
 
-
-def _check_model(component: str, module: nn.Module, saved: Mapping[str, Any]) -> None:
-    current = module.state_dict()
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
-    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for key in sorted(set(current) & set(saved)):
-        have, got = current[key], saved[key]
-        if isinstance(have, torch.Tensor) and isinstance(got, torch.Tensor) and have.shape != got.shape:
-            shapes[key] = (tuple(got.shape), tuple(have.shape))
-    if not (missing or unexpected or shapes):
-        return
-    parts = []
-    if missing:
-        parts.append(f"in the model but not the checkpoint: {_listed(missing)}")
-    if unexpected:
-        parts.append(f"in the checkpoint but not the model: {_listed(unexpected)}")
-    if shapes:
-        listed = [f"{k!r} saved {s} vs model {c}" for k, (s, c) in list(shapes.items())[:_LISTED]]
-        more = f" and {len(shapes) - _LISTED} more" if len(shapes) > _LISTED else ""
-        parts.append("shapes differ: " + ", ".join(listed) + more)
-    raise StateMismatchError(
-        f"{component} does not match the checkpoint: " + "; ".join(parts)
-        + ". Build the model as it was when the checkpoint was saved",
-        component=component,
-        missing=missing,
-        unexpected=unexpected,
-        shapes=shapes,
-    )
-
-
-def _check_optimizer(component: str, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
-    groups = saved.get("param_groups")
-    if not isinstance(groups, list):
-        raise StateMismatchError(
-            f"{component}: the checkpoint's optimizer state has no param_groups list",
-            component=component,
-        )
-    saved_sizes = [len(group.get("params", [])) for group in groups]
-    current_sizes = [len(group["params"]) for group in optimizer.param_groups]
-    if saved_sizes != current_sizes:
-        raise StateMismatchError(
-            f"{component} has parameter groups of sizes {current_sizes}, the checkpoint's "
-            f"optimizer had {saved_sizes}; build the optimizer over the same parameters",
-            component=component,
-        )

@@ -28,6 +28,12 @@ exactly where a run that never failed would::
             await ckpt.save(bundle)
         return float(bundle.estimator.coef_.sum())
 
+Each ``save``/``save_sync`` is a chunk boundary: inside a taskpoint task a SIGTERM during a
+chunk is noted, the save after that chunk is made as the preemption save, and
+:class:`taskpoint.Preempted` ends the attempt once it committed; the next attempt resumes
+with the next chunk. ``save_sync(bundle, every=N)`` saves every N chunks yet stops at the
+next one.
+
 Bundles are skops files by default, restored with an explicit list of trusted types
 (skops' defaults, :data:`DEFAULT_TRUSTED_TYPES` and your ``trusted=``), so a restore runs
 no code from the store; a bundle naming another type is refused with

@@ -29,10 +29,11 @@ import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
-from taskpoint import CheckpointLike
+from taskpoint import CheckpointLike, report_step
+from taskpoint.step_boundary import StepBoundary
 
 from taskpoint_sklearn.bundle import PartialFitBundle
 from taskpoint_sklearn.errors import BundleFormatError
@@ -64,6 +65,10 @@ class TaskpointSklearnCheckpoint:
         trusted: extra types (names like ``"mypkg.MyTransformer"`` or the types) a skops
             bundle may hold, on top of skops' defaults and :data:`DEFAULT_TRUSTED_TYPES`.
         filename: the bundle's file name in the checkpoint, without the suffix.
+        save_on_preemption: whether a SIGTERM becomes a save at the next :meth:`save_sync`
+            (the next chunk): the loop then stops there with :class:`taskpoint.Preempted`
+            and the next attempt resumes at that chunk. ``None``:
+            ``TASKPOINT_SAVE_ON_PREEMPTION``, else inside a taskpoint task.
 
     Raises:
         TypeError: ``checkpoint`` lacks the checkpoint methods (``None`` outside a task,
@@ -78,6 +83,7 @@ class TaskpointSklearnCheckpoint:
         format: Format = "skops",
         trusted: Iterable[str | type] = (),
         filename: str = "sklearn-bundle",
+        save_on_preemption: bool | None = None,
     ) -> None:
         if not isinstance(checkpoint, CheckpointLike):
             hint = (
@@ -99,6 +105,8 @@ class TaskpointSklearnCheckpoint:
         self._format: Format = format
         self._allowed = DEFAULT_TRUSTED_TYPES | type_names(trusted)
         self._filename = filename_for(format, filename)
+        self._boundary = StepBoundary(save_on_preemption, ranks=False)
+        self._last_save_s: float | None = None  # how long the last save took
 
     def __repr__(self) -> str:
         return f"TaskpointSklearnCheckpoint({self._checkpoint!r}, format={self._format!r})"
@@ -120,43 +128,120 @@ class TaskpointSklearnCheckpoint:
             raise TypeError(f"save() takes a PartialFitBundle; got {type(bundle).__name__}")
         return encode(bundle.to_payload(), self._format, self._allowed)
 
-    def save_sync(self, bundle: PartialFitBundle) -> None:
+    def save_sync(self, bundle: PartialFitBundle, *, every: int | None = None) -> bool:
         """Commit ``bundle`` as the newest checkpoint, blocking until it is durable.
 
         The bundle is serialised before this returns, so it is a snapshot: training may
         continue right after.
 
+        Each call is a step boundary: ``bundle.progress`` is reported
+        (:func:`taskpoint.report_step`), and when SIGTERM becomes a save
+        (``save_on_preemption``) a signal received since the last call makes this call
+        save at once and raise :class:`taskpoint.Preempted` once it committed; the next
+        attempt resumes at this chunk. A save that took longer last time than the grace
+        period left is skipped (the newest earlier checkpoint stays). A loop that saves
+        every N chunks calls it after every chunk with ``every=N``.
+
+        Args:
+            bundle: the bundle, its ``progress`` set for the chunk just done.
+            every: save only when ``bundle.progress`` is a multiple of ``every`` (or on a
+                preemption); ``None``: save now.
+
+        Returns:
+            Whether it saved (``False``: ``every`` said not yet).
+
         Raises:
             TypeError: ``bundle`` is not a :class:`PartialFitBundle`, or holds an object
                 the format cannot represent.
+            ValueError: ``every`` is not a positive int.
             UntrustedTypesError: a skops bundle holds a type a restore would refuse
                 (nothing is saved; pass it in ``trusted`` if you trust it).
             taskpoint.CheckpointError: the store failed.
+            taskpoint.Preempted: SIGTERM arrived; the save committed, failed (chained) or
+                did not fit in the grace period left (none made).
         """
+        step, action = self._boundary_at(bundle, every)
+        if action == "skip":
+            return False
         started = time.monotonic()
-        data = self._encode(bundle)
-        with tempfile.TemporaryDirectory(prefix="taskpoint-sklearn-") as tmp:
-            path = Path(tmp) / self._filename
-            path.write_bytes(data)
-            self._checkpoint.save_sync(path)
-        self._log_saved(bundle, len(data), started)
+        try:
+            data = self._encode(bundle)
+            with tempfile.TemporaryDirectory(prefix="taskpoint-sklearn-") as tmp:
+                path = Path(tmp) / self._filename
+                path.write_bytes(data)
+                self._checkpoint.save_sync(path)
+        except Exception as exc:
+            self._saved(step, action, started, exc)
+            raise
+        self._saved(step, action, started, None, bundle, len(data))
+        return True
 
-    async def save(self, bundle: PartialFitBundle) -> None:
+    async def save(self, bundle: PartialFitBundle, *, every: int | None = None) -> bool:
         """Async :meth:`save_sync`: serialises now, then awaits the checkpoint's upload."""
+        step, action = self._boundary_at(bundle, every)
+        if action == "skip":
+            return False
         started = time.monotonic()
-        data = self._encode(bundle)
-        with tempfile.TemporaryDirectory(prefix="taskpoint-sklearn-") as tmp:
-            path = Path(tmp) / self._filename
-            path.write_bytes(data)
-            await self._checkpoint.save(path)
-        self._log_saved(bundle, len(data), started)
+        try:
+            data = self._encode(bundle)
+            with tempfile.TemporaryDirectory(prefix="taskpoint-sklearn-") as tmp:
+                path = Path(tmp) / self._filename
+                path.write_bytes(data)
+                await self._checkpoint.save(path)
+        except Exception as exc:
+            self._saved(step, action, started, exc)
+            raise
+        self._saved(step, action, started, None, bundle, len(data))
+        return True
 
-    def _log_saved(self, bundle: PartialFitBundle, size: int, started: float) -> None:
-        log.debug(
-            "saved %s bundle of %s at progress %d (%d bytes) in %.2fs",
-            self._format, type(bundle.estimator).__name__, bundle.progress, size,
-            time.monotonic() - started,
-        )
+    def _boundary_at(
+        self, bundle: PartialFitBundle, every: int | None
+    ) -> tuple[int | None, Literal["save", "skip", "stop"]]:
+        """Report the step, and say what a save call does: ``save``, ``skip`` (``every``
+        says not yet) or ``stop`` (save, then stop); raise :class:`taskpoint.Preempted`
+        at once when a preemption save would not fit in the time left."""
+        if not isinstance(bundle, PartialFitBundle):
+            raise TypeError(f"save() takes a PartialFitBundle; got {type(bundle).__name__}")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"every must be a positive int (chunks between saves); got {every!r}")
+        progress = bundle.progress  # set by the loop: the save refuses it if it is no count
+        valid = isinstance(progress, int) and not isinstance(progress, bool) and progress >= 0
+        step = progress if valid else None
+        if not self._boundary.reached(step):
+            due = every is None or step is None or step % every == 0
+            return step, "save" if due else "skip"
+        if not self._boundary.fits(self._last_save_s):
+            took = "" if self._last_save_s is None else f"the last save took {self._last_save_s:.1f} s, "
+            left = max(0.0, self._boundary.budget())
+            self._boundary.stop(
+                step, saved=False, reason=f"{took}{left:.1f} s of the grace period left",
+                checkpoint=self._checkpoint,
+            )
+        return step, "stop"
+
+    def _saved(
+        self,
+        step: int | None,
+        action: str,
+        started: float,
+        error: Exception | None,
+        bundle: PartialFitBundle | None = None,
+        size: int = 0,
+    ) -> None:
+        """After a save: time it, log it; for a preemption save, stop."""
+        if error is None:
+            self._last_save_s = time.monotonic() - started
+            assert bundle is not None
+            log.debug(
+                "saved %s bundle of %s at progress %d (%d bytes) in %.2fs",
+                self._format, type(bundle.estimator).__name__, bundle.progress, size,
+                self._last_save_s,
+            )
+        if action == "stop":
+            self._boundary.stop(
+                step, saved=error is None, reason=f"{type(error).__name__}: {error}",
+                checkpoint=self._checkpoint, cause=error,
+            )
 
     # -- loading ----------------------------------------------------------------------
 
@@ -204,7 +289,9 @@ class TaskpointSklearnCheckpoint:
         metadata: Mapping[str, Any] | None,
     ) -> PartialFitBundle:
         if restored is None:
-            return PartialFitBundle(estimator, 0, rng, dict(metadata or {}))
+            fresh = PartialFitBundle(estimator, 0, rng, dict(metadata or {}))
+            self._begin(fresh)
+            return fresh
         if type(restored.estimator) is not type(estimator):
             raise BundleFormatError(
                 f"the checkpoint holds a {type(restored.estimator).__name__} but this run "
@@ -220,7 +307,14 @@ class TaskpointSklearnCheckpoint:
                 + ": keep the rng argument the same across attempts",
                 path=self._filename,
             )
+        self._begin(restored)
         return restored
+
+    def _begin(self, bundle: PartialFitBundle) -> None:
+        """Training starts at ``bundle``: report its progress and defer SIGTERM to the
+        next :meth:`save_sync`."""
+        report_step(bundle.progress)
+        self._boundary.begin()
 
     def resume_sync(
         self,

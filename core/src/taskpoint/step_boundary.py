@@ -1,0 +1,222 @@
+"""Step boundaries of a plain training loop: where a preemption signal becomes a save.
+
+A framework calls its adapter back at every step (Lightning's callbacks, the Trainer's);
+a plain loop runs only what its author wrote, and the adapter's save call between two
+steps is the one place where taskpoint runs while the training state is consistent. A
+:class:`StepBoundary` makes that call a step boundary (taskpoint_pytorch's
+``TaskpointState.save_sync`` and taskpoint_sklearn's ``TaskpointSklearnCheckpoint.save_sync``
+use one)::
+
+    boundary = StepBoundary(save_on_preemption)      # the adapter's argument
+    boundary.begin()                                  # at train start (a restore), every rank
+    ...
+    if boundary.reached(step):                        # at each save call, every rank
+        saved = boundary.fits(last_save_s)            # time left for a save this long?
+        if saved:
+            save()                                    # marked as the preemption save
+        boundary.stop(step, saved=saved)              # raises taskpoint.Preempted
+
+Whether a SIGTERM becomes a save is :func:`taskpoint.preemption.save_on_preemption`'s rule
+(the argument, then ``TASKPOINT_SAVE_ON_PREEMPTION``, then: inside a taskpoint task). When
+it does, :meth:`~StepBoundary.begin` puts taskpoint's SIGTERM handler on top and enters
+:func:`taskpoint.preemption.deferred`, so the signal only sets the notice, and the next
+:meth:`~StepBoundary.reached` answers ``True`` on every rank (a flag or'ed across the ranks
+by :class:`taskpoint.torch_coordination.AnyRank`: the signal may reach one rank only). The
+deferral ends with :meth:`~StepBoundary.stop` or with the attempt
+(:meth:`taskpoint.TaskContext.on_end`); outside a task, with the process. When it is off,
+nothing changes but the step being reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import NoReturn
+
+from taskpoint import preemption, progress
+from taskpoint.checkpoint import Checkpoint
+from taskpoint.context import Preempted, TaskContext, _current
+from taskpoint.torch_coordination import AnyRank
+
+__all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary"]
+
+log = logging.getLogger(__name__)
+
+MARGIN_S = 0.5
+"""Seconds of the grace period kept back for ending the attempt after a preemption save
+(the end record, the process exit)."""
+SETTLE_S = 60.0
+"""How long the end of an attempt waits for an upload in flight when no preemption
+signal set a deadline (as long as interpreter exit waits, ``taskpoint.mirror.EXIT_WAIT_S``)."""
+
+
+class StepBoundary:
+    """A plain training loop's step boundaries, as its adapter's save call sees them.
+
+    Args:
+        save_on_preemption: whether a SIGTERM becomes a save at the next boundary;
+            ``None``: ``TASKPOINT_SAVE_ON_PREEMPTION``, else whether the loop runs inside a
+            taskpoint task (decided at :meth:`begin`).
+        ranks: agree across the ranks of a ``torch.distributed`` process group (of more
+            than one rank) whether any received the signal; :meth:`begin` and
+            :meth:`reached` are then collectives.
+        timeout: seconds the agreement waits for the other ranks.
+        settle: waits at most the given seconds for the adapter's upload in flight (and
+            raises its error); run when the attempt ends, so a loop that raised leaves no
+            save half uploaded.
+
+    Raises:
+        ValueError: ``timeout`` is not a positive number.
+    """
+
+    def __init__(
+        self,
+        save_on_preemption: bool | None = None,
+        *,
+        ranks: bool = True,
+        timeout: float = 600.0,
+        settle: Callable[[float], object] | None = None,
+    ) -> None:
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
+        self._choice = save_on_preemption
+        self._ranks = ranks
+        self._timeout = float(timeout)
+        self._settle = settle
+        self._enabled = False
+        self._scope: contextlib.ExitStack | None = None
+        self._context: TaskContext | None = None
+        self._vote: AnyRank | None = None
+
+    def __repr__(self) -> str:
+        return f"StepBoundary(enabled={self._enabled}, active={self._scope is not None})"
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a SIGTERM becomes a save (decided by the last :meth:`begin`)."""
+        return self._enabled
+
+    def begin(self) -> None:
+        """Training starts (or goes on) in this attempt: decide whether a SIGTERM becomes a
+        save and, if so, defer it to the next boundary. Idempotent within an attempt.
+
+        Under ``torch.distributed`` with ``ranks``, a collective (the agreement's group is
+        made here) the first time in each attempt: every rank calls it at the same point.
+
+        Raises:
+            ValueError: ``TASKPOINT_SAVE_ON_PREEMPTION`` or ``TASKPOINT_GRACE_PERIOD`` is
+                set to something unusable.
+        """
+        context = _current.get()
+        if self._scope is not None and context is self._context:
+            return
+        self.end(settle=False)
+        scope = contextlib.ExitStack()
+        self._scope, self._context = scope, context
+        if context is not None:
+            context.on_end(self.end)
+        self._enabled = preemption.save_on_preemption(self._choice, in_task=context is not None)
+        if not self._enabled:
+            return
+        if not preemption.install():
+            log.debug("not on the main thread: SIGTERM cannot be routed to a save here")
+        scope.enter_context(preemption.deferred())
+        if self._ranks:
+            vote = AnyRank(timeout=self._timeout)
+            scope.callback(vote.close)
+            self._vote = vote
+
+    def reached(self, step: int | None) -> bool:
+        """The loop finished ``step`` (a count, from 0; ``None``: not known here): report
+        it, and say whether to save now and stop, on every rank alike.
+
+        Returns:
+            ``True`` once a preemption signal reached this rank or another (the rank that
+            did not receive it takes the notice too: :func:`taskpoint.preemption.note`).
+
+        Raises:
+            TypeError, ValueError: ``step`` is not a count.
+            CheckpointCoordinationError: another rank did not arrive within the timeout.
+        """
+        if step is not None:
+            progress.report_step(step)
+        self.begin()
+        if not self._enabled:
+            return False
+        flag = preemption.requested()
+        if self._vote is not None:
+            flag = self._vote(flag)
+        if flag:
+            preemption.note()
+        return flag
+
+    def budget(self) -> float:
+        """Seconds a preemption save may take: the grace period left minus
+        :data:`MARGIN_S` (infinite without a notice)."""
+        notice = preemption.notice()
+        return math.inf if notice is None else notice.remaining() - MARGIN_S
+
+    def fits(self, estimate_s: float | None) -> bool:
+        """Whether a save that takes ``estimate_s`` seconds (``None``: unknown, none made
+        yet) fits in :meth:`budget`."""
+        budget = self.budget()
+        return budget > 0 if estimate_s is None else estimate_s <= budget
+
+    def stop(
+        self,
+        step: int | None,
+        *,
+        saved: bool,
+        reason: str = "",
+        checkpoint: object = None,
+        leader: bool = True,
+        cause: BaseException | None = None,
+    ) -> NoReturn:
+        """End the training after the preemption save committed (``saved``) or was given up
+        (``reason`` says why): log it, leave the deferral and raise.
+
+        Outside a task, where no runner records the attempt, the ``leader`` (rank 0)
+        records its end as preempted in ``checkpoint`` when it is a
+        :class:`taskpoint.Checkpoint`.
+
+        Raises:
+            Preempted: always; from ``cause`` when given.
+        """
+        notice = preemption.notice()
+        signal = notice.signal if notice is not None else "a preemption signal"
+        where = f"{signal} at step {step}" if step is not None else signal
+        if saved:
+            after = f" {time.time() - notice.received:.1f} s after the signal" if notice else ""
+            message = (
+                f"{where}: the preemption save committed{after}; the next attempt resumes "
+                "at this step"
+            )
+        else:
+            message = (
+                f"{where}: no preemption save ({reason or 'it failed'}); the next attempt "
+                "resumes from the newest earlier checkpoint"
+            )
+        if leader:
+            log.warning("%s", message)
+            if self._context is None and isinstance(checkpoint, Checkpoint):
+                checkpoint.mark_ended("preempted", f"Preempted: {message}", step=step)
+        self.end(settle=False)
+        raise Preempted(message) from cause
+
+    def end(self, settle: bool = True) -> None:
+        """The training ended: wait (bounded) for the adapter's upload in flight with
+        ``settle``, leave the deferral and close the agreement's group. Idempotent.
+
+        Raises:
+            Exception: the upload's error (``settle``).
+        """
+        scope, self._scope, self._vote = self._scope, None, None
+        if scope is None:
+            return
+        with scope:
+            if settle and self._settle is not None:
+                budget = self.budget()
+                self._settle(max(0.0, budget) if math.isfinite(budget) else SETTLE_S)

@@ -1,0 +1,220 @@
+"""What a state bundle holds, and whether a restored one fits the state restoring it.
+
+A bundle is one ``torch.save`` file (:data:`STATE_FILE`) of plain tensors, numbers, strings
+and containers: ``layout`` and ``version`` name its format, one entry per component kind
+(:data:`KINDS`) maps component names to their state, and the counters, extra state, RNG
+states and world size follow (:data:`REQUIRED`). Reading one runs
+``torch.load(..., weights_only=True)`` and never executes pickled code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from taskpoint_pytorch._distributed import rank_and_size
+from taskpoint_pytorch._errors import StateLayoutError, StateMismatchError
+
+__all__ = [
+    "KINDS",
+    "LAYOUT",
+    "LAYOUT_VERSION",
+    "REQUIRED",
+    "STATE_FILE",
+    "check_fit",
+    "check_layout",
+    "listed",
+    "read_bundle",
+]
+
+log = logging.getLogger("taskpoint_pytorch.state")
+
+LAYOUT = "taskpoint-pytorch/state"
+"""The ``layout`` tag every bundle carries."""
+LAYOUT_VERSION = 1
+"""The newest bundle layout version this package writes and reads."""
+STATE_FILE = "state.pt"
+"""The bundle's file name in the store (and inside a restored directory)."""
+
+KINDS = ("models", "optimizers", "schedulers", "scalers", "generators")
+"""The component kinds, each a mapping of names to states in a bundle."""
+REQUIRED = frozenset({*KINDS, "rng", "epoch", "step", "extra", "world_size", "save_id"})
+"""The entries every bundle has."""
+_LISTED = 10
+
+
+def listed(keys: list[str]) -> str:
+    """``keys`` for a message: the first few, and how many more."""
+    shown = ", ".join(repr(k) for k in keys[:_LISTED])
+    more = f" and {len(keys) - _LISTED} more" if len(keys) > _LISTED else ""
+    return f"[{shown}{more}]"
+
+
+def read_bundle(
+    restored: Path | None,
+    location: str | torch.device,
+    parts: Mapping[str, Mapping[str, Any]],
+    rng: bool,
+) -> dict[str, Any] | None:
+    """Load the bundle a restore brought back and check it fits ``parts``.
+
+    Args:
+        restored: the restored file, or a directory holding :data:`STATE_FILE`; ``None``
+            when nothing was committed (returned as is).
+        location: where tensors load to (``torch.load``'s ``map_location``).
+        parts: the restoring state's components, per kind (models unwrapped).
+        rng: whether the restoring state restores the global RNGs (a bundle without them
+            is then worth a warning).
+
+    Raises:
+        StateLayoutError: the file is missing, does not load with ``weights_only=True``,
+            or is not a bundle of this layout with these component names.
+        StateMismatchError: a model's or optimizer's shape differs (see :func:`check_fit`).
+    """
+    if restored is None:
+        return None
+    path = Path(restored)
+    file = path / STATE_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise StateLayoutError(
+            f"the checkpoint restored to {str(path)!r} is a directory without "
+            f"{STATE_FILE!r}: it was not saved by TaskpointState"
+        )
+    try:
+        bundle = torch.load(file, map_location=location, weights_only=True)
+    except Exception as exc:
+        raise StateLayoutError(
+            f"cannot load {str(file)!r} with torch.load(weights_only=True) "
+            f"({type(exc).__name__}, details in the chained exception): it is not a state "
+            "bundle written by TaskpointState, and restoring never unpickles other objects"
+        ) from exc
+    check_layout(bundle, file, parts, rng)
+    check_fit(bundle, parts)
+    return cast(dict[str, Any], bundle)
+
+
+def check_layout(
+    bundle: Any, file: Path, parts: Mapping[str, Mapping[str, Any]], rng: bool
+) -> None:
+    """Check ``bundle`` is a bundle of this layout, a version this package reads, with
+    every entry and the same component names as ``parts``.
+
+    Raises:
+        StateLayoutError: it is not; the message says what it holds instead.
+    """
+    if not isinstance(bundle, dict) or "layout" not in bundle:
+        held = (
+            f"a dict with keys {listed(sorted(map(str, bundle)))}"
+            if isinstance(bundle, dict)
+            else f"a {type(bundle).__name__}"
+        )
+        raise StateLayoutError(
+            f"{str(file)!r} is not a TaskpointState bundle: it holds {held} and no "
+            f"'layout' entry. A file saved with plain torch.save is loaded with torch.load; "
+            f"TaskpointState restores bundles of layout {LAYOUT!r} only"
+        )
+    if bundle["layout"] != LAYOUT:
+        raise StateLayoutError(
+            f"{str(file)!r} has bundle layout {bundle['layout']!r}; this TaskpointState "
+            f"reads {LAYOUT!r}"
+        )
+    version = bundle.get("version")
+    if not isinstance(version, int) or not 1 <= version <= LAYOUT_VERSION:
+        raise StateLayoutError(
+            f"{str(file)!r} has {LAYOUT!r} version {version!r}; this taskpoint-pytorch "
+            f"reads versions 1 to {LAYOUT_VERSION}: upgrade taskpoint-pytorch to restore it"
+        )
+    missing = sorted(REQUIRED - set(bundle))
+    if missing:
+        raise StateLayoutError(
+            f"{str(file)!r} is a damaged {LAYOUT!r} bundle: it lacks the entries {missing}"
+        )
+    differences = []
+    for kind in KINDS:
+        saved = sorted(bundle[kind])
+        mine = sorted(parts[kind])
+        if saved != mine:
+            differences.append(f"{kind}: checkpoint has {saved}, this state has {mine}")
+    if differences:
+        raise StateLayoutError(
+            f"{str(file)!r} holds other components than this TaskpointState ("
+            + "; ".join(differences)
+            + "). Restore into a TaskpointState built with the same names"
+        )
+    if rng and bundle.get("rng") is None and rank_and_size()[0] == 0:
+        log.warning(
+            "checkpoint %s was saved without RNG states (rng=False): the resumed run "
+            "will not draw the same random numbers as an uninterrupted one", file,
+        )
+
+
+def check_fit(bundle: dict[str, Any], parts: Mapping[str, Mapping[str, Any]]) -> None:
+    """Check each model's keys and shapes, each optimizer's parameter groups and each
+    enabled scaler against ``bundle`` (models in ``parts`` unwrapped).
+
+    Raises:
+        StateMismatchError: one does not fit; names the component and the keys.
+    """
+    for name, module in parts["models"].items():
+        _check_model(f"models[{name!r}]", module, bundle["models"][name])
+    for name, optimizer in parts["optimizers"].items():
+        _check_optimizer(f"optimizers[{name!r}]", optimizer, bundle["optimizers"][name])
+    for name, scaler in parts["scalers"].items():
+        if scaler.is_enabled() and not bundle["scalers"][name]:
+            raise StateMismatchError(
+                f"scalers[{name!r}] is enabled but was saved from a disabled GradScaler "
+                "(its state is empty); enable or disable it as when it was saved",
+                component=f"scalers[{name!r}]",
+            )
+
+
+def _check_model(component: str, module: nn.Module, saved: Mapping[str, Any]) -> None:
+    current = module.state_dict()
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for key in sorted(set(current) & set(saved)):
+        have, got = current[key], saved[key]
+        if isinstance(have, torch.Tensor) and isinstance(got, torch.Tensor) and have.shape != got.shape:
+            shapes[key] = (tuple(got.shape), tuple(have.shape))
+    if not (missing or unexpected or shapes):
+        return
+    parts = []
+    if missing:
+        parts.append(f"in the model but not the checkpoint: {listed(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not the model: {listed(unexpected)}")
+    if shapes:
+        differ = [f"{k!r} saved {s} vs model {c}" for k, (s, c) in list(shapes.items())[:_LISTED]]
+        more = f" and {len(shapes) - _LISTED} more" if len(shapes) > _LISTED else ""
+        parts.append("shapes differ: " + ", ".join(differ) + more)
+    raise StateMismatchError(
+        f"{component} does not match the checkpoint: " + "; ".join(parts)
+        + ". Build the model as it was when the checkpoint was saved",
+        component=component,
+        missing=missing,
+        unexpected=unexpected,
+        shapes=shapes,
+    )
+
+
+def _check_optimizer(component: str, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list):
+        raise StateMismatchError(
+            f"{component}: the checkpoint's optimizer state has no param_groups list",
+            component=component,
+        )
+    saved_sizes = [len(group.get("params", [])) for group in groups]
+    current_sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if saved_sizes != current_sizes:
+        raise StateMismatchError(
+            f"{component} has parameter groups of sizes {current_sizes}, the checkpoint's "
+            f"optimizer had {saved_sizes}; build the optimizer over the same parameters",
+            component=component,
+        )

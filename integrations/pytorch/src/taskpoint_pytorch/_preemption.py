@@ -1,0 +1,188 @@
+"""TaskpointState's step boundaries: a SIGTERM becomes a save at the next ``save_sync`` call.
+
+A plain loop already calls ``state.save_sync(checkpoint, epoch=..., step=...)`` between
+steps, with the state consistent; that call is the step boundary
+(:class:`taskpoint.step_boundary.StepBoundary`). At each one, on every rank, the finished
+step is reported and, when SIGTERM becomes a save (inside a taskpoint task by default),
+the ranks agree whether any received it. If one did, the call saves at once, whatever
+``every`` says, waits for the commit within the grace period left, and raises
+:class:`taskpoint.Preempted`; the next attempt resumes at that step. A loop that saves
+every N steps calls ``save_sync(..., every=N)`` at every step, so the stop lands at the
+next step, not the next save.
+
+Deadlines: an upload already in flight is finished first (within the time left); a save
+that took longer last time than the time left is skipped, loudly, and the newest earlier
+checkpoint stays intact (the attempt's record says the preemption save was missed). A
+background save waits for its commit at most until the grace period's end, less
+:data:`taskpoint.step_boundary.MARGIN_S`; a blocking save is the training thread itself
+and runs to its end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+from taskpoint import preemption, progress
+from taskpoint.mirror import UploadThread
+from taskpoint.step_boundary import StepBoundary
+
+from taskpoint_pytorch._distributed import broadcast_from_zero, rank_and_size
+
+__all__ = ["Preemption", "Turn"]
+
+log = logging.getLogger("taskpoint_pytorch.state")
+
+
+def step_of(epoch: object, step: object) -> int | None:
+    """The loop's counter: ``step`` when the loop counts steps, else ``epoch``; ``None``
+    when it is not a count (the save then says so, on every rank)."""
+    counter = step or epoch
+    if isinstance(counter, bool) or not isinstance(counter, int) or counter < 0:
+        return None
+    return counter
+
+
+class _TimedUploads(UploadThread):
+    """TaskpointState's upload thread: each job runs with the step of the save that started
+    it, and whether a preemption signal had come by then, pinned (its manifest says so, not
+    what holds when the thread hands it over) and, once committed, records how long the save
+    took from its call."""
+
+    def __init__(self, owner: Preemption) -> None:
+        super().__init__("taskpoint-state-upload")
+        self._owner = owner
+
+    def start(self, job: Callable[[], object]) -> None:
+        owner = self._owner
+        step, started = progress.current_step(), owner.turn_started or time.monotonic()
+        signalled = preemption.requested()
+        owner.job_started = True
+
+        def run() -> None:
+            with progress.pinned(step), preemption.pinned(signalled):
+                job()
+            owner.last_save_s = time.monotonic() - started
+
+        super().start(run)
+
+
+class Preemption:
+    """The preemption side of one :class:`~taskpoint_pytorch.TaskpointState`.
+
+    Args:
+        save_on_preemption: the state's argument (see
+            :func:`taskpoint.preemption.save_on_preemption`).
+    """
+
+    def __init__(self, save_on_preemption: bool | None) -> None:
+        self.uploads: UploadThread = _TimedUploads(self)
+        self.boundary = StepBoundary(save_on_preemption, settle=self._settle)
+        self.last_save_s: float | None = None  # how long the last save took, call to commit
+        self.turn_started: float | None = None
+        self.job_started = False
+
+    def begin(self, epoch: int, step: int) -> None:
+        """A restore finished (every rank): report the step it resumes at and start
+        deferring SIGTERM to the next boundary (a collective the first time per attempt)."""
+        counter = step_of(epoch, step)
+        if counter is not None:
+            progress.report_step(counter)
+        self.boundary.begin()
+
+    def reached(
+        self, checkpoint: object, epoch: int, step: int, every: int | None
+    ) -> Turn:
+        """A ``save_sync`` call (every rank): report the step, agree whether a rank was
+        preempted, and say what the call does.
+
+        Raises:
+            ValueError: ``every`` is not a positive int, or a counter is negative.
+            TypeError: a counter is not an int.
+            taskpoint.Preempted: a rank was preempted and the save cannot fit in the time
+                left (or an upload in flight did not finish within it): none is made.
+        """
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"every must be a positive int (steps between saves); got {every!r}")
+        counter = step_of(epoch, step)
+        if not self.boundary.reached(counter):
+            return Turn(self, save=every is None or counter is None or counter % every == 0)
+        rank = rank_and_size()[0]
+        reason = broadcast_from_zero(self._room() if rank == 0 else "")
+        if reason:
+            self.boundary.stop(
+                counter, saved=False, reason=reason, checkpoint=checkpoint, leader=rank == 0
+            )
+        return Turn(self, save=True, stop=(counter, checkpoint))
+
+    def _room(self) -> str:
+        """Rank 0: finish the upload in flight within the time left, then check the next
+        save fits in what remains; why not, or ``""``."""
+        budget = self.boundary.budget()
+        try:
+            if not self.uploads.wait(max(0.0, budget)):
+                return f"the upload in flight did not commit in the {budget:.1f} s left"
+        except Exception as exc:  # that save is lost; the preemption save may still land
+            log.warning("the background save before the preemption failed: %s: %s",
+                        type(exc).__name__, exc)
+        if not self.boundary.fits(self.last_save_s):
+            took = "" if self.last_save_s is None else f"the last save took {self.last_save_s:.1f} s, "
+            return f"{took}{max(0.0, self.boundary.budget()):.1f} s of the grace period left"
+        return ""
+
+    def _settle(self, timeout: float) -> None:
+        """The attempt ended: wait for the upload in flight (its error is raised)."""
+        if not self.uploads.wait(timeout):
+            log.warning("a background save still uploads after %.1f s; the attempt ends "
+                        "without it", timeout)
+
+
+class Turn:
+    """What one ``save_sync`` call does: :attr:`save` says whether it saves; the save runs
+    inside ``with turn:``, which times it, and for a preemption save waits for its commit
+    (rank 0, within the time left), agrees on the outcome and raises
+    :class:`taskpoint.Preempted`."""
+
+    def __init__(
+        self, owner: Preemption, *, save: bool, stop: tuple[int | None, object] | None = None
+    ) -> None:
+        self._owner = owner
+        self.save = save
+        self._stop = stop
+
+    def __enter__(self) -> Turn:
+        self._owner.turn_started = time.monotonic()
+        self._owner.job_started = False
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        owner = self._owner
+        started, owner.turn_started = owner.turn_started, None
+        if self._stop is None:
+            if exc is None and not owner.job_started and started is not None:
+                owner.last_save_s = time.monotonic() - started
+            return
+        step, checkpoint = self._stop
+        rank = rank_and_size()[0]
+        committed, cause = exc is None, exc
+        if committed and rank == 0:
+            try:
+                committed = owner.uploads.wait(max(0.0, owner.boundary.budget()))
+            except Exception as error:
+                committed, cause = False, error
+        outcome = broadcast_from_zero(
+            (committed, None if cause is None else f"{type(cause).__name__}: {cause}")
+        )
+        committed, failure = outcome
+        reason = failure or "the save did not commit before the grace period's end"
+        owner.boundary.stop(
+            step, saved=committed, reason=reason, checkpoint=checkpoint, leader=rank == 0,
+            cause=cause,
+        )
