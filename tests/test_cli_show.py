@@ -33,6 +33,10 @@ def _write(path: Path, record: object) -> None:
     path.write_text(json.dumps(record))
 
 
+STEPS = {(0, 0): 5, (0, 1): 10, (1, 0): 15, (2, 0): 20}
+"""The step of each save of :func:`contract_run`, by (attempt, seq)."""
+
+
 def contract_run(root: Path, *, keep: int = 2) -> str:
     """A run written record by record as the store contract says, with fixed times.
 
@@ -57,23 +61,27 @@ def contract_run(root: Path, *, keep: int = 2) -> str:
     for manifest in (folder / "checkpoints").glob("*.manifest.json"):
         record = json.loads(manifest.read_text())
         record["created"] = T0 + 10 * record["attempt"] + record["seq"] + 1
+        # the training step each save was made at, whatever this process reported before
+        record["step"] = STEPS[(record["attempt"], record["seq"])]
+        record.pop("preemption", None)
         if record["attempt"] in stats:
             record["stats"] = stats[record["attempt"]]
         manifest.write_text(json.dumps(record))
     attempts = folder / "attempts"
     _write(attempts / "000000", {"format": 1, "started": T0, "pid": 4100})
     _write(attempts / "000000.end.json",
-           {"format": 1, "ended": T0 + 5, "outcome": "failed", "error": "RuntimeError: lost the GPU"})
+           {"format": 1, "ended": T0 + 5, "outcome": "failed", "error": "RuntimeError: lost the GPU",
+            "step": 12})
     _write(attempts / "000001", {"format": 1, "started": T0 + 10, "pid": 812, "host": "node-b"})
     _write(attempts / "000001.resume.json",
            {"format": 1, "at": T0 + 10.5, "checkpoint": "000000-000000001.manifest.json",
-            "restore_s": 0.012, "size": 2})
+            "restore_s": 0.012, "size": 2, "step": 10})
     _write(attempts / "000002", {"format": 1, "started": T0 + 20, "pid": 97, "host": "node-c"})
     _write(attempts / "000002.resume.json",
            {"format": 1, "at": T0 + 20.5, "checkpoint": "000001-000000000.manifest.json",
-            "restore_s": 1.5, "size": 3})
+            "restore_s": 1.5, "size": 3, "step": 15})
     _write(attempts / "000002.end.json",
-           {"format": 1, "ended": T0 + 30, "outcome": "succeeded", "error": None})
+           {"format": 1, "ended": T0 + 30, "outcome": "succeeded", "error": None, "step": 20})
     _write(folder / "status.json",
            {"format": 1, "state": "succeeded", "attempts": 3, "finished": T0 + 30.1})
     return url
@@ -105,9 +113,9 @@ def test_show_draws_each_attempt_resume_and_checkpoint(tmp_path: Path, utc: None
     assert "attempt 1  died (no record)  2025-10-09 08:53:30  node-b pid 812" in out
     assert "attempt 2  succeeded  2025-10-09 08:53:40 → 08:53:50 (10.00s)  node-c pid 97" in out
     # The resume lines name the checkpoint, even the one pruned since, and the restore.
-    assert ("resumed from 000000-000000001.manifest.json · restored 2 B in 12ms · pruned since"
+    assert ("resumed from 000000-000000001.manifest.json · at step 10 · restored 2 B in 12ms · pruned since"
             in out)
-    assert "resumed from 000001-000000000.manifest.json · restored 3 B in 1.50s" in out
+    assert "resumed from 000001-000000000.manifest.json · at step 15 · restored 3 B in 1.50s" in out
     # Kept checkpoints: when, which attempt (the branch), kind and size, what the save cost.
     assert "08:53:31 +1.00s  checkpoint 000001-000000000.manifest.json · ok · bytes, 3 B" in out
     assert "uploaded 3 B in 200ms · save 250ms, blocked 10ms · background" in out
@@ -347,7 +355,7 @@ def test_a_resume_source_whose_manifest_is_damaged_is_called_damaged_not_pruned(
     assert line.endswith("restored 3 B in 1.50s · CORRUPT since"), line
     assert "pruned" not in line
     # The one really pruned keeps its note.
-    assert "resumed from 000000-000000001.manifest.json · restored 2 B in 12ms · pruned since" in out
+    assert "resumed from 000000-000000001.manifest.json · at step 10 · restored 2 B in 12ms · pruned since" in out
     code, out = _invoke("show", ACTION, "--root", root, "--json")
     detail = {a["attempt"]: a for a in json.loads(out)["attempts_detail"]}
     assert detail[2]["resumed_from_damaged"] is True and detail[2]["resumed_from_kept"] is False
