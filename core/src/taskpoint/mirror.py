@@ -62,7 +62,7 @@ PREFIX = "taskpoint/"
 """The prefix of every metric name the adapters log."""
 
 
-def unshare(path: str | os.PathLike[str]) -> int:
+def unshare(path: str | os.PathLike[str], *, copy: bool = True) -> int:
     """Give each regular file at or under ``path`` that has other hard links (a snapshot's)
     a copy of its own, renamed over it, so writing over it in place later leaves the other
     links' content alone.
@@ -71,8 +71,15 @@ def unshare(path: str | os.PathLike[str]) -> int:
     reads still shares its files (a resumed run writing a ``checkpoint-N`` again): such a
     snapshot refuses to commit a file changed under it. The content, mode and times stay.
 
+    Args:
+        path: a file or a folder.
+        copy: ``False`` removes each linked file instead of copying it, for files the
+            caller is about to write anew, whole (a framework saving ``last.ckpt`` again):
+            the write then makes a new file, without the cost of a copy. The other links
+            keep the content either way.
+
     Returns:
-        How many files were copied (0 when ``path`` does not exist).
+        How many files were copied (or removed; 0 when ``path`` does not exist).
 
     Raises:
         OSError: a copy could not be written (the file keeps its links then).
@@ -87,6 +94,10 @@ def unshare(path: str | os.PathLike[str]) -> int:
     for file in files:
         info = file.lstat()
         if not stat.S_ISREG(info.st_mode) or info.st_nlink < 2:
+            continue
+        if not copy:
+            file.unlink()
+            copied += 1
             continue
         handle, temp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
         os.close(handle)

@@ -31,10 +31,10 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from taskpoint import CheckpointLike, TaskpointWarning, nodes
 from taskpoint.coordination import check_timeout
-from taskpoint.mirror import FolderMirror
+from taskpoint.mirror import FolderMirror, unshare
 from taskpoint.torch_coordination import TorchCoordinator
 
-from taskpoint_lightning._mirror import flush_async_io, unfinished_files, unshare
+from taskpoint_lightning._mirror import flush_async_io, unfinished_files
 from taskpoint_lightning._rng import capture_rng, pick_rng, restore_rng
 from taskpoint_lightning.resume import filled_by_resume
 
@@ -207,7 +207,7 @@ class _TaskpointMirror:
         if trainer.is_global_zero:
             # torch.save rewrites an existing file (last.ckpt) in place; a snapshot still
             # uploading may hold a hard link to it, so give the new content a new file.
-            unshare(filepath)
+            unshare(filepath, copy=False)
         super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
         self._unmirrored = True
 
