@@ -52,6 +52,7 @@ __all__ = [
     "grace_period",
     "install",
     "notice",
+    "relay",
     "requested",
     "reset",
     "save_on_preemption",
@@ -149,6 +150,28 @@ def notice() -> Notice | None:
 def requested() -> bool:
     """Whether a preemption signal arrived since the last :func:`reset`."""
     return _notice is not None
+
+
+def relay(remaining: float, signal_name: str = "SIGTERM") -> Notice:
+    """Note a preemption signal another rank of the job received, once the ranks agreed to
+    stop together, due in ``remaining`` seconds; a notice this process already holds is
+    kept. From then on this process's saves count as preemption saves and its attempt as
+    one that received the signal (see :func:`notice`), as if the signal had reached it:
+    the rank that saves is often not the rank that was signalled.
+
+    Returns:
+        The notice in force.
+
+    Raises:
+        ValueError: ``remaining`` is negative or not a number.
+    """
+    global _notice
+    if not remaining >= 0:
+        raise ValueError(f"remaining must be a number of seconds >= 0; got {remaining!r}")
+    with _lock:
+        if _notice is None:
+            _notice = Notice(signal_name, time.time(), time.monotonic() + remaining)
+        return _notice
 
 
 def reset() -> None:
