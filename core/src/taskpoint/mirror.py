@@ -44,12 +44,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from taskpoint import preemption
 from taskpoint._save import Source, classify, discard, lower_priority, take_snapshot
 from taskpoint._settle import EXIT_WAIT_S, settle_uploads, track
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.coordination import Coordinator
 from taskpoint.history import SaveStats
+from taskpoint.progress import current_step
 
 __all__ = [
     "EXIT_WAIT_S", "FolderMirror", "MirrorStats", "UploadThread", "combined_metrics",
@@ -335,7 +337,9 @@ class FolderMirror:
         ``coordinator`` calls this once per save, in the same order. In the background the
         protocol's collectives run in the mirror's thread, so ``coordinator`` must be one
         no other thread uses while it runs (a :class:`~taskpoint.StoreCoordinator`, or a
-        ``TorchCoordinator`` of its own). Waits first for the previous upload.
+        ``TorchCoordinator`` of its own). Waits first for the previous upload. The manifest
+        names ``step`` (by default the step last reported) and whether a preemption notice
+        was held as of this call, not as of the commit.
 
         Raises:
             TypeError: the mirror's checkpoint is not a :class:`~taskpoint.Checkpoint`.
@@ -357,11 +361,15 @@ class FolderMirror:
             shutil.rmtree(remove, ignore_errors=True)
             raise
         record = _Save(step, background=not self._blocking, started=started, part=True)
+        at = current_step() if step is None else step  # as of this call, not the upload's
+        noticed = preemption.requested()
 
         def job() -> None:
             began = time.monotonic()
             try:
-                checkpoint.save_part_sync(part, coordinator=coordinator)
+                checkpoint.save_part_sync(
+                    part, coordinator=coordinator, step=at, noticed=noticed
+                )
             finally:
                 shutil.rmtree(remove, ignore_errors=True)
             with self._cond:
