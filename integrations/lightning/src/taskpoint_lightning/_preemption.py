@@ -30,6 +30,18 @@ time left, the callback saves and mirrors as it does for any save (the newest
 ``last.ckpt``, see the callback) and every rank waits for the commit before raising
 :class:`taskpoint.Preempted`. When it does not fit, the previous checkpoint stays (commits
 are atomic), a WARNING says so and the attempt's record says ``missed``.
+
+SLURM: Lightning's ``SLURMEnvironment(auto_requeue=True)`` (its default under SLURM) keeps
+its own requeue signal, SIGUSR1 (``--signal=USR1@<seconds>``), which taskpoint leaves
+alone: from inside that signal handler, wherever training is, it saves
+``hpc_ckpt_<n>.ckpt`` in ``default_root_dir`` (outside ``dirpath``, so not mirrored) and runs
+``scontrol requeue``; a requeued job resumes from that file only when ``ckpt_path`` is
+``None`` and the file is on its disk. SIGTERM (``scancel``, preemption, ``--signal=TERM@<s>``
+before the time limit; SIGKILL follows ``KillWait`` seconds later) is taskpoint's: set
+``TASKPOINT_GRACE_PERIOD`` to that time. For one checkpoint, the mirrored one, requeue with
+SLURM (``--requeue``, ``PreemptMode=REQUEUE``) and give the Trainer
+``plugins=[SLURMEnvironment(auto_requeue=False)]``; ``SLURM_RESTART_COUNT`` numbers the
+attempts and ``resume_ckpt_path`` restores from the store.
 """
 
 from __future__ import annotations
@@ -126,7 +138,11 @@ class Preemption:
                     "stops training when another rank receives it", trainer.global_rank,
                 )
             self._deferral.enter_context(preemption.deferred())
-            self._vote = AnyRank(timeout=timeout)
+            try:
+                self._vote = AnyRank(timeout=timeout)
+            except BaseException:
+                self.close()  # never leave SIGTERM deferred past this fit
+                raise
         if _main_thread():
             self._before = signal.getsignal(signal.SIGTERM)
         return self
