@@ -194,23 +194,27 @@ class Preemption:
             trainer, own.remaining() if own else math.inf, saver._preemption_estimate(),
             first, saver._preemption_flagged(),
         )
-        notice = preemption.relay(left if math.isfinite(left) else preemption.grace_period())
         started = time.monotonic()
+        if not math.isfinite(left):
+            left = preemption.grace_period()
+        deadline = started + left  # the earliest rank's, as this rank's clock tells it
+        notice = preemption.relay(left)
         saved: str | None = None
+        # Every rank decides from the same agreed values: they all save, or none does.
         if not finished:
             outcome = (
                 "missed: the upload in flight did not finish in time (the store keeps the "
                 "checkpoint before it)"
             )
-        elif notice.remaining() - MARGIN_S < needed:
+        elif left - MARGIN_S < needed:
             outcome = (
-                f"missed: a save takes about {needed:.1f}s and {notice.remaining():.1f}s are "
-                "left (the store keeps the previous checkpoint)"
+                f"missed: a save takes about {needed:.1f}s and {left:.1f}s are left (the "
+                "store keeps the previous checkpoint)"
             )
         else:
             saved = saver._preemption_save(trainer, again=not flagged)
             done = saver._preemption_mirrored() and saver._preemption_wait(
-                trainer, max(0.0, notice.remaining() - MARGIN_S)
+                trainer, max(0.0, deadline - time.monotonic() - MARGIN_S)
             )
             # Also a barrier: no rank ends (torchrun then stops the others) before the commit.
             committed = self._vote is None or not self._vote(not done)
