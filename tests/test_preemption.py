@@ -190,8 +190,8 @@ def test_a_rank_told_by_another_notes_the_notice_without_running_any_handler(
         signal.signal(signal.SIGTERM, lambda signum, frame: ran.append("framework"))
         preemption.install()
         before = preemption.requested()
-        first = preemption.note()
-        again = preemption.note("SIGINT")
+        first = preemption.relay()
+        again = preemption.relay(5.0, "SIGINT")
         ckpt = taskpoint.Checkpoint(os.environ["STORE"], keep=5)
         ckpt.save_sync(b"state")
 

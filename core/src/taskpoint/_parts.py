@@ -148,7 +148,13 @@ def check_part(root: Path) -> None:
 
 
 def upload_part(
-    catalog: Catalog, root: Path, *, codec: Codec, progress: Progress | None = None
+    catalog: Catalog,
+    root: Path,
+    *,
+    codec: Codec,
+    progress: Progress | None = None,
+    step: int | None = None,
+    noticed: bool | None = None,
 ) -> dict[str, Any]:
     """Store the tree under ``root`` as content objects; the record the committer merges.
 
@@ -156,8 +162,13 @@ def upload_part(
     collective that follows :meth:`taskpoint.Checkpoint.begin_parts`): that commit's lease
     keeps a collection from freeing the content this part reuses or uploads.
 
+    ``step`` and ``noticed`` are the training step and whether the preemption notice was
+    set when the save was called; ``None``: as they are now (a save uploaded in the
+    background is called earlier than it uploads).
+
     Returns:
-        A JSON record: ``{"name", "entries", "objects", "size", "uploaded", "reused"}``.
+        A JSON record: ``{"name", "entries", "objects", "size", "uploaded", "reused",
+        "step", "preemption"}``.
 
     Raises:
         NotADirectoryError: ``root`` is not a directory.
@@ -176,8 +187,8 @@ def upload_part(
     return {
         "name": root.name, "entries": [e.to_record() for e in saved.entries],
         "objects": saved.objects, "size": saved.size, "uploaded": saved.uploaded,
-        "reused": saved.reused, "step": current_step(),
-        "preemption": preemption.requested(),
+        "reused": saved.reused, "step": current_step() if step is None else step,
+        "preemption": preemption.requested() if noticed is None else noticed,
     }
 
 

@@ -317,7 +317,12 @@ class Checkpoint:
             await asyncio.to_thread(self._saves.run, source, ticket)
 
     def save_part_sync(
-        self, path: str | os.PathLike[str], *, coordinator: Coordinator
+        self,
+        path: str | os.PathLike[str],
+        *,
+        coordinator: Coordinator,
+        step: int | None = None,
+        noticed: bool | None = None,
     ) -> None:
         """Commit one checkpoint written by several processes: this one adds ``path``'s tree.
 
@@ -339,6 +344,11 @@ class Checkpoint:
                 ``taskpoint.torch_coordination.TorchCoordinator`` under
                 ``torch.distributed``). Its timeout bounds how long a rank waits for
                 the others at each step, uploads included.
+            step: the training step the checkpoint holds; ``None``: the one last given to
+                :func:`taskpoint.report_step`, now. Pass it when this call runs later
+                than the save was asked for (in a background thread).
+            noticed: whether the save was asked for after the preemption signal
+                (:func:`taskpoint.preemption.requested`); ``None``: as it is now.
 
         Raises:
             CheckpointCoordinationError: on every rank: the ranks named different checkpoint
@@ -366,7 +376,7 @@ class Checkpoint:
         _parts.save_part(
             lambda: _parts.check_part(root),
             lambda: self._saves.begin_parts(called),
-            lambda: self.upload_part(root),
+            lambda: self.upload_part(root, step=step, noticed=noticed),
             coordinator,
             self._store.url,
             lambda key: self._store.url_of(key) if self._store.exists(key) else None,
@@ -400,8 +410,14 @@ class Checkpoint:
         """
         return self._saves.begin_parts(time.monotonic())
 
-    def upload_part(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+    def upload_part(
+        self, path: str | os.PathLike[str], *, step: int | None = None,
+        noticed: bool | None = None,
+    ) -> dict[str, Any]:
         """Upload one rank's folder for a multi-writer commit (see :meth:`begin_parts`).
+
+        ``step`` and ``noticed`` as for :meth:`save_part_sync` (the committing rank's
+        record gives the checkpoint its step; any rank's notice marks it a preemption save).
 
         Returns:
             The part's JSON record (its paths, content hashes and object names: metadata
@@ -416,7 +432,7 @@ class Checkpoint:
         self._saves.check_open()
         return _parts.upload_part(
             self._catalog, Path(os.fspath(path)).absolute(), codec=self._codec,
-            progress=self._progress,
+            progress=self._progress, step=step, noticed=noticed,
         )
 
     def wait(self) -> None:

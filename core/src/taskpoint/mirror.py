@@ -44,12 +44,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from taskpoint import preemption
 from taskpoint._save import Source, classify, discard, lower_priority, take_snapshot
 from taskpoint._settle import EXIT_WAIT_S, settle_uploads, track
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.coordination import Coordinator
 from taskpoint.history import SaveStats
+from taskpoint.progress import current_step
 
 __all__ = [
     "EXIT_WAIT_S", "FolderMirror", "MirrorStats", "UploadThread", "combined_metrics",
@@ -62,7 +64,7 @@ PREFIX = "taskpoint/"
 """The prefix of every metric name the adapters log."""
 
 
-def unshare(path: str | os.PathLike[str]) -> int:
+def unshare(path: str | os.PathLike[str], *, copy: bool = True) -> int:
     """Give each regular file at or under ``path`` that has other hard links (a snapshot's)
     a copy of its own, renamed over it, so writing over it in place later leaves the other
     links' content alone.
@@ -71,8 +73,15 @@ def unshare(path: str | os.PathLike[str]) -> int:
     reads still shares its files (a resumed run writing a ``checkpoint-N`` again): such a
     snapshot refuses to commit a file changed under it. The content, mode and times stay.
 
+    Args:
+        path: a file or a folder.
+        copy: ``False`` removes each linked file instead of copying it, for files the
+            caller is about to write anew, whole (a framework saving ``last.ckpt`` again):
+            the write then makes a new file, without the cost of a copy. The other links
+            keep the content either way.
+
     Returns:
-        How many files were copied (0 when ``path`` does not exist).
+        How many files were copied (or removed; 0 when ``path`` does not exist).
 
     Raises:
         OSError: a copy could not be written (the file keeps its links then).
@@ -87,6 +96,10 @@ def unshare(path: str | os.PathLike[str]) -> int:
     for file in files:
         info = file.lstat()
         if not stat.S_ISREG(info.st_mode) or info.st_nlink < 2:
+            continue
+        if not copy:
+            file.unlink()
+            copied += 1
             continue
         handle, temp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
         os.close(handle)
@@ -324,7 +337,9 @@ class FolderMirror:
         ``coordinator`` calls this once per save, in the same order. In the background the
         protocol's collectives run in the mirror's thread, so ``coordinator`` must be one
         no other thread uses while it runs (a :class:`~taskpoint.StoreCoordinator`, or a
-        ``TorchCoordinator`` of its own). Waits first for the previous upload.
+        ``TorchCoordinator`` of its own). Waits first for the previous upload. The manifest
+        names ``step`` (by default the step last reported) and whether a preemption notice
+        was held as of this call, not as of the commit.
 
         Raises:
             TypeError: the mirror's checkpoint is not a :class:`~taskpoint.Checkpoint`.
@@ -346,11 +361,15 @@ class FolderMirror:
             shutil.rmtree(remove, ignore_errors=True)
             raise
         record = _Save(step, background=not self._blocking, started=started, part=True)
+        at = current_step() if step is None else step  # as of this call, not the upload's
+        noticed = preemption.requested()
 
         def job() -> None:
             began = time.monotonic()
             try:
-                checkpoint.save_part_sync(part, coordinator=coordinator)
+                checkpoint.save_part_sync(
+                    part, coordinator=coordinator, step=at, noticed=noticed
+                )
             finally:
                 shutil.rmtree(remove, ignore_errors=True)
             with self._cond:

@@ -52,9 +52,9 @@ __all__ = [
     "deferred",
     "grace_period",
     "install",
-    "note",
     "notice",
     "pinned",
+    "relay",
     "requested",
     "reset",
     "save_on_preemption",
@@ -172,22 +172,28 @@ def pinned(answer: bool) -> Iterator[None]:
         _pinned.reset(token)
 
 
-def note(signal_name: str = "SIGTERM") -> Notice:
-    """Set the notice as if ``signal_name`` had arrived now, running no handler.
-
-    For a rank that learns from the others that one of them received the signal (the
-    ranks agreed to stop with :class:`taskpoint.torch_coordination.AnyRank`): its saves
-    are then marked as preemption saves and its attempt counts as preempted, like the
-    signalled rank's. The deadline is the grace period from now. A notice already set is
-    kept.
+def relay(remaining: float | None = None, signal_name: str = "SIGTERM") -> Notice:
+    """Note a preemption signal another rank of the job received, once the ranks agreed to
+    stop together (:class:`taskpoint.torch_coordination.AnyRank`), due in ``remaining``
+    seconds (``None``: the grace period from now); a notice this process already holds is
+    kept. No handler runs. From then on this process's saves count as preemption saves and its attempt as
+    one that received the signal (see :func:`notice`), as if the signal had reached it:
+    the rank that saves is often not the rank that was signalled.
 
     Returns:
         The notice in force.
+
+    Raises:
+        ValueError: ``remaining`` is negative or not a number.
     """
     global _notice
+    if remaining is None:
+        remaining = _grace
+    if not remaining >= 0:
+        raise ValueError(f"remaining must be a number of seconds >= 0; got {remaining!r}")
     with _lock:
         if _notice is None:
-            _notice = Notice(signal_name, time.time(), time.monotonic() + _grace)
+            _notice = Notice(signal_name, time.time(), time.monotonic() + remaining)
         return _notice
 
 

@@ -135,7 +135,7 @@ class StepBoundary:
 
         Returns:
             ``True`` once a preemption signal reached this rank or another (the rank that
-            did not receive it takes the notice too: :func:`taskpoint.preemption.note`).
+            did not receive it takes the notice too: :func:`taskpoint.preemption.relay`).
 
         Raises:
             TypeError, ValueError: ``step`` is not a count.
@@ -150,7 +150,7 @@ class StepBoundary:
         if self._vote is not None:
             flag = self._vote(flag)
         if flag:
-            preemption.note()
+            preemption.relay()
         return flag
 
     def budget(self) -> float:

@@ -24,7 +24,7 @@ from taskpoint_lightning import RNG_STATE_KEY, TaskpointModelCheckpoint, resume_
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:lightning")
 
 SCRIPT = Path(__file__).with_name("train_script.py")
-MACHINERY = {"_folder_mirror", "_nodes", "_preempt_contexts"}
+MACHINERY = {"_folder_mirror", "_nodes", "_preempt_contexts", "_fit"}
 """The callback's attributes that belong to the process it runs in, never copied."""
 
 

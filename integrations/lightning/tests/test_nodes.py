@@ -17,6 +17,8 @@ import pytest
 import taskpoint
 import taskpoint_lightning_testlib as lib
 import torch
+from taskpoint.history import read_attempts
+from taskpoint.store import Store
 
 SCRIPT = Path(__file__).with_name("nodes_script.py")
 pytestmark = pytest.mark.slow
@@ -119,10 +121,13 @@ def _killed_and_resumed(tmp_path: Path, strategy: str, gpus: bool = False) -> No
     for node in (0, 1):  # each node's local disk is gone: a fresh machine each
         subprocess.run(["rm", "-rf", str(tmp_path / f"node{node}" / "ckpts")], check=True)
 
-    resumed = _nodes(tmp_path, store, *flags, gpus=gpus)
-    for node, launch in enumerate(resumed):
+    launches = _nodes(tmp_path, store, *flags, gpus=gpus)
+    for node, launch in enumerate(launches):
         assert launch.returncode == 0, launch.stdout[-3000:]
         assert f"rank {node}: STARTED 2 6" in launch.stdout, launch.stdout[-3000:]
+    # the records say where the resumed attempt started: step 6, the end of epoch 1
+    resumed = {r.attempt: r.resumed_step for r in read_attempts(Store(store))}
+    assert resumed == {0: None, 1: 6}
     # every rank took part in each commit, its shards reaching the store from its own node
     newest = taskpoint.Checkpoint(store).committed()[0]
     assert newest.parts is not None and sorted(newest.parts) == ["0", "1"]

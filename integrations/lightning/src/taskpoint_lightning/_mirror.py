@@ -4,21 +4,19 @@ Lightning's ``AsyncCheckpointIO`` writes checkpoint files in a worker thread, so
 ``ModelCheckpoint`` hook returns the file may not exist yet, or may exist half written.
 :func:`flush_async_io` waits for those writes; :func:`unfinished_files` then looks for any
 file that still looks partially written (from another asynchronous plugin), so the
-mirror is put off rather than made of it. :func:`unshare` makes a file about to be
-rewritten a new one, so a snapshot hard-linked to the old content keeps it.
+mirror is put off rather than made of it.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 import sys
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["flush_async_io", "unfinished_files", "unshare"]
+__all__ = ["flush_async_io", "unfinished_files"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _IO_MODULES = ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io")
@@ -100,22 +98,3 @@ def unfinished_files(root: Path, written: Iterable[str | os.PathLike[str]] = ())
         elif path.suffix == ".ckpt" and path.is_file() and not _looks_complete(path):
             problems.append(f"{path} (partially written)")
     return problems
-
-
-def unshare(path: str | os.PathLike[str]) -> bool:
-    """Remove ``path`` if it is a regular file with other hard links (a snapshot's).
-
-    Writing over an existing file (``torch.save``, ``open(path, "wb")``) changes its
-    content in place, for every link to it; after this, the next write makes a new file.
-
-    Returns:
-        Whether a linked file was removed.
-    """
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink < 2:
-        return False
-    os.unlink(path)
-    return True

@@ -10,18 +10,32 @@ Lightning loads checkpoints with PyTorch's default, which is ``weights_only=True
 from __future__ import annotations
 
 import logging
-from typing import Any
+import warnings
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from taskpoint import TaskpointWarning
 
-__all__ = ["RNG_FORMAT", "capture_rng", "pick_rng", "restore_rng"]
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = [
+    "RNG_FORMAT", "RNG_STATE_KEY", "capture_rng", "load_from_checkpoint", "pick_rng", "restore_rng",
+    "stash_in_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
 RNG_FORMAT = 1
 """Version of the stored layout; a newer one is refused rather than misread."""
+
+RNG_STATE_KEY = "taskpoint_rng"
+"""The top-level key of a Lightning checkpoint that holds the random state.
+
+Checkpoints written by taskpoint-lightning 0.1 kept it in the callback's own entry
+(``checkpoint["callbacks"][state_key]``); those still resume exactly."""
 
 
 def _storable(states: dict[str, Any]) -> dict[str, Any]:
@@ -160,3 +174,62 @@ def pick_rng(stored: dict[str, Any], global_rank: int) -> dict[str, Any]:
 def restore_rng(states: dict[str, Any]) -> None:
     """Set this process's global generators (Python, NumPy, torch, CUDA) to ``states``."""
     _set_rng_states(states)
+
+
+def _mid_epoch(trainer: pl.Trainer) -> bool:
+    """Whether training is inside an epoch whose batches are not all done."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    if progress.is_last_batch:
+        return False
+    total = trainer.num_training_batches
+    return not (total != float("inf") and progress.current.ready >= total)
+
+
+def stash_in_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Keep every rank's random state in ``checkpoint`` (``on_save_checkpoint``; every rank).
+
+    Beside the callbacks' states, not in a callback's own: those stay plain values, and
+    the state is the process's, shared by every taskpoint callback (the first one to see
+    the checkpoint keeps it; every rank sees the same ones).
+    """
+    if RNG_STATE_KEY not in checkpoint:
+        checkpoint[RNG_STATE_KEY] = capture_rng(
+            include_cuda=trainer.strategy.root_device.type == "cuda",
+            mid_epoch=_mid_epoch(trainer),
+        )
+
+
+def load_from_checkpoint(
+    trainer: pl.Trainer, checkpoint: dict[str, Any], state_key: str
+) -> dict[str, Any] | None:
+    """Restore this rank's random state from ``checkpoint`` (``on_load_checkpoint``).
+
+    Set now, before Lightning makes the resumed epoch's data iterator (a shuffle draws
+    from these generators), exactly where the uninterrupted run made it.
+
+    Returns:
+        The states to set again at ``on_train_start`` when the checkpoint was saved inside
+        an epoch, whose iterator the uninterrupted run had already made (Lightning's
+        re-made one drew from the generators); else ``None``. A checkpoint without random
+        state (another callback's, ``save_weights_only=True``) warns.
+
+    Raises:
+        ValueError: the stored layout is from a newer version of this adapter.
+    """
+    stored = checkpoint.get(RNG_STATE_KEY)
+    if stored is None:  # written by taskpoint-lightning 0.1: in the callback's entry
+        mine = checkpoint.get("callbacks", {}).get(state_key)
+        stored = mine.get(RNG_STATE_KEY) if isinstance(mine, dict) else None
+    if stored is None:
+        if trainer.is_global_zero:
+            message = (
+                f"the checkpoint being resumed holds no random state from {state_key}: it "
+                "was saved by another callback or with save_weights_only=True, so the "
+                "resumed run's random draws will differ from an uninterrupted run's"
+            )
+            log.warning(message)
+            warnings.warn(message, TaskpointWarning, stacklevel=3)
+        return None
+    states = pick_rng(stored, trainer.global_rank)
+    restore_rng(states)
+    return states if stored.get("mid_epoch") else None

@@ -1,0 +1,314 @@
+"""How ``TaskpointModelCheckpoint`` notes each change Lightning makes to ``dirpath`` and
+mirrors the folder to the store: one upload at a time in the background on global rank
+zero, or, with several processes and a :class:`taskpoint.Checkpoint`, every rank
+committing its disk's share as one checkpoint. Also the saves a SIGTERM asks for (see
+:mod:`taskpoint_lightning._preemption`), which go through the same path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import taskpoint
+from taskpoint import CheckpointLike, TaskpointWarning, nodes, preemption
+from taskpoint.mirror import FolderMirror, unshare
+from taskpoint.torch_coordination import TorchCoordinator
+
+from taskpoint_lightning._mirror import flush_async_io, unfinished_files
+from taskpoint_lightning._on_exception import ExceptionFiles
+from taskpoint_lightning._preemption import Preemption
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["Fit", "Mirroring", "Nodes", "describe"]
+
+log = logging.getLogger("taskpoint_lightning.callback")
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """A multi-process job's coordinators (one per thread) and its disks."""
+
+    main: TorchCoordinator
+    uploads: TorchCoordinator
+    disks: nodes.Disks
+
+
+@dataclass
+class Fit:
+    """One fit's machinery: its SIGTERM handling, the ``OnExceptionCheckpoint`` files in
+    ``dirpath``, and what the last save cost this rank (seconds)."""
+
+    stop: Preemption
+    files: ExceptionFiles
+    write_s: float = 0.0
+    upload_s: float = 0.0
+    flagged: bool = False  # the last mirror started after a preemption notice
+
+
+def describe(checkpoint: CheckpointLike) -> str:
+    return str(getattr(checkpoint, "url", None) or type(checkpoint).__name__)
+
+
+def _last_state(path: str) -> tuple[str, str | None]:
+    """``save_last``'s file, and where it links to if it is a link."""
+    try:
+        return path, os.readlink(path) if path and os.path.islink(path) else None
+    except OSError:
+        return path, None
+
+
+class Mirroring:
+    """Mixed into the callback: the saves, the mirrors, and the waits for them."""
+
+    # Set by the callback and by ModelCheckpoint; declared for readers.
+    dirpath: Any
+    last_model_path: str
+    save_last: Any
+    CHECKPOINT_NAME_LAST: str
+    _last_checkpoint_saved: str
+    _last_global_step_saved: int
+    _taskpoint: CheckpointLike
+    _blocking: bool | None
+    _timeout: float
+    _nodes: Nodes | None
+    _unmirrored: bool
+    _folder_mirror: FolderMirror | None
+    _fit: Fit | None
+
+    @property
+    def _uploads(self) -> FolderMirror:
+        """The mirror of ``dirpath`` to the store, made at first use."""
+        if self._folder_mirror is None:
+            self._folder_mirror = FolderMirror(self._taskpoint, blocking=self._blocking)
+        return self._folder_mirror
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the mirror in flight (if any) has committed.
+
+        Args:
+            timeout: give up after this many seconds (``None``: no limit).
+
+        Returns:
+            ``True`` once no upload runs; ``False`` if ``timeout`` ran out first.
+
+        Raises:
+            taskpoint.CheckpointError: the upload failed.
+        """
+        return self._folder_mirror is None or self._folder_mirror.wait(timeout)
+
+    def _find_nodes(self, trainer: pl.Trainer, root: Path) -> Nodes | None:
+        """Several processes saving to a taskpoint.Checkpoint: the coordinators and which
+        ranks share ``dirpath``'s disk (collectives: every rank calls this once)."""
+        import torch.distributed as dist
+
+        if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return None
+        if not isinstance(self._taskpoint, taskpoint.Checkpoint):
+            return None  # another system's checkpoint: global rank zero mirrors alone
+        main = TorchCoordinator(timeout=self._timeout)
+        uploads = TorchCoordinator(timeout=self._timeout)  # used by the upload thread only
+        disks = nodes.find_disks(main, root)
+        if disks.leads(main.rank):
+            nodes.discard_stale_parts(root)
+        return Nodes(main, uploads, disks)
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if trainer.is_global_zero:
+            # torch.save rewrites an existing file (last.ckpt) in place; a snapshot still
+            # uploading may hold a hard link to it, so give the new content a new file.
+            unshare(filepath, copy=False)
+        stale = self._stale_preemption_last(filepath)
+        if stale:
+            self.last_model_path = ""  # part of the state the save writes
+        started = time.monotonic()
+        super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
+        if self._fit is not None:
+            self._fit.write_s = time.monotonic() - started
+        self._unmirrored = True
+        if stale:
+            self._remove_checkpoint(trainer, stale)
+
+    def _stale_preemption_last(self, filepath: str) -> str | None:
+        """Without ``save_last``, the ``last`` file a preemption save wrote (and a run may
+        have resumed from), once another save supersedes it: it would otherwise stay the
+        newest ``last*.ckpt`` that ``resume_ckpt_path`` picks."""
+        last = self.last_model_path
+        if self.save_last or not last or os.path.realpath(last) == os.path.realpath(filepath):
+            return None
+        folder = os.path.realpath(self.dirpath) if self.dirpath is not None else None
+        return last if folder and os.path.dirname(os.path.realpath(last)) == folder else None
+
+    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: Any) -> None:
+        # save_last="link" only (re)makes a link, often to the file it already names.
+        before = _last_state(self.last_model_path)
+        super()._save_last_checkpoint(trainer, monitor_candidates)  # type: ignore[misc]
+        # Several processes decide together whether to mirror: every rank must agree, and
+        # only global rank zero makes the link, so any call counts there.
+        if self._nodes is not None or _last_state(self.last_model_path) != before:
+            self._unmirrored = True
+
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        super()._remove_checkpoint(trainer, filepath)  # type: ignore[misc]
+        self._unmirrored = True
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        """Wait for the mirror in flight (raising its error; within the grace period of a
+        SIGTERM received) and log what is left."""
+        bound = None if self._fit is None else self._fit.stop.bound(None)
+        if self._nodes is not None:  # every rank takes part in the upload
+            nodes.run_everywhere(
+                self._nodes.main, lambda: self._uploads.wait(bound), "finish the last mirror"
+            )
+        if trainer.is_global_zero:
+            if not self._uploads.wait(bound):
+                log.warning(
+                    "the mirror to %s still runs %ss into the grace period of a SIGTERM; "
+                    "not waiting for it", describe(self._taskpoint), bound,
+                )
+            self._log_stats(trainer)
+
+    def _log_stats(self, trainer: pl.Trainer) -> None:
+        """Log the figures of the mirrors committed since the last call (global rank 0)."""
+        for stats in self._uploads.take_stats():
+            metrics = stats.metrics()
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+            if self._fit is not None:
+                self._fit.upload_s = stats.blocked_s + (stats.upload_s or 0.0)
+
+    def _mirror(self, trainer: pl.Trainer, *, final: bool = False) -> None:
+        """Start saving ``dirpath`` to the store if Lightning changed it since the last
+        mirror; log the figures of mirrors committed since the last hook."""
+        if trainer.is_global_zero:
+            self._log_stats(trainer)
+        if not self._unmirrored:
+            return
+        if self._nodes is not None and self.dirpath is not None:
+            self._mirror_parts(trainer, self._nodes, Path(self.dirpath), final=final)
+            return
+        if not trainer.is_global_zero or self.dirpath is None:
+            self._unmirrored = False
+            return
+        root = Path(self.dirpath)
+        flush_async_io(trainer.strategy.checkpoint_io)
+        problems = unfinished_files(root, [self._last_checkpoint_saved])
+        if problems:
+            message = (
+                f"not mirroring {root} to {describe(self._taskpoint)} yet: "
+                + "; ".join(problems)
+            )
+            if final:
+                message += " (training has ended: the store keeps the previous mirror)"
+                log.warning(message)
+                warnings.warn(message, TaskpointWarning, stacklevel=2)
+            else:
+                log.info("%s; trying again after the next save", message)
+            return
+        started = time.monotonic()
+        self._uploads.save(root, step=trainer.global_step)
+        self._mirrored()
+        log.info(
+            "%s %s to %s at step %d in %.2fs",
+            "mirrored" if self._uploads.blocking else "started mirroring", root,
+            describe(self._taskpoint), trainer.global_step, time.monotonic() - started,
+        )
+
+    def _mirrored(self) -> None:
+        """Note that the mirror of the folder as it is now has started."""
+        self._unmirrored = False
+        if self._fit is not None:
+            self._fit.flagged = preemption.requested()
+            self._fit.files.mirrored()
+
+    def _mirror_parts(
+        self, trainer: pl.Trainer, ranks: Nodes, root: Path, *, final: bool
+    ) -> None:
+        """Every rank commits its disk's share of ``dirpath`` (sharded checkpoints are
+        written by every rank) as one checkpoint."""
+        flush_async_io(trainer.strategy.checkpoint_io)
+        problems = (
+            unfinished_files(root, [self._last_checkpoint_saved])
+            if trainer.is_global_zero else []
+        )
+        problems = nodes.run_everywhere(
+            ranks.main, lambda: problems, "check its checkpoint files"
+        )[0]
+        if problems:
+            if trainer.is_global_zero:
+                message = (
+                    f"not mirroring {root} to {describe(self._taskpoint)} yet: "
+                    + "; ".join(problems)
+                )
+                if final:
+                    log.warning(message)
+                else:
+                    log.info("%s; trying again after the next save", message)
+            return
+        nodes.run_everywhere(ranks.main, self._uploads.wait, "finish the previous mirror")
+        part = nodes.stage_part(ranks.main, root, ranks.disks)
+        self._uploads.save_part(
+            part, coordinator=ranks.uploads, step=trainer.global_step, remove=part.parent
+        )
+        self._mirrored()
+
+    # -- a SIGTERM's save (see _preemption.Preemption.stop) -----------------------------
+
+    def _preemption_wait(self, trainer: pl.Trainer, timeout: float | None) -> bool:
+        if self._folder_mirror is None:
+            return True
+        try:
+            return self._folder_mirror.wait(timeout)
+        except Exception as exc:  # that save is lost; the folder is mirrored again
+            log.warning(
+                "the mirror to %s failed: %s: %s (the store keeps the mirror before)",
+                describe(self._taskpoint), type(exc).__name__, exc,
+            )
+            self._unmirrored = True
+            return True
+
+    def _preemption_estimate(self) -> float:
+        fit = self._fit
+        return 0.0 if fit is None else fit.write_s + fit.upload_s
+
+    def _preemption_flagged(self) -> bool:
+        return self._fit is not None and self._fit.flagged
+
+    def _preemption_save(self, trainer: pl.Trainer, *, again: bool) -> str | None:
+        saved = None
+        if self._last_global_step_saved != trainer.global_step:
+            saved = self._save_newest_last(trainer)
+        elif again:
+            # The save at this step began before the notice: mirror it once more (the same
+            # files, nothing new to upload) so that its commit counts as the preemption's.
+            self._unmirrored = True
+        self._mirror(trainer)
+        return saved
+
+    def _preemption_mirrored(self) -> bool:
+        return not self._unmirrored
+
+    def _save_newest_last(self, trainer: pl.Trainer) -> str:
+        """Save the state at this step as the ``last`` checkpoint, a file even with
+        ``save_last="link"`` or without ``save_last``, as ``_save_last_checkpoint`` names it
+        (``resume_ckpt_path`` and Lightning's ``ckpt_path="last"`` resume from it)."""
+        candidates = self._monitor_candidates(trainer)  # type: ignore[attr-defined]
+        name = self.format_checkpoint_name  # type: ignore[attr-defined]
+        filepath: str = name(candidates, self.CHECKPOINT_NAME_LAST)
+        if getattr(self, "_enable_version_counter", False):
+            version = self.STARTING_VERSION  # type: ignore[attr-defined]
+            while self.file_exists(filepath, trainer) and filepath != self.last_model_path:  # type: ignore[attr-defined]
+                filepath = name(candidates, self.CHECKPOINT_NAME_LAST, ver=version)
+                version += 1
+        previous, self.last_model_path = self.last_model_path, filepath
+        self._save_checkpoint(trainer, filepath)
+        if previous and self._should_remove_checkpoint(trainer, previous, filepath):  # type: ignore[attr-defined]
+            self._remove_checkpoint(trainer, previous)
+        return filepath

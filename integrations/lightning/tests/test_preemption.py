@@ -1,0 +1,180 @@
+"""Real preemptions: SIGTERM, exceptions and SIGKILL in training processes of their own
+(``preempt_script.py``), and where the next attempt resumes, read from the run records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import taskpoint
+import taskpoint_lightning_testlib as lib
+import torch
+from taskpoint.history import AttemptRecord, read_attempts, steps_lost
+from taskpoint.store import Store
+
+SCRIPT = Path(__file__).with_name("preempt_script.py")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals"),
+    pytest.mark.filterwarnings("ignore::UserWarning:lightning"),
+]
+
+
+def run(
+    tmp_path: Path, *args: str, timeout: float = 400, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``preempt_script.py`` in a new session (a group SIGKILL stays inside it)."""
+    environ = {**os.environ, "PYTHONWARNINGS": "ignore", "TP_ROOT": root(tmp_path), **env}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT"):
+        environ.pop(name, None)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path / "final.pt"), *args], cwd=tmp_path,
+        env=environ, capture_output=True, text=True, timeout=timeout, start_new_session=True,
+    )
+
+
+def root(tmp_path: Path) -> str:
+    return f"file://{tmp_path / 'store'}"
+
+
+def records(tmp_path: Path, action: str = "lt.train_task/r1") -> list[AttemptRecord]:
+    return read_attempts(Store(f"{root(tmp_path)}/{action}"))
+
+
+def starts(proc: subprocess.CompletedProcess[str]) -> list[tuple[int, int]]:
+    return [
+        (int(line.split()[1]), int(line.split()[2]))
+        for line in proc.stdout.splitlines() if line.startswith("STARTED ")
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """An uninterrupted run's final weights (the script's single-process settings)."""
+    L.seed_everything(0)
+    model = lib.TinyModule()
+    lib.trainer(
+        [], enable_checkpointing=False, default_root_dir=tmp_path_factory.mktemp("reference")
+    ).fit(model, lib.loader("resumable"))
+    return lib.weights(model)
+
+
+def test_sigterm_saves_at_that_step_and_the_retry_resumes_there_exactly(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    # Saves every 3 steps; SIGTERM arrives during the batch after step 7, inside epoch 1.
+    done = run(tmp_path, "--task", "--sigterm-at", "7", TASKPOINT_GRACE_PERIOD="120")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert starts(done) == [(0, 0), (1, 8)]
+    assert "SIGTERM received: stopped at step 8" in done.stderr
+    first, second = records(tmp_path)
+    assert (first.outcome, first.step, first.preemption_save) == ("preempted", 8, "committed")
+    assert (second.outcome, second.resumed_step) == ("succeeded", 8)
+    assert steps_lost(first, second.resumed_step) == 0
+    lib.assert_bitwise_equal(torch.load(tmp_path / "final.pt"), reference)
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "taskpoint.cli", "show", "lt.train_task/r1", "--root",
+         root(tmp_path), "--json", "--no-verify"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert '"steps_lost": 0' in json.dumps(json.loads(shown.stdout))
+
+
+def test_a_grace_period_too_short_for_the_save_keeps_the_previous_checkpoint(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    # Uploads after the first stall 2.5 s; 3 s of grace leave 2 s, and step 6's upload is
+    # still in flight at the stop (step 8): the preemption save is skipped.
+    done = run(
+        tmp_path, "--task", "--sigterm-at", "7", "--slow-uploads", "2.5",
+        TASKPOINT_GRACE_PERIOD="3",
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "SIGTERM received: stopped at step 8" in done.stderr and "missed" in done.stderr
+    first, second = records(tmp_path)
+    assert (first.outcome, first.step, first.preemption_save) == ("preempted", 8, "missed")
+    assert second.resumed_step in (3, 6)  # the checkpoint before the signal
+    assert starts(done)[1][1] == second.resumed_step
+    lib.assert_bitwise_equal(torch.load(tmp_path / "final.pt"), reference)
+
+
+def test_an_exception_one_step_after_a_save_resumes_from_that_save(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    done = run(tmp_path, "--task", "--fail-at", "4")
+    assert done.returncode == 0, done.stderr[-4000:]
+    first, second = records(tmp_path)
+    assert (first.outcome, first.step) == ("failed", 4)
+    assert (second.outcome, second.resumed_step) == ("succeeded", 3)
+    assert steps_lost(first, second.resumed_step) == 1
+    lib.assert_bitwise_equal(torch.load(tmp_path / "final.pt"), reference)
+
+
+def test_sigkill_two_steps_after_the_first_save_resumes_from_it(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """A machine lost two steps (2 s) after the job's first save, its upload process with
+    it: that background save must have committed by then."""
+    contract = {"TASKPOINT_ROOT": root(tmp_path), "TASKPOINT_ACTION": "lt", "TASKPOINT_RUN_ID": "k"}
+    killed = run(
+        tmp_path, "--kill-group-at", "5", "--step-sleep", "1", TASKPOINT_ATTEMPT="0", **contract
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = run(tmp_path, TASKPOINT_ATTEMPT="1", **contract)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert starts(resumed) == [(0, 3)]
+    # (attempts numbered by the environment: no claim records, only the resume's)
+    assert {r.attempt: r.resumed_step for r in records(tmp_path, "lt/k")} == {1: 3}
+    lib.assert_bitwise_equal(torch.load(tmp_path / "final.pt"), reference)
+
+
+def test_sigterm_to_one_ddp_rank_stops_both_at_one_step_saved_by_the_other(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 alone receives SIGTERM; rank 0, which writes the checkpoint, never does.
+    20 samples over 2 ranks in batches of 4: 3 steps an epoch."""
+    contract: dict[str, Any] = {
+        "TASKPOINT_ROOT": root(tmp_path), "TASKPOINT_ACTION": "ddp", "TASKPOINT_RUN_ID": "r1",
+        "TASKPOINT_SAVE_ON_PREEMPTION": "1", "TASKPOINT_GRACE_PERIOD": "120",
+    }
+    stopped = run(
+        tmp_path, "--devices", "2", "--sigterm-at", "4", "--sigterm-rank", "1",
+        TASKPOINT_ATTEMPT="0", **contract,
+    )
+    assert stopped.returncode != 0
+    assert "SIGTERM received: stopped at step 5" in stopped.stderr, stopped.stderr[-4000:]
+    assert stopped.stderr.count("Preempted: SIGTERM received: stopped at step 5") == 2  # both
+    newest = taskpoint.Checkpoint(f"{root(tmp_path)}/ddp/r1").committed()[0]
+    assert (newest.step, newest.preemption) == (5, True)
+    assert newest.parts is not None and sorted(newest.parts) == ["0", "1"]
+
+    resumed = run(tmp_path, "--devices", "2", TASKPOINT_ATTEMPT="1", **contract)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert starts(resumed) == [(1, 5)]
+    assert {r.attempt: r.resumed_step for r in records(tmp_path, "ddp/r1")} == {1: 5}
+    restored = taskpoint.Checkpoint(f"{root(tmp_path)}/ddp/r1").load_sync()
+    assert restored is not None
+    assert torch.load(restored / "last.ckpt", weights_only=False)["global_step"] == 15
+
+
+def test_an_exception_on_one_ddp_rank_lets_the_upload_in_flight_commit(tmp_path: Path) -> None:
+    """Rank 1 fails while both ranks' parts of step 6 upload (stalled 3 s), and its
+    process ends as soon as fit raises: its on_exception must wait for its part, or the
+    commit never lands. 3 steps an epoch, a save every 3."""
+    contract = {"TASKPOINT_ROOT": root(tmp_path), "TASKPOINT_ACTION": "ddp", "TASKPOINT_RUN_ID": "x"}
+    failed = run(
+        tmp_path, "--devices", "2", "--fail-at", "7", "--fail-rank", "1", "--exit-hard",
+        "--slow-uploads", "3", TASKPOINT_ATTEMPT="0", **contract,
+    )
+    assert failed.returncode != 0
+    assert "planned failure at step 7" in failed.stderr, failed.stderr[-4000:]
+    newest = taskpoint.Checkpoint(f"{root(tmp_path)}/ddp/x").committed()[0]
+    assert newest.step == 6, failed.stderr[-4000:]
