@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +14,16 @@ sys.path.insert(0, str(Path(__file__).parent))  # taskpoint_hf_testkit, for test
 
 import taskpoint_hf_testkit as kit
 import torch
+from taskpoint import preemption
+
+
+@pytest.fixture(autouse=True)
+def sigterm_as_before() -> Iterator[None]:
+    """A test that signals its own process leaves no notice and no handler behind."""
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
+    preemption.reset()
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,9 @@ from typing import Any
 
 import torch
 from taskpoint import CheckpointLike
+from taskpoint.history import AttemptRecord, read_attempts
 from taskpoint.mirror import settle_uploads
+from taskpoint.store import Store
 from taskpoint_hf import TaskpointTrainerCallback, checkpoint_step, restore_last_checkpoint
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import (
@@ -102,18 +105,25 @@ class StopAt(TrainerCallback):
     ``checkpoint-<step>`` is written, before any later callback such as the upload).
 
     It first waits for the uploads still in flight, so the stop lands between two uploads
-    (uploads run in the background; ``test_background`` stops a run during one).
+    (uploads run in the background; ``test_background`` stops a run during one), unless
+    ``settle`` is false: then an upload may still run when it stops. ``how="kill"`` sends
+    the process SIGKILL.
     """
 
-    def __init__(self, step: int, *, how: str = "raise", event: str = "step_end") -> None:
-        self.step, self.how, self.event = step, how, event
+    def __init__(
+        self, step: int, *, how: str = "raise", event: str = "step_end", settle: bool = True
+    ) -> None:
+        self.step, self.how, self.event, self.settle = step, how, event, settle
 
     def _stop(self, state: TrainerState) -> None:
         if state.global_step != self.step:
             return
-        settle_uploads()
+        if self.settle:
+            settle_uploads()
         if self.how == "exit":
             os._exit(KILLED_EXIT)
+        if self.how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise Interrupt(f"simulated failure at step {state.global_step}")
 
     def on_step_end(
@@ -127,6 +137,44 @@ class StopAt(TrainerCallback):
     ) -> None:
         if self.event == "save":
             self._stop(state)
+
+
+class SignalAt(TrainerCallback):
+    """Send this process ``signum`` at the end of step ``step`` (training goes on), then
+    sleep ``pause`` seconds there; ``then`` seconds at every later step end."""
+
+    def __init__(
+        self, step: int, signum: int = signal.SIGTERM, *, pause: float = 0.0, then: float = 0.0
+    ) -> None:
+        self.step, self.signum, self.pause, self.then = step, signum, pause, then
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if state.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+            time.sleep(self.pause)
+        elif state.global_step > self.step:
+            time.sleep(self.then)
+
+
+class Pause(TrainerCallback):
+    """Sleep ``seconds`` at the end of each step from ``step`` on (``until``, if given,
+    excluded): slower steps, or (listed after the taskpoint callback) a slower save."""
+
+    def __init__(self, step: int, seconds: float, until: int | None = None) -> None:
+        self.step, self.seconds, self.until = step, seconds, until
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if state.global_step >= self.step and (self.until is None or state.global_step < self.until):
+            time.sleep(self.seconds)
+
+
+def attempts(url: str) -> list[AttemptRecord]:
+    """The attempt records of the checkpoint at ``url``, ascending."""
+    return read_attempts(Store(url))
 
 
 class SlowUpload:
