@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +11,8 @@ from taskpoint import Checkpoint
 from taskpoint_hf import (
     TRAINER_STATE,
     TaskpointTrainerCallback,
-    checkpoint_step,
     last_complete_checkpoint,
 )
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 FULL_MODEL_FILES = {TRAINER_STATE, "model.safetensors", "optimizer.pt", "rng_state.pth"}
 
@@ -73,38 +68,3 @@ def test_bad_arguments_are_named(tmp_path: Path) -> None:
         TaskpointTrainerCallback(object(), tmp_path)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="output_dir must be"):
         TaskpointTrainerCallback(Checkpoint(f"file://{tmp_path}"), 3)  # type: ignore[arg-type]
-
-
-class _Sigterm(TrainerCallback):
-    """Send this process SIGTERM at ``step``, then slow steps down so the Trainer's
-    just-in-time checkpoint (armed a few seconds after the signal) lands mid-run."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
-    ) -> None:
-        if state.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-        if state.global_step >= self.step:
-            time.sleep(0.4)
-
-
-def test_just_in_time_checkpoint_is_uploaded_at_train_end(tmp_path: Path) -> None:
-    if "enable_jit_checkpoint" not in TrainingArguments.__dataclass_fields__:
-        pytest.skip("this transformers has no just-in-time checkpoints")
-    log = tmp_path / "saves.jsonl"
-    checkpoint = kit.RecordingCheckpoint(Checkpoint(f"file://{tmp_path / 'store'}"), log)
-    kit.run_classifier(  # no regular save within the 40 steps: only the JIT checkpoint
-        checkpoint, tmp_path / "out", callbacks=[_Sigterm(7)], max_steps=40, save_steps=100,
-        enable_jit_checkpoint=True,
-    )
-    written = last_complete_checkpoint(tmp_path / "out")
-    assert written is not None
-    step = checkpoint_step(written)
-    assert step is not None and 7 <= step < 40  # the Trainer stopped early after writing it
-    assert [entry["newest"] for entry in kit.read_saves(log)] == [step]
-    restored = Checkpoint(f"file://{tmp_path / 'store'}").load_sync()
-    assert restored is not None
-    assert last_complete_checkpoint(restored) == restored / f"checkpoint-{step}"

@@ -1,0 +1,276 @@
+"""The callback's saves: the Trainer's ``output_dir`` to the checkpoint, from world process
+zero alone or, in a multi-process job saving to a :class:`taskpoint.Checkpoint`, as every
+node's part of one multi-writer commit; and what each save cost."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import taskpoint
+from taskpoint import CheckpointLike, nodes
+from taskpoint.mirror import FolderMirror, MirrorStats, combined_metrics, unshare
+from taskpoint.torch_coordination import TorchCoordinator
+from transformers import TrainerControl, TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from taskpoint_hf import _distributed
+from taskpoint_hf.resume import TRAINER_STATE, _scan, _step
+
+__all__ = ["OutputMirror", "marks"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Nodes:
+    """A multi-process job's coordinators (one per thread) and its disks."""
+
+    main: TorchCoordinator
+    uploads: TorchCoordinator
+    disks: nodes.Disks
+
+
+def marks(folder: Path) -> dict[str, int]:
+    """Each complete ``checkpoint-N`` in ``folder`` and when its ``trainer_state.json`` (the
+    file the Trainer writes last) was written: a checkpoint written again under the same
+    name (a just-in-time one) changes its mark."""
+    found = {}
+    for path in _scan(folder).complete:
+        try:
+            found[path.name] = (path / TRAINER_STATE).stat().st_mtime_ns
+        except OSError:
+            continue
+    return found
+
+
+class OutputMirror:
+    """Uploads ``output_dir`` (see :class:`~taskpoint_hf.TaskpointTrainerCallback`).
+
+    Args:
+        checkpoint: where to save.
+        blocking: as the callback's argument.
+        timeout: seconds a rank waits for the others at each step of a save.
+    """
+
+    def __init__(self, checkpoint: CheckpointLike, *, blocking: bool | None, timeout: float) -> None:
+        self.checkpoint = checkpoint
+        self.uploads = FolderMirror(checkpoint, blocking=blocking)
+        self.timeout = timeout
+        self.nodes: _Nodes | None = None
+        self.step: int | None = None  # of the last save
+        self.mirrored: dict[str, int] | None = None  # marks() of what was saved
+        self.deferred: BaseException | None = None  # an upload error met while logging
+        self._stats: list[MirrorStats] = []  # committed saves not logged yet
+        self._cost: float | None = None  # seconds the last save took, write to commit
+        self._asked: float | None = None  # when the Trainer was told to save
+        self._writes: dict[int | None, float] = {}  # step: seconds its checkpoint-N took
+
+    def start(self, folder: Path) -> None:
+        """At training start (every rank: collectives in a multi-process job)."""
+        self.mirrored = marks(folder)
+        newest = _scan(folder).complete
+        self.step = _step(newest[-1]) if newest else None
+        self.nodes = self.nodes or self._find_nodes(folder)
+
+    def _find_nodes(self, folder: Path) -> _Nodes | None:
+        """In a multi-process job saving to a taskpoint.Checkpoint: the coordinators and
+        which ranks share a disk (collectives: every rank calls this once)."""
+        ranks = _distributed.current_ranks()
+        if ranks.world_size < 2 or not ranks.grouped:
+            return None
+        if not isinstance(self.checkpoint, taskpoint.Checkpoint):
+            if ranks.rank == 0:
+                log.warning(
+                    "%r is not a taskpoint.Checkpoint: only world process zero's output_dir "
+                    "is saved (other nodes' own files, such as their RNG states, are not)",
+                    self.checkpoint,
+                )
+            return None
+        main = TorchCoordinator(timeout=self.timeout)
+        uploads = TorchCoordinator(timeout=self.timeout)  # used by the upload thread only
+        disks = nodes.find_disks(main, folder)
+        if disks.leads(main.rank):
+            nodes.discard_stale_parts(folder)
+        log.info(
+            "rank %d: %d process(es) write %s on %d disk(s)",
+            main.rank, main.world_size, folder, disks.count,
+        )
+        return _Nodes(main, uploads, disks)
+
+    # -- saving -------------------------------------------------------------------------
+
+    def save(self, folder: Path, state: TrainerState, step: int | None) -> None:
+        """Save ``folder`` once every rank has written its files (every rank calls this)."""
+        _distributed.barrier()  # every rank has written its files into checkpoint-N
+        if self.nodes is not None:
+            self._save_parts(folder, self.nodes, step)
+            return
+        if not self.uploads.blocking:
+            if state.is_world_process_zero:
+                self._save_alone(folder, step)
+            return
+        try:
+            if state.is_world_process_zero:
+                self._save_alone(folder, step)
+        finally:
+            _distributed.barrier()  # nobody writes the next checkpoint during the upload
+
+    def _save_parts(self, folder: Path, ranks: _Nodes, step: int | None) -> None:
+        nodes.run_everywhere(  # the previous upload's error, on whichever rank, everywhere
+            ranks.main, self.uploads.wait, "finish the previous upload"
+        )
+        part = nodes.stage_part(ranks.main, folder, ranks.disks)
+        if ranks.main.rank == 0:
+            log.info("saving %s (step %s) to %r from every node", folder, step, self.checkpoint)
+        self.uploads.save_part(part, coordinator=ranks.uploads, step=step, remove=part.parent)
+        self.step = step
+        self.mirrored = marks(folder)
+
+    def _save_alone(self, folder: Path, step: int | None) -> None:
+        log.info("saving %s (step %s) to %r", folder, step, self.checkpoint)
+        self.raise_deferred()
+        self.uploads.save(folder, step=step)
+        self.step = step
+        self.mirrored = marks(folder)
+
+    def asked(self, control: TrainerControl) -> None:
+        """The Trainer may have been told to save: its write starts now."""
+        if control.should_save and self._asked is None:
+            self._asked = time.monotonic()
+
+    def written(self, step: int) -> None:
+        """The Trainer has written ``checkpoint-<step>``."""
+        if self._asked is not None:
+            self._writes = {step: time.monotonic() - self._asked}
+            self._asked = None
+
+    def unshare_next(self, output_dir: Path, step: int) -> None:
+        """Before the Trainer may write ``checkpoint-<step>``, give its files their own
+        copies if an upload's snapshot still shares them: a resumed run writes an existing
+        ``checkpoint-N`` again, in place."""
+        if not self.uploads.uploading:
+            return
+        target = output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        copied = unshare(target)
+        if copied:
+            log.info(
+                "%s is about to be written again while an upload reads it: gave %d file(s) "
+                "their own copy", target, copied,
+            )
+
+    # -- waiting --------------------------------------------------------------------------
+
+    def raise_deferred(self) -> None:
+        error, self.deferred = self.deferred, None
+        if error is not None:
+            raise error
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """The upload in flight, with an error met earlier raised first."""
+        self.raise_deferred()
+        return self.uploads.wait(timeout)
+
+    def finish(self, state: TrainerState, timeout: float | None) -> bool:
+        """Wait for the last upload at the end of training (every rank takes part in a
+        multi-writer one); whether it committed within ``timeout`` seconds.
+
+        Raises:
+            taskpoint.CheckpointError: it failed (on every rank of a multi-writer save).
+        """
+        if self.nodes is not None:
+            return all(nodes.run_everywhere(
+                self.nodes.main, lambda: self.wait(timeout), "finish the last upload"
+            ))
+        if state.is_world_process_zero:
+            return self.wait(timeout)
+        return True
+
+    def wait_on_preempt(self, timeout: float | None) -> None:
+        """A SIGTERM that is not turned into a save: wait for the upload in flight (errors
+        and a timeout are logged; the attempt ends either way)."""
+        try:
+            if not self.uploads.wait(timeout):
+                log.warning(
+                    "SIGTERM: the upload to %r still runs after %ss; ending the attempt "
+                    "without it (the store keeps the checkpoint before)",
+                    self.checkpoint, timeout,
+                )
+        except Exception as exc:
+            log.warning("SIGTERM: the upload to %r failed: %s", self.checkpoint, exc)
+
+    def settle(self, timeout: float | None) -> bool | None:
+        """This rank's upload in flight, waited for at most ``timeout`` seconds, locally:
+        ``True`` committed (or failed, logged), ``False`` still running, ``None`` none."""
+        if not self.uploads.uploading:
+            return None
+        try:
+            return self.uploads.wait(timeout)
+        except Exception as exc:
+            log.warning("the upload to %r failed: %s: %s", self.checkpoint, type(exc).__name__, exc)
+            return True
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (a collective), in rank order."""
+        if self.nodes is not None:
+            return self.nodes.main.all_gather(value)
+        return _distributed.all_gather_object(value)
+
+    # -- figures --------------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        """Move the committed saves' figures here, and remember what the last one cost."""
+        for stats in self.uploads.take_stats():
+            self._stats.append(stats)
+            if stats.upload_s is not None:
+                written = self._writes.get(stats.step, 0.0)
+                self._cost = written + stats.blocked_s + stats.upload_s
+
+    def figures(
+        self, state: TrainerState, control: TrainerControl, stopping: bool
+    ) -> dict[str, float]:
+        """The figures for the Trainer's logs (world process zero). At its last logs
+        (training stops, this step's checkpoint already saved) the upload in flight is
+        waited for first, so the last save's figures are logged too; its error is raised
+        at ``on_train_end``. After a SIGTERM (``stopping``) ``on_train_end`` waits instead,
+        within the grace period."""
+        if (
+            control.should_training_stop
+            and self.step == state.global_step
+            and self.nodes is None
+            and self.deferred is None
+            and not stopping
+        ):
+            try:
+                self.uploads.wait()
+            except BaseException as exc:  # raised where it always was, at on_train_end
+                self.deferred = exc
+        return self.take_metrics()
+
+    def take_metrics(self) -> dict[str, float]:
+        """The ``taskpoint/*`` figures of the saves committed since the last call."""
+        self._collect()
+        stats, self._stats = self._stats, []
+        return combined_metrics(stats)
+
+    def estimate(self) -> float | None:
+        """Seconds the last committed save took from the Trainer's write to the commit."""
+        self._collect()
+        return self._cost
+
+
+def written_dir(output_dir: str | os.PathLike[str] | None) -> Path:
+    """The Trainer's ``output_dir`` as a path.
+
+    Raises:
+        ValueError: it is ``None``.
+    """
+    if output_dir is None:
+        raise ValueError(
+            "TrainingArguments.output_dir is None: set it, the Trainer writes checkpoint-N there"
+        )
+    return Path(os.fspath(output_dir))

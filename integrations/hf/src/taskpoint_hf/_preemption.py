@@ -1,0 +1,385 @@
+"""What the callback does about SIGTERM, and about training that ends by an exception.
+
+Three modes, chosen at ``on_train_begin`` with :func:`taskpoint.preemption.save_on_preemption`
+(the callback's ``save_on_preemption`` argument, then ``TASKPOINT_SAVE_ON_PREEMPTION``, then
+"inside a taskpoint task, or the Trainer was asked for just-in-time checkpoints"):
+
+``"save"``
+    SIGTERM becomes a save at the next step boundary. The signal only sets the notice
+    (:func:`taskpoint.preemption.deferred`); at each ``on_step_end`` every rank votes
+    (:class:`taskpoint.torch_coordination.AnyRank`), so a signal that reached one rank stops
+    them all at the same step. There the upload in flight is finished first, then, if the
+    last save's duration fits in what is left of the grace period, the Trainer is told to
+    save and stop (``control.should_save`` and ``should_training_stop``): its own
+    ``checkpoint-N``, written whole at a step boundary, which it resumes from exactly.
+    ``on_train_end`` waits for that upload until shortly before the deadline, then raises
+    :class:`taskpoint.Preempted`, so code after ``trainer.train()`` does not run as if
+    training had finished. transformers' just-in-time checkpoint
+    (``enable_jit_checkpoint``), which saves in the middle of a step (before the optimizer
+    update, after the forward pass drew its random numbers) so that a resume from it is not
+    exact, is switched off for the Trainer: this save takes its place.
+``"jit"``
+    The switch is off but the Trainer has just-in-time checkpoints: its handler runs under
+    taskpoint's (they compose), its checkpoint is uploaded at ``on_train_end``, and a save
+    it made in the middle of a step is reported at WARNING (the resume will not be exact).
+``"wait"``
+    The switch is off (outside a task by default): inside a task context, SIGTERM waits for
+    the upload in flight (``preempt_timeout``), then ends the attempt, as before.
+
+In every mode, training that ends by an exception (the Trainer has no hook for it: the
+callback wraps ``trainer.train``) waits for the upload in flight before the exception
+leaves ``train()``: until shortly before the preemption deadline when a SIGTERM came, else
+``preempt_timeout`` seconds. That wait is local to the rank (no collective: the failure may
+be another rank's death), so a multi-writer commit already under way finishes on its own
+gloo group while the failing rank waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import taskpoint
+from taskpoint import context, preemption
+from taskpoint.torch_coordination import AnyRank
+from transformers import TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import CallbackHandler
+
+__all__ = ["MARGIN_S", "Mode", "Preemption", "Stop"]
+
+log = logging.getLogger(__name__)
+
+MARGIN_S = 1.0
+"""Seconds kept back from the grace period when waiting for an upload (the process still
+has to end before the kill)."""
+
+Mode = Literal["save", "jit", "wait"]
+Settle = Callable[[float | None], "bool | None"]
+"""Wait for this rank's upload in flight for at most so many seconds (``None``: no limit):
+``True`` committed (or failed: logged), ``False`` still running, ``None`` none in flight."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Where training stopped for a preemption signal.
+
+    Attributes:
+        step: the global step it stopped at.
+        saving: whether the Trainer was told to save ``checkpoint-<step>``.
+        deadline: ``time.monotonic()`` of the earliest signalled rank's deadline.
+        reason: why it does not save (empty when it does).
+    """
+
+    step: int
+    saving: bool
+    deadline: float
+    reason: str = ""
+
+    def left(self) -> float:
+        """Seconds left before the deadline (0 once past)."""
+        return max(0.0, self.deadline - time.monotonic())
+
+
+def _jit_callbacks(handler: CallbackHandler | None) -> list[Any]:
+    """The Trainer's armed just-in-time checkpoint callbacks (transformers >= 5.0)."""
+    if handler is None:
+        return []
+    return [
+        c for c in handler.callbacks
+        if type(c).__name__ == "JITCheckpointCallback" and getattr(c, "jit_manager", None)
+    ]
+
+
+def _disarm(callback: Any) -> None:
+    """Switch a ``JITCheckpointCallback`` off: its hooks act only while it has a manager,
+    and its SIGTERM handler, when on top, gives way to the one it replaced."""
+    manager = callback.jit_manager
+    callback.jit_manager = None
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if getattr(current, "__self__", None) is manager:
+        original = getattr(manager, "_original_sigterm_handler", None)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if original is None else original)
+
+
+def _note() -> None:
+    """Take the notice on a rank the signal did not reach, so its saves count as
+    preemption saves (:func:`taskpoint.preemption.note`, where this taskpoint has it)."""
+    note = getattr(preemption, "note", None)
+    if callable(note):
+        note()
+
+
+class Preemption:
+    """The callback's SIGTERM and exception handling (see the module docstring).
+
+    Args:
+        choice: the callback's ``save_on_preemption`` argument.
+        wait_timeout: seconds an ending without a deadline waits for the upload in flight
+            (``None``: no limit).
+        timeout: seconds a vote waits for the other ranks.
+    """
+
+    def __init__(self, choice: bool | None, *, wait_timeout: float | None, timeout: float) -> None:
+        self.choice = choice
+        self.wait_timeout = wait_timeout
+        self.timeout = timeout
+        self.mode: Mode = "wait"
+        self.stop: Stop | None = None
+        self._stack = contextlib.ExitStack()
+        self._vote: AnyRank | None = None
+        self._ended = True  # no training under way
+        self._jit_seen = False
+        self._contexts: list[taskpoint.TaskContext] = []
+
+    # -- training begins --------------------------------------------------------------
+
+    def begin(
+        self,
+        handler: CallbackHandler | None,
+        state: TrainerState,
+        on_preempt: Callable[[], None],
+        *,
+        guarded: bool,
+    ) -> Mode:
+        """Choose the mode and put it in place (a collective in ``"save"`` mode: every rank
+        calls this at ``on_train_begin``). ``guarded``: whether this ``train()`` call is
+        wrapped, so an exception out of it leaves the deferral; without it SIGTERM is not
+        deferred (the mode falls back to ``"wait"``, or ``"jit"`` without deferral).
+
+        Raises:
+            ValueError: ``TASKPOINT_SAVE_ON_PREEMPTION`` or ``TASKPOINT_GRACE_PERIOD`` hold
+                something unusable.
+        """
+        self.close()
+        self.stop, self._ended, self._jit_seen = None, False, False
+        jits = _jit_callbacks(handler)
+        asked = context.in_task() or bool(jits)
+        save = preemption.save_on_preemption(self.choice, in_task=asked)
+        if save and not guarded:
+            if state.is_world_process_zero:
+                log.warning(
+                    "TaskpointTrainerCallback was added after the Trainer was built "
+                    "(add_callback): this train() call cannot save on SIGTERM, nor wait for "
+                    "its upload when it ends by an exception; pass the callback in "
+                    "Trainer(callbacks=[...])"
+                )
+            save = False
+        if save:
+            self.mode = "save"
+            self._vote = AnyRank(timeout=self.timeout)  # a collective: before anything local
+            for jit in jits:
+                _disarm(jit)
+            if jits and state.is_world_process_zero:
+                log.info(
+                    "enable_jit_checkpoint: on SIGTERM taskpoint saves checkpoint-N at the next "
+                    "step boundary (an exact resume) instead of transformers' save in the "
+                    "middle of a step"
+                )
+            if not preemption.install():
+                log.warning(
+                    "training runs outside the main thread and taskpoint's SIGTERM handler is "
+                    "not installed: SIGTERM will not become a save"
+                )
+            self._stack.enter_context(preemption.deferred())
+        elif jits:
+            self.mode = "jit"
+            preemption.install()  # on top of the Trainer's handler, which it calls
+            if guarded:  # else a task's fallback ends the attempt at once, as before
+                self._stack.enter_context(preemption.deferred())
+        else:
+            self.mode = "wait"
+            self._wait_on_preempt(state, on_preempt)
+        return self.mode
+
+    def _wait_on_preempt(self, state: TrainerState, on_preempt: Callable[[], None]) -> None:
+        """Inside a task context, make SIGTERM wait for the upload in flight (world process
+        zero, once per context)."""
+        task = taskpoint.ctx()
+        if not state.is_world_process_zero or task is None:
+            return
+        if any(c is task for c in self._contexts):
+            return
+        self._contexts.append(task)
+        task.on_preempt(on_preempt)
+
+    # -- step boundaries ----------------------------------------------------------------
+
+    def at_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        *,
+        gather: Callable[[Any], list[Any]],
+        settle: Settle,
+        estimate: Callable[[], float | None],
+    ) -> None:
+        """In ``"save"`` mode, vote; once any rank has the notice, stop here (every rank),
+        saving if the save fits in the grace period left: ``estimate()`` is how long the
+        last save took (from the Trainer's write to the commit), asked once the upload in
+        flight is done."""
+        if self.mode != "save" or self.stop is not None or self._vote is None:
+            return
+        signalled = preemption.requested()
+        if not self._vote(signalled):
+            return
+        if not signalled:
+            _note()
+        notice = preemption.notice()
+        views = gather({"left": notice.remaining() if signalled and notice else None})
+        known = [v["left"] for v in views if v.get("left") is not None]
+        deadline = time.monotonic() + (min(known) if known else preemption.grace_period())
+        ranks = [r for r, v in enumerate(views) if v.get("left") is not None]
+
+        done = settle(max(0.0, deadline - time.monotonic() - MARGIN_S))
+        views = gather({"done": done is not False, "estimate": estimate()})
+        left = deadline - time.monotonic()
+        estimates = [v["estimate"] for v in views if v.get("estimate") is not None]
+        worst = max(estimates) if estimates else None
+        reason = ""
+        if not all(v["done"] for v in views):
+            reason = "the upload in flight has not committed yet"
+        elif left <= MARGIN_S or (worst is not None and worst > left - MARGIN_S):
+            took = "unknown" if worst is None else f"{worst:.1f}s"
+            reason = f"the last save took {took} and {left:.1f}s of the grace period are left"
+        self.stop = Stop(state.global_step, not reason, deadline, reason)
+
+        control.should_training_stop = True
+        control.should_save = not reason
+        if not reason and str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+            control.should_evaluate = False  # its verdict would decide the save
+        if state.is_world_process_zero:
+            if reason:
+                log.warning(
+                    "SIGTERM (rank %s): stopping at step %d WITHOUT saving: %s; the next "
+                    "attempt resumes from the last committed checkpoint",
+                    ",".join(map(str, ranks)), state.global_step, reason,
+                )
+            else:
+                log.warning(
+                    "SIGTERM (rank %s): stopping at step %d and saving checkpoint-%d, "
+                    "%.1fs of the grace period left",
+                    ",".join(map(str, ranks)), state.global_step, state.global_step, left,
+                )
+
+    def at_epoch_end(self, state: TrainerState, control: TrainerControl) -> None:
+        """The epoch cut short by the stop ends without a second save (or evaluation) of
+        the step already saved."""
+        if self.stop is not None and self.stop.step == state.global_step:
+            control.should_save = False
+            control.should_evaluate = False
+
+    def jit_hook(self, where: str, state: TrainerState, control: TrainerControl) -> None:
+        """In ``"jit"`` mode, after the Trainer's JIT callback ran its ``where`` hook: say
+        loudly when it saved in the middle of a step."""
+        if self.mode != "jit" or self._jit_seen or not control.should_training_stop:
+            return
+        if not preemption.requested():
+            return
+        self._jit_seen = True
+        if state.is_world_process_zero:
+            log.warning(
+                "SIGTERM: transformers wrote its just-in-time checkpoint-%d at %s, in the "
+                "middle of step %d: resuming from it will not repeat an uninterrupted run "
+                "exactly (the step's random numbers were drawn before it was saved). Let "
+                "taskpoint save at the step boundary instead: save_on_preemption=True or "
+                "TASKPOINT_SAVE_ON_PREEMPTION=1",
+                state.global_step, where, state.global_step + 1,
+            )
+
+    # -- training ends ---------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        """Whether training stops for a preemption signal (its last logs must not wait for
+        the upload without a bound)."""
+        return self.stop is not None
+
+    def end_bound(self) -> float | None:
+        """Seconds ``on_train_end`` may wait for the upload (``None``: no limit)."""
+        if self.stop is not None:
+            return max(0.0, self.stop.left() - MARGIN_S)
+        notice = preemption.notice()
+        if self.mode == "jit" and notice is not None:
+            return max(0.0, notice.remaining() - MARGIN_S)
+        return None
+
+    def finish(
+        self, state: TrainerState, committed: bool, error: BaseException | None = None
+    ) -> None:
+        """End of training: leave the deferral; after a preemption stop, say what became of
+        its save and raise :class:`taskpoint.Preempted` (every rank).
+
+        Raises:
+            taskpoint.Preempted: training stopped for a preemption signal.
+        """
+        self._ended = True
+        self.close()
+        stop = self.stop
+        if stop is None:
+            if error is not None:
+                raise error
+            return
+        if not stop.saving:
+            outcome = f"no save ({stop.reason})"
+        elif committed and error is None:
+            outcome = f"checkpoint-{stop.step} committed"
+        else:
+            why = f"its upload failed: {error}" if error is not None else "its upload still runs"
+            outcome = f"checkpoint-{stop.step} missed ({why})"
+        if state.is_world_process_zero:
+            log.warning(
+                "SIGTERM: training stopped at step %d; %s, %.1fs of the grace period left; "
+                "ending the attempt",
+                stop.step, outcome, stop.left(),
+            )
+        raise taskpoint.Preempted(
+            f"received SIGTERM; training stopped at step {stop.step}: {outcome}"
+        ) from error
+
+    def failed(self, exc: BaseException, settle: Settle, step: int | None) -> None:
+        """Training ended by ``exc``: wait for this rank's upload in flight (no
+        collective), bounded by the preemption deadline or ``wait_timeout``."""
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            notice = preemption.notice()
+            bound = (
+                max(0.0, notice.remaining() - MARGIN_S) if notice is not None
+                else self.wait_timeout
+            )
+            started = time.monotonic()
+            done = settle(bound)
+            took = time.monotonic() - started
+            if done is True:
+                log.info(
+                    "training ended by %s at step %s; the upload in flight committed first "
+                    "(%.1fs)", type(exc).__name__, step, took,
+                )
+            elif done is False:
+                log.warning(
+                    "training ended by %s at step %s; the upload in flight had not committed "
+                    "after %.1fs: the store may keep only the checkpoint before it",
+                    type(exc).__name__, step, took,
+                )
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Leave the deferral and drop the vote's group (local calls)."""
+        self._stack.close()
+        vote, self._vote = self._vote, None
+        if vote is not None:
+            with contextlib.suppress(Exception):
+                vote.close()
+
+
