@@ -149,19 +149,24 @@ class OutputMirror:
             self._writes = {step: time.monotonic() - self._asked}
             self._asked = None
 
-    def unshare_next(self, output_dir: Path, step: int) -> None:
-        """Before the Trainer may write ``checkpoint-<step>``, give its files their own
-        copies if an upload's snapshot still shares them: a resumed run writes an existing
-        ``checkpoint-N`` again, in place."""
-        if not self.uploads.uploading:
+    def unshare_next(self, output_dir: Path, step: int, *, saving: bool) -> None:
+        """Before the Trainer writes ``checkpoint-<step>`` (``saving``: it was told to, on
+        every rank), give its files their own copies if an upload's snapshot still shares
+        them: a resumed run writes an existing ``checkpoint-N`` again, in place. In a
+        multi-writer job each disk's leading rank copies while the others wait (two ranks
+        copying one shared folder would each find the other's temporary files)."""
+        if not saving or not self.uploads.uploading:
             return
-        target = output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        copied = unshare(target)
-        if copied:
-            log.info(
-                "%s is about to be written again while an upload reads it: gave %d file(s) "
-                "their own copy", target, copied,
-            )
+        if self.nodes is None or self.nodes.disks.leads(self.nodes.main.rank):
+            target = output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+            copied = unshare(target)
+            if copied:
+                log.info(
+                    "%s is about to be written again while an upload reads it: gave %d "
+                    "file(s) their own copy", target, copied,
+                )
+        if self.nodes is not None:
+            _distributed.barrier()  # no rank writes before its disk's files are copied
 
     # -- waiting --------------------------------------------------------------------------
 

@@ -261,27 +261,26 @@ class TaskpointTrainerCallback(TrainerCallback):
         """Report the step; unshare ``checkpoint-N`` if the Trainer is about to write it
         again; after a SIGTERM, stop here with every rank (and save, in time)."""
         self._report(state)
-        self._saves.unshare_next(written_dir(args.output_dir), state.global_step)
         self._preemption.at_step_end(
             args, state, control, gather=self._saves.gather, settle=self._saves.settle,
             estimate=self._saves.estimate,
         )
-        self._saves.asked(control)
+        self._next(args, state, control)
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Unshare ``checkpoint-N`` if the Trainer is about to write it again."""
-        self._saves.unshare_next(written_dir(args.output_dir), state.global_step)
         self._preemption.at_epoch_end(state, control)
-        self._saves.asked(control)
+        self._next(args, state, control)
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Unshare ``checkpoint-N`` if the Trainer is about to write it again
         (``save_strategy="best"`` decides to save only after evaluating)."""
-        self._saves.unshare_next(written_dir(args.output_dir), state.global_step)
+        best = str(getattr(args.save_strategy, "value", args.save_strategy)) == "best"
+        self._saves.unshare_next(written_dir(args.output_dir), state.global_step, saving=best)
 
     def on_log(
         self,
@@ -337,6 +336,12 @@ class TaskpointTrainerCallback(TrainerCallback):
         """Add the figures of the saves committed since the last log to ``logs``."""
         if state.is_world_process_zero:
             logs.update(self._saves.figures(state, control, self._preemption.stopping))
+
+    def _next(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> None:
+        """The Trainer may write ``checkpoint-N`` next: unshare it, note when."""
+        saving = control.should_save
+        self._saves.unshare_next(written_dir(args.output_dir), state.global_step, saving=saving)
+        self._saves.asked(control)
 
     def _report(self, state: TrainerState) -> None:
         self._step = state.global_step
