@@ -1,14 +1,16 @@
 """One node's training process for the two-node tests (``test_nodes.py``).
 
     torchrun --nnodes=2 --node_rank=K ... taskpoint_hf_nodes_child.py --store URL
-        --results DIR [--reference] [--stop STEP] [--fail-restore] [--fsdp]
-        [--set KEY=VALUE ...]
+        --results DIR [--reference] [--stop STEP] [--raise-at STEP] [--fail-restore]
+        [--fsdp] [--slow-upload SECONDS] [--set KEY=VALUE ...]
 
 Runs the tiny classifier with ``output_dir="out"``, relative to the node's own working
 directory (so each node has its own disk), against the checkpoint ``URL``, and writes
 ``DIR/<run>-rank<R>.pt`` when it finishes. ``--reference`` instead runs it uninterrupted,
 without a checkpoint (``output_dir="reference"``). ``--stop`` makes the last rank die
-(``os._exit(137)``) at that step. ``--fail-restore`` makes the restore fail on node 1 (its
+(``os._exit(137)``) at that step; ``--raise-at`` makes it raise there, without waiting for
+the upload in flight first. ``--slow-upload`` holds each rank's upload for ``SECONDS`` once
+the store holds a committed checkpoint (``--store`` must be a ``file://`` URL). ``--fail-restore`` makes the restore fail on node 1 (its
 store read raises). ``--fsdp`` trains on the node's GPU with FSDP2 and
 ``SHARDED_STATE_DICT`` (each rank writes its own model and optimizer shards), fully
 deterministic. Any error is printed as ``rank R: error: ...`` before exiting non-zero.
@@ -32,6 +34,8 @@ def main() -> int:
     parser.add_argument("--results", required=True, type=Path)
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--stop", type=int, default=None)
+    parser.add_argument("--raise-at", type=int, default=None)
+    parser.add_argument("--slow-upload", type=float, default=None)
     parser.add_argument("--fail-restore", action="store_true")
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--set", action="append", default=[])
@@ -58,12 +62,21 @@ def main() -> int:
             result = kit.run_classifier(None, Path("reference"), **overrides)
             torch.save(result.to_dict(), opts.results / f"reference-rank{rank}.pt")
             return 0
-        checkpoint = taskpoint.Checkpoint(opts.store)
+        if opts.slow_upload:
+            store = opts.store.removeprefix("file://")
+            marker = opts.results / f"slow-upload-rank{rank}"
+            checkpoint = taskpoint.Checkpoint(
+                opts.store, progress=kit.SlowUpload(store, marker, opts.slow_upload)
+            )
+        else:
+            checkpoint = taskpoint.Checkpoint(opts.store)
         if opts.fail_restore and node == 1:
             def unreadable(**kwargs: object) -> None:
                 raise OSError("simulated: node 1 cannot read the store")
             checkpoint.load_sync = unreadable  # type: ignore[method-assign]
         stop = kit.StopAt(opts.stop, how="exit") if opts.stop and rank == world - 1 else None
+        if opts.raise_at and rank == world - 1:
+            stop = kit.StopAt(opts.raise_at, how="raise", settle=False)
         result = kit.run_classifier(checkpoint, Path("out"), stop=stop, **overrides)
     except Exception as exc:
         traceback.print_exc()

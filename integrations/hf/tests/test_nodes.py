@@ -115,6 +115,7 @@ def _killed_and_resumed(tmp_path: Path, reference: Path, store: str, each_node: 
         # (restore_last_checkpoint warns when it does not)
         assert f"rank {node}: resumed from out/checkpoint-6" in launch.stdout
         assert "TaskpointWarning" not in launch.stdout, launch.stdout[-3000:]
+    assert _resumed_steps(store) == [6]  # the second launch's attempt, in the records
     for rank in (0, 1):
         kit.assert_same_run(
             _load(tmp_path / "results" / f"run-rank{rank}.pt"),
@@ -126,6 +127,38 @@ def _killed_and_resumed(tmp_path: Path, reference: Path, store: str, each_node: 
     files = {p.name for p in (newest / "checkpoint-12").iterdir()}
     assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= files
     assert not [p for p in newest.iterdir() if p.name.startswith(".taskpoint-")]
+
+
+def _resumed_steps(store: str) -> list[int | None]:
+    """The step each attempt that loaded a checkpoint resumed at, from the records."""
+    return [a.resumed_step for a in kit.attempts(store) if a.resumed_from is not None]
+
+
+def test_an_exception_one_step_after_a_save_on_two_nodes_resumes_from_that_save(
+    tmp_path: Path, reference: Path
+) -> None:
+    """Rank 1 (node 1) raises at step 7 while checkpoint-6's multi-writer upload is held for
+    3 s on both nodes: its exception leaves ``train()`` only once that commit has landed
+    (rank 0's part goes on in its upload thread meanwhile), so the next launch resumes at
+    step 6, not 3."""
+    store = f"file://{tmp_path / 'store'}"
+    failed = _nodes(tmp_path, (store, store), "--raise-at", "7", "--slow-upload", "3")
+    assert any(r.returncode != 0 for r in failed)
+    assert "simulated failure at step 7" in failed[1].stdout, failed[1].stdout[-3000:]
+    assert (tmp_path / "results" / "slow-upload-rank1").exists(), "the upload was never held"
+    for node in (0, 1):  # the nodes' disks are gone: a fresh machine each
+        subprocess.run(["rm", "-rf", str(tmp_path / f"node{node}" / "out")], check=True)
+
+    finished = _nodes(tmp_path, (store, store))
+    for node, launch in enumerate(finished):
+        assert launch.returncode == 0, launch.stdout[-3000:]
+        assert f"rank {node}: resumed from out/checkpoint-6" in launch.stdout
+    assert _resumed_steps(store) == [6]
+    for rank in (0, 1):
+        kit.assert_same_run(
+            _load(tmp_path / "results" / f"run-rank{rank}.pt"),
+            _load(reference / f"reference-rank{rank}.pt"),
+        )
 
 
 def test_a_restore_failing_on_node_1_fails_every_rank_promptly(tmp_path: Path) -> None:
