@@ -137,16 +137,21 @@ def test_an_exception_one_step_after_a_save_waits_for_its_upload(tmp_path: Path)
     gate = _Gate()
     url = (tmp_path / "store").as_uri()
     checkpoint = Checkpoint(url, keep=5, progress=gate)
+    callback = TaskpointTrainerCallback(checkpoint)
+
+    def hold() -> None:
+        callback.wait()  # checkpoint-3 has committed: hold checkpoint-6's upload only
+        gate.opened.clear()
 
     def fail() -> None:
         assert gate.held.wait(timeout=120), "checkpoint-6's upload never started"
         threading.Timer(1.5, gate.opened.set).start()
         raise kit.Interrupt("step 7 failed")
 
-    at = _At(save_6=gate.opened.clear, step_7=fail)
+    at = _At(save_6=hold, step_7=fail)
     started = time.monotonic()
     with pytest.raises(kit.Interrupt):
-        kit.run_classifier(None, tmp_path / "out", callbacks=[at, TaskpointTrainerCallback(checkpoint)])
+        kit.run_classifier(None, tmp_path / "out", callbacks=[at, callback])
     restored = Checkpoint(url).load_sync()  # right away: nothing else waited
     assert restored is not None
     newest = last_complete_checkpoint(restored)
@@ -194,10 +199,10 @@ def test_the_trainers_own_jit_checkpoint_under_an_uploaded_name_is_uploaded_and_
     with caplog.at_level(logging.WARNING, logger="taskpoint_hf"):
         kit.run_classifier(
             kit.RecordingCheckpoint(Checkpoint(url), log), out,
-            callbacks=[kit.SignalAt(6, pause=3.5)], max_steps=40, enable_jit_checkpoint=True,
+            callbacks=[kit.SignalAt(6, pause=4.5)], max_steps=40, enable_jit_checkpoint=True,
         )
     assert last_complete_checkpoint(out) == out / "checkpoint-6"
     assert [entry["newest"] for entry in kit.read_saves(log)] == [3, 6, 6]  # the JIT's too
     restored = Checkpoint(url).load_sync()
     assert restored is not None and last_complete_checkpoint(restored) == restored / "checkpoint-6"
-    assert "just-in-time checkpoint-6 at on_step_begin" in caplog.text
+    assert "just-in-time checkpoint-6 at on_step_begin" in caplog.text, caplog.text

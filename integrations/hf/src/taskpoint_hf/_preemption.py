@@ -60,6 +60,24 @@ MARGIN_S = 1.0
 has to end before the kill)."""
 
 Mode = Literal["save", "jit", "wait"]
+_MID_STEP = {
+    "on_step_begin": "at on_step_begin, after step {step}'s batch was fetched",
+    "on_pre_optimizer_step": (
+        "at on_pre_optimizer_step, in the middle of step {step} (after its forward and "
+        "backward passes, before the optimizer update)"
+    ),
+}
+"""The hooks where transformers' JIT callback saves before a step boundary."""
+_JIT_EXACT = {
+    "on_step_begin": (
+        "a resume from it repeats an uninterrupted run only if fetching a batch draws no "
+        "random numbers (a masking data collator does)"
+    ),
+    "on_pre_optimizer_step": (
+        "a resume from it will not repeat an uninterrupted run exactly (the step's random "
+        "numbers were drawn before it was saved)"
+    ),
+}
 Settle = Callable[[float | None], "bool | None"]
 """Wait for this rank's upload in flight for at most so many seconds (``None``: no limit):
 ``True`` committed (or failed: logged), ``False`` still running, ``None`` none in flight."""
@@ -137,6 +155,7 @@ class Preemption:
         self._vote: AnyRank | None = None
         self._ended = True  # no training under way
         self._jit_seen = False
+        self._jit_settled = False
         self._contexts: list[taskpoint.TaskContext] = []
 
     # -- training begins --------------------------------------------------------------
@@ -159,7 +178,8 @@ class Preemption:
                 something unusable.
         """
         self.close()
-        self.stop, self._ended, self._jit_seen = None, False, False
+        self.stop, self._ended = None, False
+        self._jit_seen = self._jit_settled = False
         jits = _jit_callbacks(handler)
         asked = context.in_task() or bool(jits)
         save = preemption.save_on_preemption(self.choice, in_task=asked)
@@ -277,22 +297,30 @@ class Preemption:
             control.should_save = False
             control.should_evaluate = False
 
-    def jit_hook(self, where: str, state: TrainerState, control: TrainerControl) -> None:
-        """In ``"jit"`` mode, after the Trainer's JIT callback ran its ``where`` hook: say
-        loudly when it saved in the middle of a step."""
-        if self.mode != "jit" or self._jit_seen or not control.should_training_stop:
+    def jit_hook(
+        self, where: str, state: TrainerState, control: TrainerControl, settle: Settle
+    ) -> None:
+        """In ``"jit"`` mode, after the Trainer's JIT callback ran its ``where`` hook. The
+        first hook after the signal finishes the upload in flight (the JIT checkpoint may
+        be written under that upload's ``checkpoint-N`` name, over its files); a JIT save
+        made before a step boundary is named at WARNING, since a resume from it may not
+        repeat an uninterrupted run."""
+        if self.mode != "jit" or not preemption.requested():
             return
-        if not preemption.requested():
+        if not self._jit_settled:
+            self._jit_settled = True
+            notice = preemption.notice()
+            settle(max(0.0, notice.remaining() - MARGIN_S) if notice is not None else None)
+        if self._jit_seen or not control.should_training_stop or where not in _MID_STEP:
             return
         self._jit_seen = True
         if state.is_world_process_zero:
             log.warning(
-                "SIGTERM: transformers wrote its just-in-time checkpoint-%d at %s, in the "
-                "middle of step %d: resuming from it will not repeat an uninterrupted run "
-                "exactly (the step's random numbers were drawn before it was saved). Let "
+                "SIGTERM: transformers wrote its just-in-time checkpoint-%d %s: %s. Let "
                 "taskpoint save at the step boundary instead: save_on_preemption=True or "
                 "TASKPOINT_SAVE_ON_PREEMPTION=1",
-                state.global_step, where, state.global_step + 1,
+                state.global_step, _MID_STEP[where].format(step=state.global_step + 1),
+                _JIT_EXACT[where],
             )
 
     # -- training ends ---------------------------------------------------------------------

@@ -235,13 +235,13 @@ class TaskpointTrainerCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Notice a just-in-time checkpoint the Trainer wrote here (before the step)."""
-        self._preemption.jit_hook("on_step_begin", state, control)
+        self._preemption.jit_hook("on_step_begin", state, control, self._saves.settle)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Notice a just-in-time checkpoint the Trainer wrote here (mid-step)."""
-        self._preemption.jit_hook("on_pre_optimizer_step", state, control)
+        self._preemption.jit_hook("on_pre_optimizer_step", state, control, self._saves.settle)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -261,6 +261,7 @@ class TaskpointTrainerCallback(TrainerCallback):
         """Report the step; unshare ``checkpoint-N`` if the Trainer is about to write it
         again; after a SIGTERM, stop here with every rank (and save, in time)."""
         self._report(state)
+        self._preemption.jit_hook("on_step_end", state, control, self._saves.settle)
         self._preemption.at_step_end(
             args, state, control, gather=self._saves.gather, settle=self._saves.settle,
             estimate=self._saves.estimate,
