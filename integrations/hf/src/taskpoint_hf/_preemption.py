@@ -331,6 +331,14 @@ class Preemption:
         the upload without a bound)."""
         return self.stop is not None
 
+    def signal_bound(self, timeout: float | None) -> float | None:
+        """``timeout`` seconds, or less: what is left of the grace period, less a margin."""
+        notice = preemption.notice()
+        if notice is None:
+            return timeout
+        left = max(0.0, notice.remaining() - MARGIN_S)
+        return left if timeout is None else min(timeout, left)
+
     def end_bound(self) -> float | None:
         """Seconds ``on_train_end`` may wait for the upload (``None``: no limit)."""
         if self.stop is not None:
@@ -380,11 +388,7 @@ class Preemption:
             return
         self._ended = True
         try:
-            notice = preemption.notice()
-            bound = (
-                max(0.0, notice.remaining() - MARGIN_S) if notice is not None
-                else self.wait_timeout
-            )
+            bound = self.signal_bound(self.wait_timeout)
             started = time.monotonic()
             done = settle(bound)
             took = time.monotonic() - started

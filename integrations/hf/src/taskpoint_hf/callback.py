@@ -353,5 +353,6 @@ class TaskpointTrainerCallback(TrainerCallback):
 
     def _on_preempt(self) -> None:
         """SIGTERM not turned into a save, inside a task context: wait for the upload in
-        flight (``preempt_timeout``), then the attempt ends."""
-        self._saves.wait_on_preempt(self._preempt_timeout)
+        flight (``preempt_timeout``, and never past the grace period), then the attempt
+        ends."""
+        self._saves.wait_on_preempt(self._preemption.signal_bound(self._preempt_timeout))
