@@ -70,7 +70,12 @@ def test_torchrun_sigterm_on_one_rank_stops_both_at_one_step_saves_and_resumes_t
             _load(work / "results" / f"classifier-rank{rank}.pt"),
             _load(work / "results" / f"classifier-reference-rank{rank}.pt"),
         )
-    assert kit.attempts(f"{store}/classifier")[-1].resumed_step == 8
+    first_attempt, second_attempt = kit.attempts(f"{store}/classifier")
+    # outside a task rank 0 records the preempted end itself
+    assert (first_attempt.outcome, first_attempt.step, first_attempt.preemption_save) == (
+        "preempted", 8, "committed"
+    )
+    assert second_attempt.resumed_step == 8
 
 
 def test_torchrun_exception_one_step_after_a_save_resumes_from_that_save(tmp_path: Path) -> None:

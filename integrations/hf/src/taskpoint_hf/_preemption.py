@@ -127,14 +127,6 @@ def _disarm(callback: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if original is None else original)
 
 
-def _note() -> None:
-    """Take the notice on a rank the signal did not reach, so its saves count as
-    preemption saves (:func:`taskpoint.preemption.note`, where this taskpoint has it)."""
-    note = getattr(preemption, "note", None)
-    if callable(note):
-        note()
-
-
 class Preemption:
     """The callback's SIGTERM and exception handling (see the module docstring).
 
@@ -251,17 +243,21 @@ class Preemption:
         signalled = preemption.requested()
         if not self._vote(signalled):
             return
-        if not signalled:
-            _note()
         notice = preemption.notice()
         views = gather({"left": notice.remaining() if signalled and notice else None})
         known = [v["left"] for v in views if v.get("left") is not None]
-        deadline = time.monotonic() + (min(known) if known else preemption.grace_period())
+        first = min(known) if known else preemption.grace_period()
+        deadline = time.monotonic() + first  # the earliest rank's, on this rank's clock
+        preemption.relay(first)  # a rank the signal missed: its saves count as preemption's
         ranks = [r for r, v in enumerate(views) if v.get("left") is not None]
 
         done = settle(max(0.0, deadline - time.monotonic() - MARGIN_S))
-        views = gather({"done": done is not False, "estimate": estimate()})
-        left = deadline - time.monotonic()
+        views = gather({
+            "done": done is not False, "estimate": estimate(),
+            "left": deadline - time.monotonic(),
+        })
+        # Every rank decides from the same gathered values: all save, or none does.
+        left = min(v["left"] for v in views)
         estimates = [v["estimate"] for v in views if v.get("estimate") is not None]
         worst = max(estimates) if estimates else None
         reason = ""
@@ -349,10 +345,16 @@ class Preemption:
         return None
 
     def finish(
-        self, state: TrainerState, committed: bool, error: BaseException | None = None
+        self,
+        state: TrainerState,
+        committed: bool,
+        error: BaseException | None = None,
+        checkpoint: object = None,
     ) -> None:
         """End of training: leave the deferral; after a preemption stop, say what became of
-        its save and raise :class:`taskpoint.Preempted` (every rank).
+        its save and raise :class:`taskpoint.Preempted` (every rank). Outside a task, where
+        no runner records the attempt, world process zero records its end as preempted in
+        ``checkpoint`` (a :class:`taskpoint.Checkpoint`).
 
         Raises:
             taskpoint.Preempted: training stopped for a preemption signal.
@@ -371,15 +373,16 @@ class Preemption:
         else:
             why = f"its upload failed: {error}" if error is not None else "its upload still runs"
             outcome = f"checkpoint-{stop.step} missed ({why})"
+        message = f"received SIGTERM; training stopped at step {stop.step}: {outcome}"
         if state.is_world_process_zero:
             log.warning(
                 "SIGTERM: training stopped at step %d; %s, %.1fs of the grace period left; "
                 "ending the attempt",
                 stop.step, outcome, stop.left(),
             )
-        raise taskpoint.Preempted(
-            f"received SIGTERM; training stopped at step {stop.step}: {outcome}"
-        ) from error
+            if not context.in_task() and isinstance(checkpoint, taskpoint.Checkpoint):
+                checkpoint.mark_ended("preempted", f"Preempted: {message}", step=stop.step)
+        raise taskpoint.Preempted(message) from error
 
     def failed(self, exc: BaseException, settle: Settle, step: int | None) -> None:
         """Training ended by ``exc``: wait for this rank's upload in flight (no

@@ -320,6 +320,10 @@ class TaskpointTrainerCallback(TrainerCallback):
                 self._preemption.finish(state, True)
                 raise
             error = exc
+        if self._preemption.stopping and self._saves.nodes is None:
+            # world process zero uploads alone: every rank learns whether it committed, and
+            # none ends (torchrun then stops the others) before it is known
+            committed = all(_distributed.all_gather_object(committed and error is None))
         if state.is_world_process_zero:
             metrics = self._saves.take_metrics()
             handler = self._logs.hooked()
@@ -329,7 +333,7 @@ class TaskpointTrainerCallback(TrainerCallback):
                 )
             elif metrics:
                 log.info("taskpoint figures at the end of training: %s", metrics)
-        self._preemption.finish(state, committed, error)
+        self._preemption.finish(state, committed, error, self._checkpoint)
 
     def _add_figures(
         self, state: TrainerState, control: TrainerControl, logs: dict[str, float]
