@@ -554,6 +554,13 @@ class Saves:
             _uploader.shared().start()  # while the snapshot is taken; never waits
         return source, ticket
 
+    def prepare(self) -> None:
+        """Start the upload process now if background saves would use it (a job loads its
+        checkpoint before it trains), so that the first background saves find it ready:
+        one committed from a thread while it starts dies with a killed training process."""
+        if self._upload_in_process:
+            _uploader.shared().start()  # never waits
+
     def queue(self, source: Source, ticket: int) -> None:
         """Commit ``source`` (a private snapshot) on the upload thread.
 

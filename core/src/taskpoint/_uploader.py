@@ -13,8 +13,11 @@ save, without waiting for it, and keeps it until interpreter exit (or a fork, wh
 starts its own). The child commits each request in a thread of its own, so the checkpoints
 of one job never queue behind one another; each checkpoint sends one save at a time. The
 child runs with the environment (credentials, endpoints) the parent had when it started
-it: once the parent's environment differs, the next save starts a new child and the old
-one exits after answering its requests.
+it: once the parent's storage environment (:data:`STORE_ENV_PREFIXES`: credentials,
+endpoints, proxies, CA bundles) differs, the next save starts a new child and the old one
+exits after answering its requests. Other variables are not compared: frameworks set
+their own during training, and a new child per save would leave the saves made while it
+starts to threads of the training process, lost with it.
 Requests and replies are pickled frames over its standard input and output, each tagged
 with its request's number; the child points its own ``sys.stdout`` at standard error
 first, so nothing it prints can corrupt a frame.
@@ -45,7 +48,7 @@ from typing import IO, Any
 
 from taskpoint.errors import CheckpointError
 
-__all__ = ["Request", "Worker", "WorkerDied", "main", "shared"]
+__all__ = ["STORE_ENV_PREFIXES", "Request", "Worker", "WorkerDied", "main", "shared"]
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +280,18 @@ class _Child:
         return True
 
 
+STORE_ENV_PREFIXES = (
+    "AWS_", "AZURE_", "GOOGLE_", "GCE_", "GCS", "CLOUDSDK_", "STORAGE_EMULATOR_HOST",
+    "FSSPEC", "TASKPOINT_", "S3_", "BOTO", "ADLFS", "OBSTORE", "HTTP_PROXY", "HTTPS_PROXY",
+    "NO_PROXY", "ALL_PROXY", "SSL_CERT_", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+)
+"""Names (upper-cased) of the environment variables an upload depends on, by prefix."""
+
+
+def _store_env(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.upper().startswith(STORE_ENV_PREFIXES)}
+
+
 class Worker:
     """The parent's handle on the upload process; see :func:`shared` for the one in use."""
 
@@ -286,12 +301,15 @@ class Worker:
 
     def start(self) -> None:
         """Start the upload process unless it runs or is starting with this process's
-        environment; never waits for it. One started with another environment is told to
-        exit once it has answered its requests."""
+        storage environment; never waits for it. One started with another is told to exit
+        once it has answered its requests."""
         env = dict(os.environ)
         with self._lock:
             old = self._child
-            if old is not None and not old.ended.is_set() and old.env == env:
+            if (
+                old is not None and not old.ended.is_set()
+                and _store_env(old.env) == _store_env(env)
+            ):
                 return
             self._child = _Child(env)
         if old is not None and not old.ended.is_set():
@@ -301,11 +319,11 @@ class Worker:
     @property
     def ready(self) -> bool:
         """Whether the upload process has started, is running, and has this process's
-        environment."""
+        storage environment."""
         child = self._child
         return (
             child is not None and child.ready.is_set() and not child.ended.is_set()
-            and child.env == dict(os.environ)
+            and _store_env(child.env) == _store_env(os.environ)
         )
 
     @property

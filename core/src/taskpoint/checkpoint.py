@@ -630,6 +630,7 @@ class Checkpoint:
         if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
             raise ValueError(f"part must be a rank (an int of at least 0) or None; got {part!r}")
         wanted = None if paths is None else check_paths(paths)
+        self._saves.prepare()  # a job loads before it trains: its saves follow
         found = self._loader.load(None if into is None else Path(os.fspath(into)), part, wanted)
         if found is None:
             return None
