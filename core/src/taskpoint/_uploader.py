@@ -420,7 +420,10 @@ def main(handle: Callable[[Request], Any]) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     lock = threading.Lock()
-    _send(replies, _READY, (True, "ready"))
+    try:
+        _send(replies, _READY, (True, "ready"))
+    except OSError:  # the parent ended before the child was ready: nothing to serve
+        return 0
     running: list[threading.Thread] = []
     while True:
         try:

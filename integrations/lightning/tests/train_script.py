@@ -14,6 +14,7 @@ zero's worker prints the ``STARTED`` line then.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -49,7 +50,10 @@ class CountSaves(L.Callback):
         torch.save = counting  # type: ignore[assignment]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        print("TORCH_SAVES", trainer.global_rank, self.count, flush=True)
+        # One write, starting on a line of its own: the spawned ranks share this pipe, and
+        # print() may hand the pipe a line in several pieces that the other rank's interleave.
+        sys.stdout.flush()
+        os.write(1, f"\nTORCH_SAVES {trainer.global_rank} {self.count}\n".encode())
 
 
 def main() -> None:
