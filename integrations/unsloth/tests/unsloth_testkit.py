@@ -14,7 +14,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,10 +104,17 @@ def load_lora_model(
 
 class StopAt(TrainerCallback):
     """Stop the run at ``step`` (``on_step_end``): raise :class:`Interrupt`, or die like a
-    killed process."""
+    killed process.
+
+    A process that dies calls ``settle`` first (the taskpoint callback's ``wait``, set by
+    :func:`run_unsloth_sft`): the death then comes after the last save committed, whatever the
+    machine's load, and the retry must resume from exactly that save. How soon a background
+    upload commits is the preemption bench's measure, not this one's.
+    """
 
     def __init__(self, step: int, *, how: str = "raise") -> None:
         self.step, self.how = step, how
+        self.settle: Callable[[], object] | None = None
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
@@ -115,6 +122,8 @@ class StopAt(TrainerCallback):
         if state.global_step != self.step:
             return
         if self.how == "exit":
+            if self.settle is not None:
+                self.settle()
             os._exit(KILLED_EXIT)
         raise Interrupt(f"simulated failure at step {state.global_step}")
 
@@ -197,7 +206,10 @@ def run_unsloth_sft(
     resume = restore_lora_checkpoint(checkpoint, args, model) if checkpoint is not None else None
     extra: list[TrainerCallback] = [stop] if stop is not None else []
     if checkpoint is not None:
-        extra.append(TaskpointUnslothCallback(checkpoint, args.output_dir))
+        callback = TaskpointUnslothCallback(checkpoint, args.output_dir)
+        extra.append(callback)
+        if stop is not None:
+            stop.settle = callback.wait
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=Dataset.from_dict({"text": SENTENCES * 2}),
         processing_class=tokenizer, callbacks=[*extra, *callbacks],
