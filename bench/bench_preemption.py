@@ -1,7 +1,7 @@
 """Preemption benchmark for issue #25 ("Lose at most one step").
 
 Run: uv run python bench/bench_preemption.py [--sizes 20,200,1024] [--repeat 3]
-                                             [--skip commit,steps,ddp]
+        [--skip commit,steps,ddp,pytorch,lightning,hf,sklearn]
 
 Prints one line per figure with its target and PASS/MISS:
 
@@ -15,11 +15,18 @@ Prints one line per figure with its target and PASS/MISS:
    where the ``weed`` binary cannot run; the output says which). 20 MB and 1 GB are
    printed too, with what the save uploaded. Medians over ``--repeat`` processes.
 2. Steps lost, from the attempt records (``taskpoint.history``): a taskpoint task with the
-   README quickstart's lines (a save per step, here in the background), SIGTERM during one
-   attempt and an exception during the next, each resumed from the store: the PyTorch
-   loop at 1 rank and at 2 ranks (``torchrun``, gloo on CPU, the SIGTERM to rank 1 only,
-   the exception on both), scikit-learn (``partial_fit`` chunks; it has no ranks).
-   Targets: SIGTERM <= 1, exception <= 1.
+   README quickstart's lines, SIGTERM during attempt 0 (once 7 steps are done, on the
+   highest rank only), an exception during attempt 1 (once 11 steps are done, on every
+   rank), attempt 2 finishing; each attempt resumes from the store. The cases (``--skip``
+   keys): ``pytorch``, the PyTorch loop with a save per step, in the background;
+   ``lightning``, ``TaskpointModelCheckpoint`` with ``save_last=True`` and
+   ``every_n_train_steps=5`` on a CPU Trainer; ``hf``, the Hugging Face ``Trainer`` with
+   ``TaskpointTrainerCallback`` and ``save_steps=5`` on a tiny BERT classifier built from
+   its config (nothing downloaded); each at 1 rank and at 2 ranks (``torchrun``, gloo on
+   CPU, DDP; Lightning and the Trainer join torchrun's ranks); and ``sklearn``
+   (``partial_fit`` chunks, a save per chunk; it has no ranks). The exception comes one
+   step after a save in the Lightning and HF cases. Targets: SIGTERM <= 1, exception <= 1.
+   ``--skip ddp`` leaves out the 2-rank runs, ``--skip steps`` the whole case.
 
 Nothing here is a test; run it on an otherwise idle machine for the figures.
 """
@@ -35,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,11 +101,53 @@ def _records(url: str, options: dict[str, Any] | None = None) -> list[dict[str, 
     ]
 
 
-def child_torch_steps(root: str) -> None:
-    """Case 2, PyTorch (run as ``--child torch``, alone or under torchrun): the quickstart
-    loop with background saves; attempt 0 gets SIGTERM (on rank 1 only under torchrun)
-    before step 10, attempt 1 raises before step 20 (on every rank)."""
+def _print_records(url: str) -> None:
+    """Global rank zero (or the only process) prints the attempt records for the bench."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RECORDS " + json.dumps(_records(url)), flush=True)
+
+
+SIGTERM_AT = 7
+"""Attempt 0 of every case receives SIGTERM once this many steps are done (on the highest
+rank only)."""
+FAIL_AT = 11
+"""Attempt 1 of every case raises once this many steps are done (on every rank): one step
+after a save in the Lightning and HF cases, which save every ``SAVE_EVERY`` steps."""
+SAVE_EVERY = 5
+"""``every_n_train_steps`` (Lightning) and ``save_steps`` (HF)."""
+STEPS = 30
+
+
+def _disrupt(attempt: int, done: int) -> None:
+    """Called by every case at the start of each step with the steps ``done`` so far:
+    SIGTERM (attempt 0, the highest rank) or an exception (attempt 1, every rank)."""
+    last_rank = int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+    if attempt == 0 and done == SIGTERM_AT and last_rank:
+        os.kill(os.getpid(), signal.SIGTERM)
+    if attempt == 1 and done == FAIL_AT:
+        raise RuntimeError(f"simulated failure after step {done}")
+
+
+def _train_task(name: str, root: str, fit: Callable[[Any, int], None]) -> None:
+    """Runs ``fit(checkpoint, attempt)`` as the quickstart's task (``NAME.train``, run id
+    ``r``, two retries at once), then prints its attempt records."""
     import taskpoint
+
+    env = taskpoint.TaskEnvironment(name=name, root=root, run_id="r", keep=3)
+
+    @env.task(retries=2, backoff=0.0)
+    def train() -> None:
+        context = taskpoint.ctx()
+        assert context is not None and context.checkpoint is not None
+        fit(context.checkpoint, context.attempt)
+
+    train()
+    _print_records(f"{root}/{name}.train/r")
+
+
+def child_torch_steps(root: str) -> None:
+    """Case 2, PyTorch (run as ``--child pytorch``, alone or under torchrun): the quickstart
+    loop with background saves, one per step, disrupted by :func:`_disrupt`."""
     import torch
     import torch.distributed as dist
     from taskpoint_pytorch import TaskpointState
@@ -107,70 +157,150 @@ def child_torch_steps(root: str) -> None:
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group("gloo")
-    rank = dist.get_rank() if distributed else 0
-    env = taskpoint.TaskEnvironment(name="loop", root=root, run_id="r", keep=3)
 
-    @env.task(retries=2, backoff=0.0)
-    def train(steps: int = 30) -> None:
-        context = taskpoint.ctx()
-        assert context is not None and context.checkpoint is not None
+    def fit(checkpoint: Any, attempt: int) -> None:
         torch.manual_seed(0)
         model: nn.Module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
         if distributed:
             model = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         state = TaskpointState(model, opt, blocking=False)
-        resume = state.restore_sync(context.checkpoint)
-        for step in range((resume.step if resume else 0) + 1, steps + 1):
-            if context.attempt == 0 and step == 10 and rank == (1 if distributed else 0):
-                os.kill(os.getpid(), signal.SIGTERM)
-            if context.attempt == 1 and step == 20:
-                raise RuntimeError("simulated failure")
+        resume = state.restore_sync(checkpoint)
+        for step in range((resume.step if resume else 0) + 1, STEPS + 1):
+            _disrupt(attempt, step - 1)
             x = torch.randn(32, 64)
             loss = nn.functional.mse_loss(model(x), x[:, :1])
             opt.zero_grad()
             loss.backward()
             opt.step()
-            state.save_sync(context.checkpoint, step=step)
+            state.save_sync(checkpoint, step=step)
         state.wait()
 
     try:
-        train()
+        _train_task("loop", root, fit)
     finally:
         if distributed:
             dist.destroy_process_group()
-    if rank == 0:
-        print("RECORDS " + json.dumps(_records(f"{root}/loop.train/r")), flush=True)
 
 
 def child_sklearn_steps(root: str) -> None:
     """Case 2, scikit-learn (run as ``--child sklearn``): the quickstart loop, a save per
-    chunk; SIGTERM during chunk 10 of attempt 0, an exception before chunk 20 of attempt 1."""
+    chunk (a step), disrupted by :func:`_disrupt`."""
     import numpy as np
-    import taskpoint
     from sklearn.linear_model import SGDClassifier
     from taskpoint_sklearn import TaskpointSklearnCheckpoint
 
-    env = taskpoint.TaskEnvironment(name="sk", root=root, run_id="r", keep=3)
-
-    @env.task(retries=2, backoff=0.0)
-    def train(chunks: int = 30) -> None:
-        context = taskpoint.ctx()
-        assert context is not None and context.checkpoint is not None
-        ckpt = TaskpointSklearnCheckpoint(context.checkpoint)
+    def fit(checkpoint: Any, attempt: int) -> None:
+        ckpt = TaskpointSklearnCheckpoint(checkpoint)
         bundle = ckpt.resume_sync(SGDClassifier(random_state=0), rng=np.random.default_rng(0))
-        for i in range(bundle.progress, chunks):
-            if context.attempt == 0 and i + 1 == 10:
-                os.kill(os.getpid(), signal.SIGTERM)
-            if context.attempt == 1 and i + 1 == 20:
-                raise RuntimeError("simulated failure")
+        for i in range(bundle.progress, STEPS):
+            _disrupt(attempt, i)
             x = bundle.rng.standard_normal((64, 8))
             bundle.partial_fit(x, (x[:, 0] > 0).astype(int), classes=[0, 1])
             bundle.progress = i + 1
             ckpt.save_sync(bundle)
 
-    train()
-    print("RECORDS " + json.dumps(_records(f"{root}/sk.train/r")), flush=True)
+    _train_task("sk", root, fit)
+
+
+def child_lightning_steps(root: str) -> None:
+    """Case 2, Lightning (run as ``--child lightning``, alone or under torchrun, where
+    Lightning joins torchrun's ranks with DDP over gloo): the quickstart's
+    ``TaskpointModelCheckpoint`` with ``save_last=True``, a save every ``SAVE_EVERY``
+    steps, disrupted by :func:`_disrupt` at the start of a batch."""
+    import lightning as L
+    import torch
+    from taskpoint_lightning import TaskpointModelCheckpoint, resume_ckpt_path
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.set_num_threads(1)
+    distributed = "RANK" in os.environ
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    class Disrupt(L.Callback):
+        def __init__(self, attempt: int) -> None:
+            self.attempt = attempt
+
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            _disrupt(self.attempt, trainer.global_step)
+
+    def fit(ckpt: Any, attempt: int) -> None:
+        L.seed_everything(0, verbose=False)
+        x = torch.randn(64, 8)
+        loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4, shuffle=True)
+        mc = TaskpointModelCheckpoint(
+            ckpt, dirpath="ckpts", save_last=True, every_n_train_steps=SAVE_EVERY
+        )
+        ranks = {"devices": 2, "strategy": "ddp"} if distributed else {}
+        trainer = L.Trainer(
+            max_steps=STEPS, callbacks=[mc, Disrupt(attempt)], accelerator="cpu",
+            logger=False, enable_progress_bar=False, enable_model_summary=False, **ranks,
+        )
+        trainer.fit(Tiny(), loader, ckpt_path=resume_ckpt_path(ckpt, dirpath="ckpts"))
+
+    _train_task("lt", root, fit)
+
+
+def child_hf_steps(root: str) -> None:
+    """Case 2, Hugging Face ``Trainer`` (run as ``--child hf``, alone or under torchrun):
+    the quickstart's ``TaskpointTrainerCallback`` and ``restore_last_checkpoint`` on a tiny
+    BERT classifier built from its config (nothing downloaded), a save every
+    ``SAVE_EVERY`` steps, disrupted by :func:`_disrupt` at ``on_step_begin``."""
+    import torch
+    from taskpoint_hf import TaskpointTrainerCallback, restore_last_checkpoint
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    torch.set_num_threads(1)
+
+    class Disrupt(TrainerCallback):
+        def __init__(self, attempt: int) -> None:
+            self.attempt = attempt
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            _disrupt(self.attempt, state.global_step)
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 64, (64, 12), generator=generator)
+    data = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": int(row[0]) % 2}
+            for row in ids]
+
+    def fit(ckpt: Any, attempt: int) -> None:
+        args = TrainingArguments(
+            output_dir="out", save_steps=SAVE_EVERY, save_total_limit=2, max_steps=STEPS,
+            per_device_train_batch_size=4, report_to="none", disable_tqdm=True, use_cpu=True,
+            logging_steps=STEPS,
+        )
+        resume = restore_last_checkpoint(ckpt, args)
+        torch.manual_seed(0)
+        config = BertConfig(
+            vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=16, num_labels=2,
+        )
+        trainer = Trainer(
+            model=BertForSequenceClassification(config), args=args, train_dataset=data,
+            callbacks=[TaskpointTrainerCallback(ckpt, args.output_dir), Disrupt(attempt)],
+        )
+        trainer.train(resume_from_checkpoint=resume)
+
+    _train_task("hf", root, fit)
 
 
 # -- the measurements --------------------------------------------------------------------
@@ -243,7 +373,7 @@ def case_commit(sizes: list[int], repeat: int) -> None:
         server.stop()
 
 
-def _lost(records: list[dict[str, Any]], label: str) -> None:
+def _lost(records: list[dict[str, Any]], label: str, seconds: float) -> None:
     from _common import note, report
 
     sigterm, exception = records[0], records[1]
@@ -251,12 +381,12 @@ def _lost(records: list[dict[str, Any]], label: str) -> None:
     report(f"{label}: steps lost to SIGTERM", float(sigterm["steps_lost"]), "<= 1")
     report(f"{label}: steps lost to an exception", float(exception["steps_lost"]), "<= 1")
     note(f"    preemption save {sigterm['preemption_save']}; stopped at step {sigterm['step']}, "
-         f"failed at step {exception['step']}")
+         f"failed at step {exception['step']}; {seconds:.0f} s for the three attempts")
 
 
-def _run_records(command: list[str], root: Path, timeout: float = 900) -> list[dict[str, Any]]:
+def _run_records(command: list[str], cwd: Path, timeout: float = 900) -> list[dict[str, Any]]:
     done = subprocess.run(
-        command, env=_environment(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+        command, env=_environment(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), cwd=cwd,
         capture_output=True, text=True, timeout=timeout,
     )
     lines = [x for x in done.stdout.splitlines() if x.startswith("RECORDS ")]
@@ -265,41 +395,62 @@ def _run_records(command: list[str], root: Path, timeout: float = 900) -> list[d
     return json.loads(lines[-1][len("RECORDS "):])  # type: ignore[no-any-return]
 
 
-def case_steps(ddp: bool) -> None:
+STEP_CASES = {
+    "pytorch": ("PyTorch loop", child_torch_steps, True),
+    "lightning": ("Lightning", child_lightning_steps, True),
+    "hf": ("HF Trainer", child_hf_steps, True),
+    "sklearn": ("scikit-learn", child_sklearn_steps, False),
+}
+"""``--skip`` key: the label, the child (run as ``--child KEY``), whether it has ranks."""
+
+
+def case_steps(skip: set[str]) -> None:
+    """Steps lost for each case of ``STEP_CASES`` not in ``skip``, at 1 rank and (unless
+    ``ddp`` is skipped) 2 under torchrun; each case's working directory is its own."""
     from _common import note
 
     with tempfile.TemporaryDirectory(prefix="tp-bench-preempt-") as tmp:
-        root = Path(tmp)
         note("steps lost (README quickstart lines; from the attempt records):")
-        _lost(_run_records([sys.executable, str(HERE), "--child", "torch", f"file://{root / 't1'}"],
-                           root), "PyTorch loop, 1 rank")
-        if ddp:
-            command = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                "--nproc_per_node=2", "--monitor-interval=0.2", str(HERE), "--child", "torch",
-                f"file://{root / 't2'}",
-            ]
-            _lost(_run_records(command, root), "PyTorch loop, 2 ranks (SIGTERM on rank 1)")
-        _lost(_run_records([sys.executable, str(HERE), "--child", "sklearn",
-                            f"file://{root / 'sk'}"], root), "scikit-learn, 1 process")
-        note("    scikit-learn at 2 ranks: not applicable (partial_fit runs in one process)")
+        for kind, (name, _, ranked) in STEP_CASES.items():
+            if kind in skip:
+                continue
+            for ranks in (1, 2) if ranked and "ddp" not in skip else (1,):
+                work = Path(tmp) / f"{kind}-{ranks}"
+                work.mkdir()
+                launcher = [sys.executable] if ranks == 1 else [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                    f"--nproc_per_node={ranks}", "--monitor-interval=0.2",
+                ]
+                started = time.monotonic()
+                records = _run_records(
+                    [*launcher, str(HERE), "--child", kind, f"file://{work / 'store'}"], work
+                )
+                seconds = time.monotonic() - started
+                where = "1 process" if not ranked else (
+                    "1 rank" if ranks == 1 else f"{ranks} ranks (SIGTERM on rank {ranks - 1})"
+                )
+                _lost(records, f"{name}, {where}", seconds)
+            if not ranked:
+                note(f"    {name} at 2 ranks: not applicable (it runs in one process)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="20,200,1024", help="MB, comma-separated")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--skip", default="", help="comma-separated: commit,steps,ddp")
+    parser.add_argument(
+        "--skip", default="",
+        help="comma-separated: commit,steps (all of case 2),ddp (its 2-rank runs),"
+             "pytorch,lightning,hf,sklearn",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         kind, *rest = args.child
         if kind == "commit":
             child_commit(int(rest[0]), rest[1])
-        elif kind == "torch":
-            child_torch_steps(rest[0])
         else:
-            child_sklearn_steps(rest[0])
+            STEP_CASES[kind][1](rest[0])
         return
     sys.path.insert(0, str(HERE.parent))
     skip = set(filter(None, args.skip.split(",")))
@@ -307,7 +458,7 @@ def main() -> None:
     if "commit" not in skip:
         case_commit([int(s) for s in args.sizes.split(",")], args.repeat)
     if "steps" not in skip:
-        case_steps(ddp="ddp" not in skip)
+        case_steps(skip)
 
 
 if __name__ == "__main__":
