@@ -612,6 +612,30 @@ def test_a_file_over_the_size_limit_stops_the_load(tmp_path: Path) -> None:
     assert _store_listing(store) == before
 
 
+def test_a_write_the_disk_takes_in_part_is_continued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At a file size limit or a full disk, the first write past it returns a short count and
+    # only the next one fails: a restore must continue, never leave the file short and succeed.
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    data = os.urandom(12 * 2**20)  # several blobs: all but the first are written in place
+    (tree / "shard").write_bytes(data)
+    ckpt = Checkpoint(tmp_path / "store")
+    ckpt.save_sync(tree)
+    real = os.pwrite
+    calls = []
+
+    def short(fd: int, buf: bytes | memoryview, offset: int) -> int:
+        calls.append(len(buf))
+        return real(fd, memoryview(buf)[: 4096], offset)
+
+    monkeypatch.setattr(os, "pwrite", short)
+    restored = Checkpoint(tmp_path / "store", workdir=tmp_path / "restore").load_sync()
+    assert calls, "the restore wrote no piece of a file in place"
+    assert restored is not None and (restored / "shard").read_bytes() == data
+
+
 # -- 6. attempt claims are atomic on every store ----------------------------------------------
 
 
