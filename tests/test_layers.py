@@ -1,7 +1,8 @@
 """The core package's modules import one another top-down: no import circle, anywhere.
 
 Every import counts, including those inside functions and under ``TYPE_CHECKING``: a lazy
-import that closes a circle only hides it.
+import that closes a circle only hides it. Importing a module runs its packages'
+``__init__`` too, so an import from another package counts as one of that package as well.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ PACKAGE = Path(taskpoint.__file__).parent
 
 
 def _module_name(path: Path) -> str:
-    return "taskpoint" if path.stem == "__init__" else f"taskpoint.{path.stem}"
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _paths() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
@@ -23,22 +29,37 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "taskpoint")
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "taskpoint":  # from taskpoint import archive, tree
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}: a relative import; taskpoint imports absolutely"
+            if node.module.split(".")[0] == "taskpoint":  # from taskpoint.store import transfer
                 found.update(
-                    f"taskpoint.{a.name}" if f"taskpoint.{a.name}" in modules else "taskpoint"
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+                    else node.module
                     for a in node.names
                 )
-            elif node.module.split(".")[0] == "taskpoint":
-                found.add(node.module)
-    return found - {_module_name(path)}
+    return found
+
+
+def _packages_of(module: str) -> list[str]:
+    """The packages whose ``__init__`` importing ``module`` runs (the root aside)."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts))]
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Each ``taskpoint`` module and the ``taskpoint`` modules it imports."""
-    paths = sorted(PACKAGE.glob("*.py"))
-    modules = {_module_name(p) for p in paths}
-    return {_module_name(p): _imports(p, modules) & modules for p in paths}
+    """Each ``taskpoint`` module and the ``taskpoint`` modules importing it runs.
+
+    An import of another package's module counts as one of that package's ``__init__``
+    too; within a package, not (Python runs a package's ``__init__`` before its modules).
+    """
+    paths = _paths()
+    modules = set(paths)
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        deps = _imports(path, modules) & modules
+        deps |= {p for d in deps for p in _packages_of(d) if not name.startswith(p + ".")}
+        graph[name] = deps - {name}
+    return graph
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -67,6 +88,7 @@ def test_the_graph_sees_the_modules() -> None:
     graph = import_graph()
     assert "taskpoint.checkpoint" in graph["taskpoint"]
     assert "taskpoint.store" in graph["taskpoint.checkpoint"]
+    assert "taskpoint.transfer" in graph["taskpoint._location"]  # from taskpoint import m
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
