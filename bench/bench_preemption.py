@@ -90,7 +90,7 @@ def child_commit(size_mb: int, url: str) -> None:
 
 def _records(url: str, options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     from taskpoint.history import read_attempts, steps_lost
-    from taskpoint.store import Store
+    from taskpoint.store.store import Store
 
     records = read_attempts(Store(url, options))
     return [

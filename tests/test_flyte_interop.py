@@ -381,7 +381,7 @@ def test_taskpoint_keeps_its_own_backends_after_flyte_init() -> None:
     probe = (
         "import flyte\n"
         "flyte.init()\n"
-        "from taskpoint.store import Store\n"
+        "from taskpoint.store.store import Store\n"
         "s3 = Store('s3://bucket/p', {'key': 'k', 'secret': 's',\n"
         "           'client_kwargs': {'endpoint_url': 'http://127.0.0.1:9'}}).fs\n"
         "gs = Store('gs://bucket/p', {'token': 'anon'}).fs\n"

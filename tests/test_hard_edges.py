@@ -35,7 +35,7 @@ from taskpoint import (
 from taskpoint._digest import Digest
 from taskpoint.cli import main
 from taskpoint.manifest import Manifest, manifest_name, payload_name
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 
 # -- helpers --------------------------------------------------------------------------------
 

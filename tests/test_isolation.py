@@ -266,7 +266,7 @@ def test_each_attempts_record_names_the_process_it_ran_in(tmp_path: Path) -> Non
     import json
 
     from taskpoint.history import read_attempts
-    from taskpoint.store import Store
+    from taskpoint.store.store import Store
 
     script = tmp_path / "pids.py"
     script.write_text(PIDS_TASK)

@@ -87,8 +87,10 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_sees_the_modules() -> None:
     graph = import_graph()
     assert "taskpoint.checkpoint" in graph["taskpoint"]
-    assert "taskpoint.store" in graph["taskpoint.checkpoint"]
-    assert "taskpoint.transfer" in graph["taskpoint._location"]  # from taskpoint import m
+    assert "taskpoint.store.store" in graph["taskpoint.checkpoint"]
+    assert "taskpoint.store.transfer" in graph["taskpoint.store._location"]  # from X import m
+    assert "taskpoint.store" in graph["taskpoint.tree"]  # another package's __init__
+    assert "taskpoint.store" not in graph["taskpoint.store._location"]  # its own package's
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

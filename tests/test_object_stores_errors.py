@@ -9,8 +9,8 @@ from __future__ import annotations
 import errno
 
 import pytest
-from taskpoint.store import is_transient
-from taskpoint.transfer import Transfer
+from taskpoint.store.store import is_transient
+from taskpoint.store.transfer import Transfer
 
 
 def botocore_errors() -> list[tuple[BaseException, bool]]:

@@ -125,7 +125,7 @@ TASK = """
     import taskpoint
     from taskpoint import preemption
     from taskpoint.history import read_attempts
-    from taskpoint.store import Store
+    from taskpoint.store.store import Store
 
     env = taskpoint.TaskEnvironment(name="spot", root=os.environ["STORE"], run_id="r1")
 

@@ -115,7 +115,7 @@ def test_end_callbacks_run_after_each_attempt_before_its_outcome_is_recorded(
     """What a plain loop's adapter relies on: the attempt's end, raised or returned, before
     the record and the retry; newest first, all of them; an error fails a good attempt."""
     from taskpoint.history import read_attempts
-    from taskpoint.store import Store
+    from taskpoint.store.store import Store
 
     root = tmp_path / "store"
     env = taskpoint.TaskEnvironment(name="ends", root=str(root), run_id="r")

@@ -115,7 +115,7 @@ OUTSIDE = """
     import taskpoint
     from taskpoint.history import read_attempts
     from taskpoint.step_boundary import StepBoundary
-    from taskpoint.store import Store
+    from taskpoint.store.store import Store
 
     ckpt = taskpoint.Checkpoint(os.environ["STORE"])
     boundary = StepBoundary()

@@ -35,7 +35,7 @@ from typing import Any
 
 import taskpoint
 from taskpoint.coordination import COORDINATION
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 
 HANG_S = 240.0
 """Bounds waits for another process's event; only a hang reaches it."""

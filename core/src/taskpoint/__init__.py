@@ -38,7 +38,7 @@ from taskpoint.errors import (
 from taskpoint.history import SaveStats
 from taskpoint.progress import report_step
 from taskpoint.runtime import TaskEnvironment
-from taskpoint.store import RetryPolicy
+from taskpoint.store.store import RetryPolicy
 from taskpoint.versions import require_version
 
 __version__ = "0.1.0"

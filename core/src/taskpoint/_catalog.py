@@ -13,7 +13,7 @@ from taskpoint import _tree_restore, retention
 from taskpoint._digest import Digest, HashingReader, Progress
 from taskpoint.errors import CheckpointCorruptError, CheckpointFormatError
 from taskpoint.manifest import CHECKPOINTS, Manifest, parse_manifest_name
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 
 __all__ = ["Catalog"]
 

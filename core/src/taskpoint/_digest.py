@@ -8,7 +8,7 @@ from typing import Any, BinaryIO
 
 import xxhash
 
-from taskpoint._streams import ReadView, WriteView
+from taskpoint.store._streams import ReadView, WriteView
 
 CHUNK = 8 * 1024 * 1024
 """Bytes moved per read/write call when copying payloads."""

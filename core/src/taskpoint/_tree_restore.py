@@ -46,7 +46,7 @@ from taskpoint._statcache import StatCache
 from taskpoint.errors import CheckpointCorruptError, CheckpointStoreError
 from taskpoint.manifest import Blob, Entry, Manifest
 from taskpoint.retention import OBJECTS
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 from taskpoint.tree import MIN_WORKERS, content_hash, decode, mark_broken
 
 __all__ = ["restore_tree", "swap_into", "verify_tree"]

@@ -49,7 +49,7 @@ from taskpoint._statcache import (
 from taskpoint.errors import CheckpointSaveError
 from taskpoint.manifest import Blob, Codec, Entry, Manifest
 from taskpoint.retention import OBJECTS
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 from taskpoint.tree import (
     MIN_WORKERS,
     broken_in,
@@ -163,7 +163,7 @@ class _Uploader:
 
     Each job is one pack of about :data:`PACK_SIZE` raw bytes, so ``limit * PACK_SIZE``
     bounds the memory a save holds (64 MiB with the defaults, as much as one multipart
-    transfer of :class:`taskpoint.transfer.Transfer`'s defaults, plus the buffer being
+    transfer of :class:`taskpoint.store.transfer.Transfer`'s defaults, plus the buffer being
     filled and, for an object store, each pack's joined copy)."""
 
     def __init__(self, store: Store, workers: int) -> None:

@@ -49,7 +49,7 @@ from taskpoint.coordination import Coordinator
 from taskpoint.errors import CheckpointError
 from taskpoint.history import SaveStats
 from taskpoint.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, Manifest, check_paths
-from taskpoint.store import RetryPolicy, Store, check_location
+from taskpoint.store.store import RetryPolicy, Store, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
 

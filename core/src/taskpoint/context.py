@@ -29,7 +29,7 @@ from pathlib import Path
 from taskpoint import preemption
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.names import check_name
-from taskpoint.store import check_location
+from taskpoint.store.store import check_location
 
 __all__ = [
     "ENV_ACTION",

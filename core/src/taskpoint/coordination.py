@@ -40,7 +40,7 @@ from typing import Any
 
 from taskpoint.errors import CheckpointCoordinationError, CheckpointError
 from taskpoint.manifest import FORMAT_VERSION, loads_record
-from taskpoint.store import RetryPolicy, Store, check_location
+from taskpoint.store.store import RetryPolicy, Store, check_location
 
 __all__ = ["COORDINATION", "Coordinator", "StoreCoordinator"]
 

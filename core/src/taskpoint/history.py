@@ -47,7 +47,7 @@ from taskpoint.manifest import (
     loads_record,
     parse_manifest_name,
 )
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 
 __all__ = [
     "ATTEMPTS",

@@ -35,7 +35,7 @@ from taskpoint.manifest import (
     parse_manifest_name,
 )
 from taskpoint.names import check_name
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 
 __all__ = [
     "ActionInfo",

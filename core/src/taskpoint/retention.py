@@ -4,7 +4,7 @@ Retention (``keep=``, :meth:`taskpoint.Checkpoint.prune`) deletes manifests. The
 objects under ``objects/`` are shared between checkpoints of a run, so one can be deleted
 only when no committed manifest references it *and* no save that could still reference it
 is in flight. The protocol (restic's, on the two guarantees every store gives taskpoint:
-:meth:`~taskpoint.store.Store.create_exclusive` is atomic and LIST is strongly consistent):
+:meth:`~taskpoint.store.store.Store.create_exclusive` is atomic and LIST is strongly consistent):
 
 A **save** (:class:`Lease`)
     1. creates ``leases/<attempt:06d>-<seq:09d>-<token>.json`` (refreshed every
@@ -71,7 +71,7 @@ from taskpoint.manifest import (
     parse_manifest_name,
     parse_payload_name,
 )
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 
 __all__ = ["GC_LOCK", "LEASES", "OBJECTS", "Collected", "Lease", "collect", "prune_manifests"]
 

@@ -53,7 +53,7 @@ from taskpoint.context import (
 from taskpoint.errors import TaskAttemptError
 from taskpoint.history import Outcome
 from taskpoint.names import check_name
-from taskpoint.store import check_location
+from taskpoint.store.store import check_location
 
 __all__ = ["Isolation", "TaskEnvironment", "new_run_id"]
 

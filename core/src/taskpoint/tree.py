@@ -30,7 +30,7 @@ import xxhash
 
 from taskpoint import archive
 from taskpoint.manifest import Codec
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 
 __all__ = [
     "MIN_WORKERS",

@@ -22,7 +22,7 @@ import torch
 from taskpoint import CheckpointLike
 from taskpoint.history import AttemptRecord, read_attempts
 from taskpoint.mirror import settle_uploads
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 from taskpoint_hf import TaskpointTrainerCallback, checkpoint_step, restore_last_checkpoint
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import (

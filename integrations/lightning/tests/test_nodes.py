@@ -18,7 +18,7 @@ import taskpoint
 import taskpoint_lightning_testlib as lib
 import torch
 from taskpoint.history import read_attempts
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 
 SCRIPT = Path(__file__).with_name("nodes_script.py")
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import taskpoint
 import taskpoint_lightning_testlib as lib
 import torch
 from taskpoint.history import AttemptRecord, read_attempts, steps_lost
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 
 SCRIPT = Path(__file__).with_name("preempt_script.py")
 pytestmark = [

@@ -179,7 +179,7 @@ def test_torchrun_sigterm_on_one_rank_stops_every_rank_at_that_step_and_resumes_
 
     from taskpoint import Checkpoint
     from taskpoint.history import read_attempts, steps_lost
-    from taskpoint.store import Store
+    from taskpoint.store.store import Store
 
     first, second = read_attempts(Store(store))
     assert (first.outcome, first.step, first.preemption_save) == ("preempted", at, "committed")

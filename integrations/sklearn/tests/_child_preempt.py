@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import cases
 import taskpoint
 from taskpoint.history import read_attempts, steps_lost
-from taskpoint.store import Store
+from taskpoint.store.store import Store
 from taskpoint_sklearn import TaskpointSklearnCheckpoint
 
 CHUNKS = 12

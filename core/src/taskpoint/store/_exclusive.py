@@ -2,7 +2,7 @@
 
 Attempt claims and the clean-up lock rest on it (see :mod:`taskpoint.retention`). Each kind
 of store has its own atomic step: on a local disk a complete temporary file is hard-linked
-into place (:func:`taskpoint._local_files.link_new`); on ``memory://``, which lives in
+into place (:func:`taskpoint.store._local_files.link_new`); on ``memory://``, which lives in
 this process alone, a lock; on object stores a conditional write (S3
 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, Azure ``If-None-Match: *``).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import threading
 
-from taskpoint import _local_files
-from taskpoint._faults import status_of
-from taskpoint._location import Location
+from taskpoint.store import _local_files
+from taskpoint.store._faults import status_of
+from taskpoint.store._location import Location
 
 __all__ = ["create_new"]
 

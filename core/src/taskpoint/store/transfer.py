@@ -1,8 +1,8 @@
 """Moving large objects to and from object stores: settings, spooling, parts, clean-up.
 
-:class:`~taskpoint.store.Store` delegates here for payloads on S3, GCS and Azure Blob; this
+:class:`~taskpoint.store.store.Store` delegates here for payloads on S3, GCS and Azure Blob; this
 module knows the backends' transfer knobs but nothing of retries or of taskpoint's errors,
-which stay in :mod:`taskpoint.store`:
+which stay in :mod:`taskpoint.store.store`:
 
 - :class:`Transfer`: part size and parallelism, from the environment by default.
 - :class:`Spool`: a payload is written to memory (up to one part) or a temporary file
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from taskpoint._streams import WriteView
+from taskpoint.store._streams import WriteView
 
 __all__ = [
     "LostUpload",
@@ -42,7 +42,7 @@ __all__ = [
     "tune_backend",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint.transfer")  # its name before #27 moved it
 
 _MIN_S3_PART = 5 * 2**20
 _S3_MAX_PARTS = 10_000
@@ -282,7 +282,7 @@ def _abort_azure_blocks(fs: Any, prefix: str, last: str | None) -> builtins.list
 class LostUpload(ConnectionError):
     """An object store no longer knows an upload it had begun: worth starting over.
 
-    A ``ConnectionError``, so :func:`taskpoint.store.is_transient` retries it.
+    A ``ConnectionError``, so :func:`taskpoint.store.store.is_transient` retries it.
     """
 
 

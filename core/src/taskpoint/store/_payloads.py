@@ -1,9 +1,9 @@
 """Moving payloads between this machine and a store's location, one try at a time.
 
-:class:`~taskpoint.store.Store` runs these under its retry policy. Uploads and downloads
-go through :mod:`taskpoint.transfer` (multipart, resumable or block transfers on object
+:class:`~taskpoint.store.store.Store` runs these under its retry policy. Uploads and downloads
+go through :mod:`taskpoint.store.transfer` (multipart, resumable or block transfers on object
 stores). An upload the object store lost midway is raised as the transient
-:class:`~taskpoint.transfer.LostUpload`, so a retry starts it over, and a missing bucket
+:class:`~taskpoint.store.transfer.LostUpload`, so a retry starts it over, and a missing bucket
 as such. :func:`abort_interrupted_uploads` clears what interrupted uploads left behind.
 """
 
@@ -13,8 +13,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from taskpoint import transfer as _transfer
-from taskpoint._location import Location
+from taskpoint.store import transfer as _transfer
+from taskpoint.store._location import Location
 
 __all__ = ["abort_interrupted_uploads", "download", "put", "read_memory", "upload_spool"]
 
@@ -60,7 +60,7 @@ def _lost_upload_is_transient(
 def abort_interrupted_uploads(at: Location, name: str, *, everything: bool = False) -> None:
     """Abort unfinished multipart uploads next to ``name`` that sort at or before it;
     with ``everything``, all of those under the prefix ``name``. Best effort (see
-    :func:`taskpoint.transfer.abort_interrupted_uploads`)."""
+    :func:`taskpoint.store.transfer.abort_interrupted_uploads`)."""
     if everything:
         folder, last = name, None
     else:

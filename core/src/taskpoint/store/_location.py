@@ -1,6 +1,6 @@
 """Where a store is: its URL, the fsspec filesystem behind it, and the paths in it.
 
-With :mod:`taskpoint.store` and :mod:`taskpoint.transfer`, the store layer: the only
+With :mod:`taskpoint.store.store` and :mod:`taskpoint.store.transfer`, the store layer: the only
 modules that talk to fsspec. A :class:`Location` opens its filesystem on first use (so
 constructing a checkpoint does no I/O), pinning the bucket protocols to the backends fsspec
 documents for them; it maps names to the filesystem's paths, tells which kind of store it
@@ -20,10 +20,10 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import known_implementations
 
-from taskpoint import transfer as _transfer
-from taskpoint._retry import RetryPolicy
 from taskpoint.errors import CheckpointStoreError
-from taskpoint.transfer import Transfer
+from taskpoint.store import transfer as _transfer
+from taskpoint.store._retry import RetryPolicy
+from taskpoint.store.transfer import Transfer
 
 __all__ = ["Location", "check_location"]
 
@@ -89,7 +89,7 @@ class Location:
         retry: the store's retry policy; it paces Azure's own per-request retries.
         transfer: part size and parallelism of transfers to and from the location; set
             on backends that take them only at construction (see
-            :func:`taskpoint.transfer.tune_backend`).
+            :func:`taskpoint.store.transfer.tune_backend`).
     """
 
     def __init__(

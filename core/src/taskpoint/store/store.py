@@ -11,7 +11,7 @@ through a temporary file and ``os.replace``, on object stores through a single P
 
 On object stores (S3, GCS, Azure Blob) a payload is first spooled to a local temporary
 file, then uploaded with the backend's multipart (S3), resumable (GCS) or block (Azure)
-upload, parts in parallel where the backend can (see :mod:`taskpoint.transfer`). A
+upload, parts in parallel where the backend can (see :mod:`taskpoint.store.transfer`). A
 transient failure repeats the upload from the spool, not the producer. After a successful
 upload, multipart uploads left behind under the same folder by interrupted saves (S3
 in-progress uploads, Azure uncommitted blocks) are aborted, so they are neither billed nor
@@ -21,14 +21,15 @@ never taken for "no checkpoint yet".
 The layer's modules, each importing only those listed after it:
 
 - this one: :class:`Store`, each operation one try run under the retry policy;
-- :mod:`taskpoint._exclusive` (create-if-absent) and :mod:`taskpoint._payloads` (uploads,
-  downloads, interrupted-upload clean-up): one try of what differs by kind of store;
-- :mod:`taskpoint._location`: the URL, its filesystem, names to paths, the kind of store,
-  the missing-bucket check;
-- :mod:`taskpoint._retry` (:class:`RetryPolicy`, the retry-and-translate loop),
-  :mod:`taskpoint.transfer` (the backends' transfer knobs) and
-  :mod:`taskpoint._local_files` (all-or-nothing writes on the local disk);
-- :mod:`taskpoint._faults`: what a failure means (transient? refused credentials?).
+- :mod:`taskpoint.store._exclusive` (create-if-absent) and
+  :mod:`taskpoint.store._payloads` (uploads, downloads, interrupted-upload clean-up): one
+  try of what differs by kind of store;
+- :mod:`taskpoint.store._location`: the URL, its filesystem, names to paths, the kind of
+  store, the missing-bucket check;
+- :mod:`taskpoint.store._retry` (:class:`RetryPolicy`, the retry-and-translate loop),
+  :mod:`taskpoint.store.transfer` (the backends' transfer knobs) and
+  :mod:`taskpoint.store._local_files` (all-or-nothing writes on the local disk);
+- :mod:`taskpoint.store._faults`: what a failure means (transient? refused credentials?).
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 
-from taskpoint import _exclusive, _local_files, _payloads, _retry
-from taskpoint import transfer as _transfer
-from taskpoint._faults import is_transient
-from taskpoint._location import Location, check_location
-from taskpoint._retry import RetryPolicy
-from taskpoint._streams import ReadView
 from taskpoint.errors import CheckpointStoreError
-from taskpoint.transfer import Transfer
+from taskpoint.store import _exclusive, _local_files, _payloads, _retry
+from taskpoint.store import transfer as _transfer
+from taskpoint.store._faults import is_transient
+from taskpoint.store._location import Location, check_location
+from taskpoint.store._retry import RetryPolicy
+from taskpoint.store._streams import ReadView
+from taskpoint.store.transfer import Transfer
 
 __all__ = ["RetryPolicy", "Store", "check_location", "is_transient"]
 
@@ -125,7 +126,7 @@ class Store:
         return self._at.is_object_store
 
     def _call(self, what: str, name: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` as :func:`taskpoint._retry.run` does, retrying transient failures; a
+        """Run ``fn`` as :func:`taskpoint.store._retry.run` does, retrying transient failures; a
         FileNotFoundError from an object store whose bucket is missing becomes a
         CheckpointStoreError saying so."""
         return _retry.run(self._retry, what, self.url_of(name), fn, self._at.check_bucket)

@@ -1,7 +1,7 @@
 """Repeating a store call through transient failures, and naming what finally failed.
 
 :class:`RetryPolicy` says how often to try and how long to wait between tries; :func:`run`
-runs one store operation under it. Transient failures (:func:`taskpoint._faults.is_transient`)
+runs one store operation under it. Transient failures (:func:`taskpoint.store._faults.is_transient`)
 are retried with exponential backoff, each with a WARNING; a permanent failure, or the last
 transient one, becomes :class:`~taskpoint.CheckpointStoreError` naming the URL and the
 number of tries. ``FileNotFoundError`` and taskpoint's own errors pass through unchanged.
@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from taskpoint._faults import is_denied, is_transient
 from taskpoint.errors import CheckpointError, CheckpointStoreError
+from taskpoint.store._faults import is_denied, is_transient
 
 __all__ = ["RetryPolicy", "run"]
 

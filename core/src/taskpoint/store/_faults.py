@@ -3,7 +3,7 @@
 The object-store clients (botocore, aiohttp, azure-core, requests, fsspec) report the same
 few conditions in many shapes: an HTTP status on the exception or on the one it was raised
 from, an exception class of their own, an ``OSError`` with or without an ``errno``. This
-module reads them all without importing any of those libraries; :mod:`taskpoint.store`
+module reads them all without importing any of those libraries; :mod:`taskpoint.store.store`
 decides from its answers whether to retry and what to tell the user.
 """
 
