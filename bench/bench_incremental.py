@@ -56,7 +56,7 @@ from _common import (  # noqa: E402
     report,
     timed,
 )
-from taskpoint import _tree_save  # noqa: E402
+from taskpoint.format import _tree_save  # noqa: E402
 
 MB = 2**20
 

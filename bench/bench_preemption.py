@@ -14,7 +14,7 @@ Prints one line per figure with its target and PASS/MISS:
    time; same clock): target <= 5 s at 200 MB, on a SeaweedFS server on loopback (moto
    where the ``weed`` binary cannot run; the output says which). 20 MB and 1 GB are
    printed too, with what the save uploaded. Medians over ``--repeat`` processes.
-2. Steps lost, from the attempt records (``taskpoint.history``): a taskpoint task with the
+2. Steps lost, from the attempt records (``taskpoint.format.history``): a taskpoint task with the
    README quickstart's lines, SIGTERM during attempt 0 (once 7 steps are done, on the
    highest rank only), an exception during attempt 1 (once 11 steps are done, on every
    rank), attempt 2 finishing; each attempt resumes from the store. The cases (``--skip``
@@ -89,7 +89,7 @@ def child_commit(size_mb: int, url: str) -> None:
 
 
 def _records(url: str, options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    from taskpoint.history import read_attempts, steps_lost
+    from taskpoint.format.history import read_attempts, steps_lost
     from taskpoint.store.store import Store
 
     records = read_attempts(Store(url, options))

@@ -623,7 +623,7 @@ def test_store_layout_block(workdir: Path) -> None:
 
 
 def test_manifest_block() -> None:
-    from taskpoint.manifest import Manifest
+    from taskpoint.format.manifest import Manifest
 
     text = covered_block("test_manifest_block").text
     assert text.count("…") == 1, "the checksum is the block's only placeholder"

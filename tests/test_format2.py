@@ -22,8 +22,9 @@ from typing import Any
 import fsspec
 import pytest
 import taskpoint
-from taskpoint import Checkpoint, CheckpointUnsafeError, SaveStats, TaskpointWarning, retention
-from taskpoint.manifest import Blob, Entry, Manifest, tree_checksum
+from taskpoint import Checkpoint, CheckpointUnsafeError, SaveStats, TaskpointWarning
+from taskpoint.format import retention
+from taskpoint.format.manifest import Blob, Entry, Manifest, tree_checksum
 
 MiB = 2**20
 
@@ -170,7 +171,7 @@ def test_a_kept_file_restores_its_hard_links_too(store_url: str, tmp_path: Path)
 
 def _reads(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[str]]:
     """The files saves read, and the files restores into a folder hash, by name."""
-    from taskpoint import _tree_restore, _tree_save
+    from taskpoint.format import _tree_restore, _tree_save
 
     read: list[str] = []
     hashed: list[str] = []
@@ -191,7 +192,7 @@ def _reads(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[str]]:
 
 def _settle() -> None:
     """Wait until files written so far have times a stat cache may trust."""
-    from taskpoint._statcache import SLACK_NS
+    from taskpoint.format._statcache import SLACK_NS
 
     time.sleep(2 * SLACK_NS / 1e9)
 
@@ -229,7 +230,7 @@ def test_a_save_reads_only_files_whose_stat_changed(
 def test_files_changed_too_recently_to_tell_are_read_again(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from taskpoint import _statcache
+    from taskpoint.format import _statcache
 
     tree = _shards(tmp_path / "tree", n=2)
     monkeypatch.setattr(_statcache, "SLACK_NS", 10**15)  # every time is too recent
@@ -399,7 +400,7 @@ def test_grouping_a_packs_blobs_into_reads_is_linear_in_its_blobs() -> None:
     """A pack of small files holds thousands of blobs: grouping them into the ranges to
     read must cost in proportion to them. It copied each range's member list for every
     blob it added (60k tiny files took 39 CPU-s to restore, 25 of them there)."""
-    from taskpoint import _tree_restore
+    from taskpoint.format import _tree_restore
 
     def places(n: int) -> list[Any]:
         digest = "0" * 32

@@ -32,9 +32,9 @@ from taskpoint import (
     CheckpointUnsafeError,
     TaskpointWarning,
 )
-from taskpoint._digest import Digest
 from taskpoint.cli import main
-from taskpoint.manifest import Manifest, manifest_name, payload_name
+from taskpoint.format._digest import Digest
+from taskpoint.format.manifest import Manifest, manifest_name, payload_name
 from taskpoint.store.store import Store
 
 # -- helpers --------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def test_a_tree_entry_with_nul_in_its_path_is_refused(tmp_path: Path, into: bool
     """Restoring into a folder looks for files to keep before the extractor checks names:
     a NUL in a path there once raised a bare ValueError."""
     import xxhash
-    from taskpoint.manifest import Blob, Entry, tree_checksum
+    from taskpoint.format.manifest import Blob, Entry, tree_checksum
 
     store = tmp_path / "store"
     data = b"hello"
@@ -385,7 +385,7 @@ def test_garbage_records_never_break_history_or_claims(tmp_path: Path) -> None:
     assert ckpt.status() is None
     ckpt.save_sync(b"state")
     assert ckpt.attempt == 1
-    records = taskpoint.history.read_attempts(Store(str(store)))
+    records = taskpoint.format.history.read_attempts(Store(str(store)))
     assert [(r.attempt, r.ended) for r in records] == [(0, None), (1, None)]
 
 

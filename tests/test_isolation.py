@@ -265,7 +265,7 @@ PIDS_TASK = textwrap.dedent(
 def test_each_attempts_record_names_the_process_it_ran_in(tmp_path: Path) -> None:
     import json
 
-    from taskpoint.history import read_attempts
+    from taskpoint.format.history import read_attempts
     from taskpoint.store.store import Store
 
     script = tmp_path / "pids.py"

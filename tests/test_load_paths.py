@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import taskpoint
-from taskpoint.manifest import Manifest, check_paths
+from taskpoint.format.manifest import Manifest, check_paths
 from taskpoint.store.store import Store
 
 BIG = 3 * 2**20

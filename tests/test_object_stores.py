@@ -18,7 +18,8 @@ from typing import Any
 
 import _servers
 import pytest
-from taskpoint import Checkpoint, CheckpointStoreError, RetryPolicy, _tree_save
+from taskpoint import Checkpoint, CheckpointStoreError, RetryPolicy
+from taskpoint.format import _tree_save
 
 BUCKET = "taskpoint-tests"
 MiB = 2**20

@@ -20,7 +20,7 @@ import pytest
 import taskpoint
 from taskpoint._parts import merge_parts
 from taskpoint.coordination import COORDINATION, check_agreement
-from taskpoint.manifest import Blob, Entry, Manifest
+from taskpoint.format.manifest import Blob, Entry, Manifest
 
 WRITER = Path(__file__).parent / "tp_part_writer.py"
 
@@ -384,7 +384,7 @@ def test_adapter_steps_commit_parts_and_abort_leaves_nothing(store_url: str, tmp
 
 def test_a_parts_field_naming_an_unknown_path_is_corrupt() -> None:
     entries = (_file("a", "aa"),)
-    from taskpoint.manifest import tree_checksum
+    from taskpoint.format.manifest import tree_checksum
 
     good = Manifest(
         kind="directory", name="t", codec="none", size=2, checksum=tree_checksum(entries),

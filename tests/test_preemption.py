@@ -124,7 +124,7 @@ TASK = """
     import json, os, signal
     import taskpoint
     from taskpoint import preemption
-    from taskpoint.history import read_attempts
+    from taskpoint.format.history import read_attempts
     from taskpoint.store.store import Store
 
     env = taskpoint.TaskEnvironment(name="spot", root=os.environ["STORE"], run_id="r1")

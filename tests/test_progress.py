@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import taskpoint
 from taskpoint import progress
-from taskpoint.manifest import Manifest
+from taskpoint.format.manifest import Manifest
 
 
 def _run(tmp_path: Path, body: str, **env: str) -> dict[str, Any]:

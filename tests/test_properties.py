@@ -80,9 +80,9 @@ from taskpoint import (
     CheckpointUnsafeError,
     TaskpointWarning,
 )
-from taskpoint._digest import Digest
 from taskpoint.cli import main
-from taskpoint.manifest import Manifest, manifest_name, parse_manifest_name, payload_name
+from taskpoint.format._digest import Digest
+from taskpoint.format.manifest import Manifest, manifest_name, parse_manifest_name, payload_name
 
 DOCUMENTED = (
     CheckpointCorruptError,

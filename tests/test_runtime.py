@@ -114,7 +114,7 @@ def test_end_callbacks_run_after_each_attempt_before_its_outcome_is_recorded(
 ) -> None:
     """What a plain loop's adapter relies on: the attempt's end, raised or returned, before
     the record and the retry; newest first, all of them; an error fails a good attempt."""
-    from taskpoint.history import read_attempts
+    from taskpoint.format.history import read_attempts
     from taskpoint.store.store import Store
 
     root = tmp_path / "store"

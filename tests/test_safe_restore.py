@@ -13,7 +13,7 @@ from pathlib import Path
 import fsspec
 import pytest
 from taskpoint import Checkpoint, CheckpointUnsafeError
-from taskpoint.manifest import Manifest, manifest_name, payload_name
+from taskpoint.format.manifest import Manifest, manifest_name, payload_name
 
 
 def _commit_archive(url: str, build: Callable[[tarfile.TarFile], None]) -> None:

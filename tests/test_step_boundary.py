@@ -113,7 +113,7 @@ def test_a_grace_period_too_short_skips_the_save_and_the_record_says_missed(
 OUTSIDE = """
     import json, os, signal
     import taskpoint
-    from taskpoint.history import read_attempts
+    from taskpoint.format.history import read_attempts
     from taskpoint.step_boundary import StepBoundary
     from taskpoint.store.store import Store
 

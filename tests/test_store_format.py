@@ -2,7 +2,7 @@
 
 ``tests/fixtures/store-format-<N>/`` holds actions written by the taskpoint that introduced
 format N (see ``tests/fixtures/make_store_format.py``). A reader must load all of them; a
-record from a format newer than :data:`taskpoint.manifest.FORMAT_VERSION` must be refused
+record from a format newer than :data:`taskpoint.format.manifest.FORMAT_VERSION` must be refused
 with a message that says to upgrade, before anything is written.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import taskpoint
-from taskpoint.manifest import FORMAT_VERSION
+from taskpoint.format.manifest import FORMAT_VERSION
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FORMATS = sorted(int(p.name.rsplit("-", 1)[1]) for p in FIXTURES.glob("store-format-*"))
@@ -141,7 +141,7 @@ def test_the_current_format_is_what_new_records_carry(tmp_path: Path) -> None:
 
 def test_a_format_1_reader_refuses_a_format_2_tree(tmp_path: Path) -> None:
     """What taskpoint 0.1's check does with a format-2 manifest (its FORMAT_VERSION was 1)."""
-    from taskpoint import manifest as manifest_module
+    from taskpoint.format import manifest as manifest_module
 
     ckpt = taskpoint.Checkpoint(str(tmp_path / "run"))
     (tmp_path / "tree").mkdir()

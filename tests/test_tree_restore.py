@@ -136,8 +136,8 @@ def test_a_damaged_blob_in_a_pack_of_many_files_fails_the_restore_whole(
 def test_the_collector_pause_ends_with_the_last_and_keeps_a_disabled_collector_off() -> None:
     import gc
 
-    from taskpoint._gc import paused
-    from taskpoint.manifest import Manifest
+    from taskpoint.format._gc import paused
+    from taskpoint.format.manifest import Manifest
 
     assert gc.isenabled()
     first = paused()
@@ -164,7 +164,7 @@ def test_an_integer_too_long_is_refused_wherever_it_lies_in_a_large_record(at: i
     """The scan for long digit runs reads a record 8 MiB at a time: a run across two of
     them counts too. (A 65-digit integer stands for the millions of digits that would take
     ``int()`` minutes.)"""
-    from taskpoint.manifest import loads_record
+    from taskpoint.format.manifest import loads_record
 
     padding = b" " * at
     with pytest.raises(ValueError, match="digits"):

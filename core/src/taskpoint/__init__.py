@@ -35,7 +35,7 @@ from taskpoint.errors import (
     TaskAttemptError,
     TaskpointWarning,
 )
-from taskpoint.history import SaveStats
+from taskpoint.format.history import SaveStats
 from taskpoint.progress import report_step
 from taskpoint.runtime import TaskEnvironment
 from taskpoint.store.store import RetryPolicy

@@ -3,9 +3,9 @@
 :meth:`Loader.load` tries committed checkpoints newest first: one that fails its checksum
 or cannot be read back is skipped with a :class:`~taskpoint.TaskpointWarning`; one pruned
 while it was read sends the search back to a fresh listing. Format-1 payloads are
-downloaded (a file) or streamed through :func:`taskpoint.archive.unpack_directory` (a
+downloaded (a file) or streamed through :func:`taskpoint.format.archive.unpack_directory` (a
 directory) and checked against the manifest's checksum; format-2 trees are restored by
-:func:`taskpoint._tree_restore.restore_tree`. A failure of the local disk (full,
+:func:`taskpoint.format._tree_restore.restore_tree`. A failure of the local disk (full,
 read-only, refused) is a :class:`~taskpoint.CheckpointRestoreError`, never taken for a bad
 checkpoint (:func:`is_local_write_error`).
 """
@@ -23,10 +23,6 @@ import time
 import warnings
 from pathlib import Path
 
-from taskpoint import _tree_restore, archive
-from taskpoint._catalog import Catalog
-from taskpoint._digest import Digest, HashingReader, Progress, digest_file
-from taskpoint._statcache import StatCache, now_ns
 from taskpoint.errors import (
     CheckpointCoordinationError,
     CheckpointCorruptError,
@@ -37,7 +33,11 @@ from taskpoint.errors import (
     CheckpointUnsafeError,
     TaskpointWarning,
 )
-from taskpoint.manifest import CHECKPOINTS, Manifest
+from taskpoint.format import _tree_restore, archive
+from taskpoint.format._catalog import Catalog
+from taskpoint.format._digest import Digest, HashingReader, Progress, digest_file
+from taskpoint.format._statcache import StatCache, now_ns
+from taskpoint.format.manifest import CHECKPOINTS, Manifest
 
 __all__ = ["BYTES_NAME", "Loader", "is_local_write_error"]
 
@@ -65,7 +65,7 @@ class Loader:
             removed at interpreter exit, when ``None``.
         progress: called with the number of payload bytes moved.
         seen: files known unchanged by their stat, shared with the checkpoint's saver
-            (see :mod:`taskpoint._statcache`): a restore into a folder trusts those it
+            (see :mod:`taskpoint.format._statcache`): a restore into a folder trusts those it
             knows, and records every file of a tree it restored.
     """
 

@@ -9,7 +9,7 @@ arrives fails it on every other rank when the coordinator's timeout runs out:
    folder can be saved. Ranks that disagree all raise
    :class:`~taskpoint.CheckpointCoordinationError` naming the values, before any upload.
 2. **Number.** Rank 0 claims the attempt and save number and broadcasts them.
-3. **Upload.** Each rank takes a save lease (:class:`taskpoint.retention.Lease`, held until
+3. **Upload.** Each rank takes a save lease (:class:`taskpoint.format.retention.Lease`, held until
    the commit is known), stores its tree as format-2 content objects (reusing what the
    run's committed checkpoints hold) and sends its entries and objects (metadata only:
    paths, hashes, object names; never file content) to the others.
@@ -32,13 +32,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from taskpoint import _tree_save, archive, preemption, retention
-from taskpoint._catalog import Catalog
-from taskpoint._digest import Progress
+from taskpoint import preemption
 from taskpoint.coordination import Coordinator, check_agreement
 from taskpoint.errors import CheckpointCoordinationError, CheckpointError, _save_failures
-from taskpoint.history import SaveStats
-from taskpoint.manifest import (
+from taskpoint.format import _tree_save, archive, retention
+from taskpoint.format._catalog import Catalog
+from taskpoint.format._digest import Progress
+from taskpoint.format.history import SaveStats
+from taskpoint.format.manifest import (
     CHECKPOINTS,
     TREE_FORMAT,
     Codec,

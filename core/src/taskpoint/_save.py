@@ -2,9 +2,9 @@
 
 A save is classified (:func:`classify`), snapshotted when it runs in the background
 (:func:`take_snapshot`), then committed by a :class:`Saver`: a format-2 directory
-through :func:`taskpoint._tree_save.save_tree` under a :class:`taskpoint.retention.Lease`,
-anything else as one format-1 payload (bytes, a file, or a tar archive of a directory)
-under a fresh name. The manifest, written last, is the commit; then older checkpoints are pruned.
+through :func:`taskpoint.format._tree_save.save_tree` under a
+:class:`taskpoint.format.retention.Lease`, anything else as one format-1 payload (bytes, a
+file, or a tar archive of a directory) under a fresh name. The manifest, written last, is the commit; then older checkpoints are pruned.
 :class:`Background` runs saves on an upload thread, holding at most one queued;
 :mod:`taskpoint._uploader` runs a :class:`Saver` in the process's upload process instead.
 :class:`Saves` runs one checkpoint's saves one at a time: it numbers each, commits it in
@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from taskpoint import _parts, _settle, _tree_save, _uploader, archive, preemption, retention
-from taskpoint._catalog import Catalog
-from taskpoint._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
-from taskpoint._statcache import ContentKey, StatCache, content_key
+from taskpoint import _parts, _settle, _uploader, preemption
 from taskpoint.errors import CheckpointClosedError, CheckpointSaveError, _save_failures
-from taskpoint.history import Attempt, SaveStats
-from taskpoint.manifest import (
+from taskpoint.format import _tree_save, archive, retention
+from taskpoint.format._catalog import Catalog
+from taskpoint.format._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
+from taskpoint.format._statcache import ContentKey, StatCache, content_key
+from taskpoint.format.history import Attempt, SaveStats
+from taskpoint.format.manifest import (
     CHECKPOINTS,
     TREE_FORMAT,
     Codec,
@@ -129,7 +130,7 @@ class Saver:
         keep: how many intact checkpoints a commit keeps.
         progress: called with the number of payload bytes moved.
         seen: files known unchanged by their stat, shared with the checkpoint's loader
-            (see :mod:`taskpoint._statcache`); each committed tree's files are recorded.
+            (see :mod:`taskpoint.format._statcache`); each committed tree's files are recorded.
     """
 
     def __init__(

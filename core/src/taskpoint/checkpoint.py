@@ -23,8 +23,8 @@ checkpoint loadable; a reader never sees a half-written one.
 :class:`taskpoint._save.Saves` (ordering, background and upload-process saves, listeners)
 and :class:`taskpoint._save.Saver` (one commit), multi-writer commits by
 :mod:`taskpoint._parts`, loads by :class:`taskpoint._load.Loader`, the attempt and its run
-records by :class:`taskpoint.history.Attempt`, listing, verifying, pruning and collecting by
-:class:`taskpoint._catalog.Catalog`.
+records by :class:`taskpoint.format.history.Attempt`, listing, verifying, pruning and collecting by
+:class:`taskpoint.format._catalog.Catalog`.
 """
 
 from __future__ import annotations
@@ -39,16 +39,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
-from taskpoint import _parts, _uploader, archive, history, preemption, progress, retention
-from taskpoint._catalog import Catalog
-from taskpoint._digest import Progress
+from taskpoint import _parts, _uploader, preemption, progress
 from taskpoint._load import Loader
 from taskpoint._save import Saver, Saves, Snapshot, take_snapshot
-from taskpoint._statcache import StatCache
 from taskpoint.coordination import Coordinator
 from taskpoint.errors import CheckpointError
-from taskpoint.history import SaveStats
-from taskpoint.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, Manifest, check_paths
+from taskpoint.format import archive, history, retention
+from taskpoint.format._catalog import Catalog
+from taskpoint.format._digest import Progress
+from taskpoint.format._statcache import StatCache
+from taskpoint.format.history import SaveStats
+from taskpoint.format.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, Manifest, check_paths
 from taskpoint.store.store import RetryPolicy, Store, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
@@ -456,7 +457,7 @@ class Checkpoint:
     def collect(self) -> retention.Collected:
         """Delete content objects that no committed checkpoint references.
 
-        Safe while other processes save to the same run (see :mod:`taskpoint.retention`):
+        Safe while other processes save to the same run (see :mod:`taskpoint.format.retention`):
         a round is skipped while any save is in flight. Saves collect after pruning.
 
         Raises:
@@ -467,7 +468,7 @@ class Checkpoint:
     def mark_started(self) -> None:
         """Record that this checkpoint's attempt started (its runner numbered it).
 
-        Best effort, like every run record (see :mod:`taskpoint.history`).
+        Best effort, like every run record (see :mod:`taskpoint.format.history`).
         """
         self._attempt.started()
 
@@ -479,10 +480,10 @@ class Checkpoint:
         The record names the training step the attempt reached (``step``, by default the
         one last given to :func:`taskpoint.report_step` in this process) and, for an attempt
         that was preempted or received a preemption signal, whether a save made after the
-        signal committed. Best effort, like every run record (see :mod:`taskpoint.history`).
+        signal committed. Best effort, like every run record (see :mod:`taskpoint.format.history`).
 
         Raises:
-            ValueError: ``outcome`` is not one of :data:`taskpoint.history.OUTCOMES`.
+            ValueError: ``outcome`` is not one of :data:`taskpoint.format.history.OUTCOMES`.
         """
         if self._attempt.number is None:
             return

@@ -262,7 +262,7 @@ def _write_tar(restored: Path, dest: Path) -> None:
     """``restored`` as one gzip-compressed tar at ``dest``: a tree's entries, or the file."""
     import tarfile
 
-    from taskpoint.archive import pack_directory
+    from taskpoint.format.archive import pack_directory
 
     with open(dest, "wb") as out:
         if restored.is_dir():

@@ -39,7 +39,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from taskpoint.errors import CheckpointCoordinationError, CheckpointError
-from taskpoint.manifest import FORMAT_VERSION, loads_record
+from taskpoint.format.manifest import FORMAT_VERSION, loads_record
 from taskpoint.store.store import RetryPolicy, Store, check_location
 
 __all__ = ["COORDINATION", "Coordinator", "StoreCoordinator"]

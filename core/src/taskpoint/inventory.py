@@ -20,14 +20,14 @@ from typing import Any
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.context import ENV_ROOT, root_from
 from taskpoint.errors import CheckpointError, CheckpointFormatError, CheckpointStoreError
-from taskpoint.history import (
+from taskpoint.format.history import (
     ATTEMPTS,
     STATUS,
     AttemptRecord,
     attempt_numbers,
     read_attempts,
 )
-from taskpoint.manifest import (
+from taskpoint.format.manifest import (
     CHECKPOINTS,
     Manifest,
     check_format,

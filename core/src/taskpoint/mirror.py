@@ -50,7 +50,7 @@ from taskpoint._settle import EXIT_WAIT_S, settle_uploads, track
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.coordination import Coordinator
-from taskpoint.history import SaveStats
+from taskpoint.format.history import SaveStats
 from taskpoint.progress import current_step
 
 __all__ = [

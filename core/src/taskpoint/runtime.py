@@ -40,7 +40,6 @@ from datetime import datetime, timezone
 from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 from taskpoint import _isolation, preemption, progress
-from taskpoint.archive import check_codec
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.context import (
     ENV_RUN_ID,
@@ -51,7 +50,8 @@ from taskpoint.context import (
     root_from,
 )
 from taskpoint.errors import TaskAttemptError
-from taskpoint.history import Outcome
+from taskpoint.format.archive import check_codec
+from taskpoint.format.history import Outcome
 from taskpoint.names import check_name
 from taskpoint.store.store import check_location
 

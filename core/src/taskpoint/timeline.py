@@ -30,8 +30,8 @@ from rich.measure import Measurement
 from rich.text import Text
 from rich.tree import Tree
 
-from taskpoint.history import AttemptRecord, finite_number, steps_lost
-from taskpoint.manifest import Manifest, parse_manifest_name
+from taskpoint.format.history import AttemptRecord, finite_number, steps_lost
+from taskpoint.format.manifest import Manifest, parse_manifest_name
 
 if TYPE_CHECKING:
     from taskpoint.inventory import ActionInfo, Damage

@@ -17,7 +17,7 @@ import pytest
 import taskpoint
 import taskpoint_lightning_testlib as lib
 import torch
-from taskpoint.history import read_attempts
+from taskpoint.format.history import read_attempts
 from taskpoint.store.store import Store
 
 SCRIPT = Path(__file__).with_name("nodes_script.py")

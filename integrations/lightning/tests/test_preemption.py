@@ -15,7 +15,7 @@ import pytest
 import taskpoint
 import taskpoint_lightning_testlib as lib
 import torch
-from taskpoint.history import AttemptRecord, read_attempts, steps_lost
+from taskpoint.format.history import AttemptRecord, read_attempts, steps_lost
 from taskpoint.store.store import Store
 
 SCRIPT = Path(__file__).with_name("preempt_script.py")

@@ -178,7 +178,7 @@ def test_torchrun_sigterm_on_one_rank_stops_every_rank_at_that_step_and_resumes_
     assert not any(e["event"] == "sigterm" for e in events[0])
 
     from taskpoint import Checkpoint
-    from taskpoint.history import read_attempts, steps_lost
+    from taskpoint.format.history import read_attempts, steps_lost
     from taskpoint.store.store import Store
 
     first, second = read_attempts(Store(store))

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import taskpoint
 import tp_torch_training as lib
-from taskpoint.history import read_attempts, steps_lost
+from taskpoint.format.history import read_attempts, steps_lost
 from taskpoint.store.store import Store
 
 env = taskpoint.TaskEnvironment(name="preempt", run_id="r", keep=50)

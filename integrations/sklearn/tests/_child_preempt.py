@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import cases
 import taskpoint
-from taskpoint.history import read_attempts, steps_lost
+from taskpoint.format.history import read_attempts, steps_lost
 from taskpoint.store.store import Store
 from taskpoint_sklearn import TaskpointSklearnCheckpoint
 

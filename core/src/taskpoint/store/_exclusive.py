@@ -1,6 +1,6 @@
 """Create-if-absent on every kind of store: of writers racing for one name, one wins.
 
-Attempt claims and the clean-up lock rest on it (see :mod:`taskpoint.retention`). Each kind
+Attempt claims and the clean-up lock rest on it (see :mod:`taskpoint.format.retention`). Each kind
 of store has its own atomic step: on a local disk a complete temporary file is hard-linked
 into place (:func:`taskpoint.store._local_files.link_new`); on ``memory://``, which lives in
 this process alone, a lock; on object stores a conditional write (S3

@@ -94,12 +94,12 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from taskpoint._gc import paused
 from taskpoint.errors import (
     CheckpointCoordinationError,
     CheckpointCorruptError,
     CheckpointFormatError,
 )
+from taskpoint.format._gc import paused
 
 __all__ = [
     "BLOB_CODECS",
@@ -440,7 +440,7 @@ class Manifest:
             CheckpointFormatError: the manifest comes from a newer format.
             CheckpointCorruptError: it is not a valid manifest of any known format.
         """
-        with paused():  # a tree's manifest is millions of objects: see taskpoint._gc
+        with paused():  # a tree's manifest is millions of objects: see taskpoint.format._gc
             try:
                 raw = loads_record(data)
             except ValueError as exc:

@@ -1,4 +1,4 @@
-"""Saving a format-2 tree (see :mod:`taskpoint.tree`): files stored once by content.
+"""Saving a format-2 tree (see :mod:`taskpoint.format.tree`): files stored once by content.
 
 Saving walks the tree and stores each file's content as *blobs*: a small file (below
 :data:`SMALL_FILE`) is one blob, packed with the save's other new small files into pack
@@ -34,9 +34,10 @@ from typing import Any
 
 import xxhash
 
-from taskpoint import archive
-from taskpoint._digest import Progress
-from taskpoint._statcache import (
+from taskpoint.errors import CheckpointSaveError
+from taskpoint.format import archive
+from taskpoint.format._digest import Progress
+from taskpoint.format._statcache import (
     ContentKey,
     Record,
     StatCache,
@@ -46,11 +47,9 @@ from taskpoint._statcache import (
     settled,
     stat_key,
 )
-from taskpoint.errors import CheckpointSaveError
-from taskpoint.manifest import Blob, Codec, Entry, Manifest
-from taskpoint.retention import OBJECTS
-from taskpoint.store.store import Store
-from taskpoint.tree import (
+from taskpoint.format.manifest import Blob, Codec, Entry, Manifest
+from taskpoint.format.retention import OBJECTS
+from taskpoint.format.tree import (
     MIN_WORKERS,
     broken_in,
     choose_codec,
@@ -58,6 +57,7 @@ from taskpoint.tree import (
     encode,
     mark_written,
 )
+from taskpoint.store.store import Store
 
 __all__ = [
     "CHUNK_AVG",
@@ -128,7 +128,7 @@ class SavedTree:
     uploaded: int
     reused: int
     seen: dict[str, Record] = field(default_factory=dict)
-    """The files to trust unchanged while their stat stays (see :mod:`taskpoint._statcache`),
+    """The files to trust unchanged while their stat stays (see :mod:`taskpoint.format._statcache`),
     once the save has committed."""
 
 
@@ -326,9 +326,9 @@ def save_tree(
     or damaged since (by a restore or verification in this process). A file that ``seen``
     knows unchanged since a committed save or a restore is not read again, if every object
     its blobs lie in is in ``known`` and not found damaged. The caller has checked the
-    tree (:func:`taskpoint.archive.check_tree`) before calling.
+    tree (:func:`taskpoint.format.archive.check_tree`) before calling.
 
-    ``pinned`` maps paths within ``root`` to the :func:`~taskpoint._statcache.content_key`
+    ``pinned`` maps paths within ``root`` to the :func:`~taskpoint.format._statcache.content_key`
     their files had when a hard-linked snapshot took them: such a file is read only while
     it still has that key, so a file rewritten in place through another of its names is
     never stored, whole or torn.
@@ -427,7 +427,7 @@ def save_tree(
 
 
 def content_now(path: Path) -> ContentKey | None:
-    """``path``'s :func:`~taskpoint._statcache.content_key`, ``None`` if it is gone."""
+    """``path``'s :func:`~taskpoint.format._statcache.content_key`, ``None`` if it is gone."""
     try:
         return content_key(path.lstat())
     except OSError:

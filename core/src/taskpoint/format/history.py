@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from taskpoint.errors import CheckpointError, CheckpointStoreError
-from taskpoint.manifest import (
+from taskpoint.format.manifest import (
     CHECKPOINTS,
     FORMAT_VERSION,
     Manifest,
@@ -70,7 +70,7 @@ __all__ = [
     "steps_lost",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint.history")  # its name before #27 moved it
 
 ATTEMPTS = "attempts"
 """The folder, under a checkpoint's URL, that holds the attempt records."""

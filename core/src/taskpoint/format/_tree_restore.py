@@ -1,13 +1,13 @@
-"""Restoring and verifying a format-2 tree (see :mod:`taskpoint.tree`).
+"""Restoring and verifying a format-2 tree (see :mod:`taskpoint.format.tree`).
 
-Restoring checks every path with :class:`taskpoint.archive.Extractor` (the rules that guard
+Restoring checks every path with :class:`taskpoint.format.archive.Extractor` (the rules that guard
 tar restores), reads in parallel each object whole, or the stretches of it that the tree
 uses by ranged reads, verifies each blob against its hash, and writes blobs straight to
 their offsets. A file of one blob (every small file) is created holding it, with its mode
 and time, in one open; a pack's files are written by several threads, so that the file
 system creates them in several folders at once. Restoring into a directory that already
 holds some files keeps every file whose size and hash match. An object found missing or
-damaged is marked broken (:func:`taskpoint.tree.mark_broken`), so that no later save
+damaged is marked broken (:func:`taskpoint.format.tree.mark_broken`), so that no later save
 references it.
 
 Where a restore of 200k files of 64 bytes spends its time (2-core VM, ext4, load average
@@ -39,15 +39,15 @@ from typing import BinaryIO, NamedTuple
 
 import xxhash
 
-from taskpoint import archive
-from taskpoint._digest import Progress
-from taskpoint._gc import paused
-from taskpoint._statcache import StatCache
 from taskpoint.errors import CheckpointCorruptError, CheckpointStoreError
-from taskpoint.manifest import Blob, Entry, Manifest
-from taskpoint.retention import OBJECTS
+from taskpoint.format import archive
+from taskpoint.format._digest import Progress
+from taskpoint.format._gc import paused
+from taskpoint.format._statcache import StatCache
+from taskpoint.format.manifest import Blob, Entry, Manifest
+from taskpoint.format.retention import OBJECTS
+from taskpoint.format.tree import MIN_WORKERS, content_hash, decode, mark_broken
 from taskpoint.store.store import Store
-from taskpoint.tree import MIN_WORKERS, content_hash, decode, mark_broken
 
 __all__ = ["restore_tree", "swap_into", "verify_tree"]
 
@@ -438,7 +438,7 @@ def _reusable(
     """Files already at ``existing`` that match their entry, by path.
 
     A file ``seen`` knows unchanged since taskpoint wrote or read it with the entry's
-    content is taken without being read (see :mod:`taskpoint._statcache`); any other is
+    content is taken without being read (see :mod:`taskpoint.format._statcache`); any other is
     hashed.
     """
     if existing is None:
@@ -491,7 +491,7 @@ def restore_tree(
     places: dict[str, list[_Place]] = defaultdict(list)
     kept: list[tuple[Path, Path]] = []
     empty: list[str] = []
-    walk = paused()  # objects per entry, until the downloads begin: see taskpoint._gc
+    walk = paused()  # objects per entry, until the downloads begin: see taskpoint.format._gc
     keep: dict[str, Path] = {}
 
     def deferred(member: tarfile.TarInfo, path: str) -> bool:

@@ -4,10 +4,10 @@ A format-2 manifest lists the tree's entries; a file's content is a sequence of 
 each a byte range of a content *object* under ``objects/``. A blob is compressed on its own
 where it pays (:func:`choose_codec`, :func:`encode`, :func:`decode`) and known by the
 XXH3-128 of its content; an object is named by the XXH3-128 of its stored bytes
-(:func:`content_hash`, both). :mod:`taskpoint._tree_save` stores a tree that way
-(:func:`~taskpoint._tree_save.save_tree`); :mod:`taskpoint._tree_restore` restores one
-(:func:`~taskpoint._tree_restore.restore_tree`) and verifies one
-(:func:`~taskpoint._tree_restore.verify_tree`).
+(:func:`content_hash`, both). :mod:`taskpoint.format._tree_save` stores a tree that way
+(:func:`~taskpoint.format._tree_save.save_tree`); :mod:`taskpoint.format._tree_restore` restores one
+(:func:`~taskpoint.format._tree_restore.restore_tree`) and verifies one
+(:func:`~taskpoint.format._tree_restore.verify_tree`).
 
 An object that a restore or a verification finds missing or damaged is remembered for the
 store (in this process: :func:`mark_broken`) and no save references it again
@@ -28,8 +28,8 @@ import threading
 
 import xxhash
 
-from taskpoint import archive
-from taskpoint.manifest import Codec
+from taskpoint.format import archive
+from taskpoint.format.manifest import Codec
 from taskpoint.store.store import Store
 
 __all__ = [

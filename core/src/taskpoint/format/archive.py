@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from taskpoint.errors import CheckpointUnsafeError
-from taskpoint.manifest import CODECS, Codec
+from taskpoint.format.manifest import CODECS, Codec
 
 __all__ = [
     "Extractor",

@@ -9,10 +9,10 @@ process committed or restored it, or verified it) is never read through again.
 
 from __future__ import annotations
 
-from taskpoint import _tree_restore, retention
-from taskpoint._digest import Digest, HashingReader, Progress
 from taskpoint.errors import CheckpointCorruptError, CheckpointFormatError
-from taskpoint.manifest import CHECKPOINTS, Manifest, parse_manifest_name
+from taskpoint.format import _tree_restore, retention
+from taskpoint.format._digest import Digest, HashingReader, Progress
+from taskpoint.format.manifest import CHECKPOINTS, Manifest, parse_manifest_name
 from taskpoint.store.store import Store
 
 __all__ = ["Catalog"]
@@ -144,7 +144,7 @@ class Catalog:
 
     def prune(self, keep: int) -> int:
         """Keep the newest ``keep`` intact checkpoints (see
-        :func:`taskpoint.retention.prune_manifests`); how many manifests were deleted.
+        :func:`taskpoint.format.retention.prune_manifests`); how many manifests were deleted.
 
         Raises:
             CheckpointStoreError: the store failed.
@@ -153,7 +153,7 @@ class Catalog:
 
     def collect(self) -> retention.Collected:
         """Delete content objects no committed checkpoint references (see
-        :func:`taskpoint.retention.collect`).
+        :func:`taskpoint.format.retention.collect`).
 
         Raises:
             CheckpointStoreError: the store failed.

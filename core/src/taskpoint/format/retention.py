@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from taskpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointStoreError
-from taskpoint.manifest import (
+from taskpoint.format.manifest import (
     CHECKPOINTS,
     FORMAT_VERSION,
     Manifest,
@@ -75,7 +75,7 @@ from taskpoint.store.store import Store
 
 __all__ = ["GC_LOCK", "LEASES", "OBJECTS", "Collected", "Lease", "collect", "prune_manifests"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint.retention")  # its name before #27 moved it
 
 OBJECTS = "objects"
 """The folder, under a checkpoint's URL, holding format-2 content objects."""

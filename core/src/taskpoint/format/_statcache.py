@@ -45,8 +45,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from taskpoint._gc import paused
-from taskpoint.manifest import Entry
+from taskpoint.format._gc import paused
+from taskpoint.format.manifest import Entry
 
 __all__ = [
     "COARSE_SLACK_NS", "SLACK_NS", "ContentKey", "Record", "StatCache", "StatKey", "content_key",
@@ -133,7 +133,7 @@ class StatCache:
         """
         records: dict[str, Record] = {}
         prefix = os.path.join(root, "")
-        with paused():  # a record per file: see taskpoint._gc
+        with paused():  # a record per file: see taskpoint.format._gc
             for entry in entries:
                 if entry.type != "file":
                     continue
