@@ -1,4 +1,5 @@
-"""``taskpoint.nodes``: which ranks share a disk, what each stages, and failures everywhere.
+"""``taskpoint.distributed.nodes``: which ranks share a disk, what each stages, and failures
+everywhere.
 
 The ranks are threads meeting through a :class:`taskpoint.StoreCoordinator` on a local
 folder (the real multi-node runs are the adapters' ``test_nodes.py``).
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 import taskpoint
-from taskpoint import nodes
+from taskpoint.distributed import nodes
 from taskpoint.mirror import FolderMirror
 
 

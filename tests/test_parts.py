@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import taskpoint
-from taskpoint._parts import merge_parts
-from taskpoint.coordination import COORDINATION, check_agreement
+from taskpoint.distributed._parts import merge_parts
+from taskpoint.distributed.coordination import COORDINATION, check_agreement
 from taskpoint.format.manifest import Blob, Entry, Manifest
 
 WRITER = Path(__file__).parent / "tp_part_writer.py"

@@ -21,14 +21,14 @@ hang reaches it."""
 
 def test_importing_taskpoint_and_the_torch_coordinator_module_leaves_torch_unimported() -> None:
     code = (
-        "import sys, taskpoint, taskpoint.torch_coordination\n"
+        "import sys, taskpoint, taskpoint.distributed.torch_coordination\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_without_a_process_group_it_says_which_coordinator_to_use() -> None:
-    from taskpoint.torch_coordination import TorchCoordinator
+    from taskpoint.distributed.torch_coordination import TorchCoordinator
 
     with pytest.raises(RuntimeError, match=r"TorchrunCoordinator.*StoreCoordinator"):
         TorchCoordinator(timeout=5)
@@ -54,7 +54,7 @@ def _torchrun(mode: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_outside_torchrun_there_is_no_job_coordinator(monkeypatch: pytest.MonkeyPatch) -> None:
-    from taskpoint.torch_coordination import TorchrunCoordinator, torch_job_coordinator
+    from taskpoint.distributed.torch_coordination import TorchrunCoordinator, torch_job_coordinator
 
     for name in _TORCHRUN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -70,7 +70,7 @@ def test_an_unreachable_torchrun_store_fails_within_the_timeout(
 ) -> None:
     import taskpoint
     import torch.distributed  # imported before the clock starts: the wait is the store's
-    from taskpoint.torch_coordination import torch_job_coordinator
+    from taskpoint.distributed.torch_coordination import torch_job_coordinator
 
     assert torch.distributed.is_available()
     with socket.socket() as sock:  # a port nothing listens on
@@ -111,7 +111,7 @@ def test_a_rank_that_never_gathers_is_named_after_the_timeout(tmp_path: Path) ->
 
 
 def test_any_rank_alone_is_the_flag_itself() -> None:
-    from taskpoint.torch_coordination import AnyRank
+    from taskpoint.distributed.torch_coordination import AnyRank
 
     vote = AnyRank()
     assert vote(True) is True and vote(False) is False

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import taskpoint
-from taskpoint.coordination import COORDINATION
+from taskpoint.distributed.coordination import COORDINATION
 from taskpoint.store.store import Store
 
 HANG_S = 240.0

@@ -18,7 +18,7 @@ import time
 
 import torch.distributed as dist
 from taskpoint import CheckpointCoordinationError
-from taskpoint.torch_coordination import (
+from taskpoint.distributed.torch_coordination import (
     AnyRank,
     TorchCoordinator,
     TorchrunCoordinator,

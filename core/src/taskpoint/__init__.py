@@ -17,11 +17,11 @@ the newest committed state back on the next attempt::
         return n
 """
 
-from taskpoint._parts import PartsCommit
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import Checkpoint, SaveInput, latest_checkpoint
 from taskpoint.context import Preempted, TaskContext, ctx
-from taskpoint.coordination import Coordinator, StoreCoordinator
+from taskpoint.distributed._parts import PartsCommit
+from taskpoint.distributed.coordination import Coordinator, StoreCoordinator
 from taskpoint.errors import (
     CheckpointClosedError,
     CheckpointCoordinationError,

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from taskpoint import _parts, _settle, _uploader, preemption
+from taskpoint import _settle, _uploader, preemption
+from taskpoint.distributed import _parts
 from taskpoint.errors import CheckpointClosedError, CheckpointSaveError, _save_failures
 from taskpoint.format import _tree_save, archive, retention
 from taskpoint.format._catalog import Catalog

@@ -22,9 +22,9 @@ checkpoint loadable; a reader never sees a half-written one.
 ``Checkpoint`` is the public face; the work is done by its collaborators: saves by
 :class:`taskpoint._save.Saves` (ordering, background and upload-process saves, listeners)
 and :class:`taskpoint._save.Saver` (one commit), multi-writer commits by
-:mod:`taskpoint._parts`, loads by :class:`taskpoint._load.Loader`, the attempt and its run
-records by :class:`taskpoint.format.history.Attempt`, listing, verifying, pruning and collecting by
-:class:`taskpoint.format._catalog.Catalog`.
+:mod:`taskpoint.distributed._parts`, loads by :class:`taskpoint._load.Loader`, the attempt
+and its run records by :class:`taskpoint.format.history.Attempt`, listing, verifying,
+pruning and collecting by :class:`taskpoint.format._catalog.Catalog`.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
-from taskpoint import _parts, _uploader, preemption, progress
+from taskpoint import _uploader, preemption, progress
 from taskpoint._load import Loader
 from taskpoint._save import Saver, Saves, Snapshot, take_snapshot
-from taskpoint.coordination import Coordinator
+from taskpoint.distributed import _parts
+from taskpoint.distributed.coordination import Coordinator
 from taskpoint.errors import CheckpointError
 from taskpoint.format import archive, history, retention
 from taskpoint.format._catalog import Catalog
@@ -342,7 +343,7 @@ class Checkpoint:
             path: this rank's local directory.
             coordinator: the ranks writing the checkpoint (a
                 :class:`taskpoint.StoreCoordinator`, or
-                ``taskpoint.torch_coordination.TorchCoordinator`` under
+                ``taskpoint.distributed.torch_coordination.TorchCoordinator`` under
                 ``torch.distributed``). Its timeout bounds how long a rank waits for
                 the others at each step, uploads included.
             step: the training step the checkpoint holds; ``None``: the one last given to

@@ -49,7 +49,7 @@ from taskpoint._save import Source, classify, discard, lower_priority, take_snap
 from taskpoint._settle import EXIT_WAIT_S, settle_uploads, track
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import Checkpoint
-from taskpoint.coordination import Coordinator
+from taskpoint.distributed.coordination import Coordinator
 from taskpoint.format.history import SaveStats
 from taskpoint.progress import current_step
 
@@ -333,7 +333,7 @@ class FolderMirror:
         ``part`` itself).
 
         ``part`` must be a folder nothing else writes (a staging folder of hard links, see
-        :func:`taskpoint.nodes.stage_part`): it is the snapshot. Every rank of
+        :func:`taskpoint.distributed.nodes.stage_part`): it is the snapshot. Every rank of
         ``coordinator`` calls this once per save, in the same order. In the background the
         protocol's collectives run in the mirror's thread, so ``coordinator`` must be one
         no other thread uses while it runs (a :class:`~taskpoint.StoreCoordinator`, or a

@@ -174,7 +174,7 @@ def pinned(answer: bool) -> Iterator[None]:
 
 def relay(remaining: float | None = None, signal_name: str = "SIGTERM") -> Notice:
     """Note a preemption signal another rank of the job received, once the ranks agreed to
-    stop together (:class:`taskpoint.torch_coordination.AnyRank`), due in ``remaining``
+    stop together (:class:`taskpoint.distributed.torch_coordination.AnyRank`), due in ``remaining``
     seconds (``None``: the grace period from now); a notice this process already holds is
     kept. No handler runs. From then on this process's saves count as preemption saves and its attempt as
     one that received the signal (see :func:`notice`), as if the signal had reached it:

@@ -21,8 +21,8 @@ Whether a SIGTERM becomes a save is :func:`taskpoint.preemption.save_on_preempti
 it does, :meth:`~StepBoundary.begin` puts taskpoint's SIGTERM handler on top and enters
 :func:`taskpoint.preemption.deferred`, so the signal only sets the notice, and the next
 :meth:`~StepBoundary.reached` answers ``True`` on every rank (a flag or'ed across the ranks
-by :class:`taskpoint.torch_coordination.AnyRank`: the signal may reach one rank only). The
-deferral ends with :meth:`~StepBoundary.stop` or with the attempt
+by :class:`taskpoint.distributed.torch_coordination.AnyRank`: the signal may reach one rank
+only). The deferral ends with :meth:`~StepBoundary.stop` or with the attempt
 (:meth:`taskpoint.TaskContext.on_end`); outside a task, with the process. When it is off,
 nothing changes but the step being reported.
 """
@@ -39,7 +39,7 @@ from typing import NoReturn
 from taskpoint import preemption, progress
 from taskpoint.checkpoint import Checkpoint
 from taskpoint.context import Preempted, TaskContext, _current
-from taskpoint.torch_coordination import AnyRank
+from taskpoint.distributed.torch_coordination import AnyRank
 
 __all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary"]
 

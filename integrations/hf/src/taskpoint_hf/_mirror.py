@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import taskpoint
-from taskpoint import CheckpointLike, nodes
+from taskpoint import CheckpointLike
+from taskpoint.distributed import nodes
+from taskpoint.distributed.torch_coordination import TorchCoordinator
 from taskpoint.mirror import FolderMirror, MirrorStats, combined_metrics, unshare
-from taskpoint.torch_coordination import TorchCoordinator
 from transformers import TrainerControl, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 

@@ -7,10 +7,10 @@ Three modes, chosen at ``on_train_begin`` with :func:`taskpoint.preemption.save_
 ``"save"``
     SIGTERM becomes a save at the next step boundary. The signal only sets the notice
     (:func:`taskpoint.preemption.deferred`); at each ``on_step_end`` every rank votes
-    (:class:`taskpoint.torch_coordination.AnyRank`), so a signal that reached one rank stops
-    them all at the same step. There the upload in flight is finished first, then, if the
-    last save's duration fits in what is left of the grace period, the Trainer is told to
-    save and stop (``control.should_save`` and ``should_training_stop``): its own
+    (:class:`taskpoint.distributed.torch_coordination.AnyRank`), so a signal that reached
+    one rank stops them all at the same step. There the upload in flight is finished first,
+    then, if the last save's duration fits in what is left of the grace period, the Trainer
+    is told to save and stop (``control.should_save`` and ``should_training_stop``): its own
     ``checkpoint-N``, written whole at a step boundary, which it resumes from exactly.
     ``on_train_end`` waits for that upload until shortly before the deadline, then raises
     :class:`taskpoint.Preempted`, so code after ``trainer.train()`` does not run as if
@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import taskpoint
 from taskpoint import context, preemption
-from taskpoint.torch_coordination import AnyRank
+from taskpoint.distributed.torch_coordination import AnyRank
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import taskpoint
 from taskpoint import CheckpointLike
-from taskpoint.coordination import check_timeout
+from taskpoint.distributed.coordination import check_timeout
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from taskpoint_hf import _distributed, _hooks

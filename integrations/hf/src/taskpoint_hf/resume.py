@@ -26,14 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
-from taskpoint import (
-    CheckpointError,
-    CheckpointLike,
-    TaskpointWarning,
-    nodes,
-)
+from taskpoint import CheckpointError, CheckpointLike, TaskpointWarning
+from taskpoint.distributed import nodes
+from taskpoint.distributed.torch_coordination import TorchCoordinator
 from taskpoint.mirror import settle_uploads
-from taskpoint.torch_coordination import TorchCoordinator
 
 from taskpoint_hf import _distributed
 

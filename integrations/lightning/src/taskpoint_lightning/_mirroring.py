@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import taskpoint
-from taskpoint import CheckpointLike, TaskpointWarning, nodes, preemption
+from taskpoint import CheckpointLike, TaskpointWarning, preemption
+from taskpoint.distributed import nodes
+from taskpoint.distributed.torch_coordination import TorchCoordinator
 from taskpoint.mirror import FolderMirror, unshare
-from taskpoint.torch_coordination import TorchCoordinator
 
 from taskpoint_lightning._mirror import flush_async_io, unfinished_files
 from taskpoint_lightning._on_exception import ExceptionFiles

@@ -20,7 +20,7 @@ its collective inside the handler runs out of step with the other ranks. So whil
 trains with the save turned on, the handler Lightning found (taskpoint's) is put back at
 ``on_train_start``; Lightning's teardown restores the same one. At every step boundary
 (``on_train_batch_end`` once the gradients of the step are applied, and ``on_train_end``)
-the ranks vote (:class:`taskpoint.torch_coordination.AnyRank`, on a gloo group of its
+the ranks vote (:class:`taskpoint.distributed.torch_coordination.AnyRank`, on a gloo group of its
 own: no GPU synchronisation); the first vote after the signal stops all of them there.
 
 The stop: every rank waits (bounded) for its upload in flight, the ranks agree on the
@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import taskpoint
 from taskpoint import preemption
-from taskpoint.torch_coordination import AnyRank
+from taskpoint.distributed.torch_coordination import AnyRank
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -14,10 +14,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from taskpoint import CheckpointLike, Coordinator, latest_checkpoint, nodes
-from taskpoint.coordination import check_timeout
+from taskpoint import CheckpointLike, Coordinator, latest_checkpoint
+from taskpoint.distributed import nodes
+from taskpoint.distributed.coordination import check_timeout
+from taskpoint.distributed.torch_coordination import torch_job_coordinator
 from taskpoint.mirror import settle_uploads
-from taskpoint.torch_coordination import torch_job_coordinator
 
 __all__ = ["resume_ckpt_path"]
 

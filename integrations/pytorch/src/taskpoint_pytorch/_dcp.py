@@ -39,7 +39,7 @@ from typing import Any
 import taskpoint
 import torch.distributed as dist
 from taskpoint import CheckpointCoordinationError
-from taskpoint.coordination import check_agreement
+from taskpoint.distributed.coordination import check_agreement
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner

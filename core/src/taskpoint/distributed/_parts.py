@@ -1,9 +1,10 @@
 """Multi-writer saves: every rank uploads its own folder, rank 0 commits them as one tree.
 
-The protocol (:func:`save_part`), run by every rank of a :class:`~taskpoint.coordination.Coordinator`
-with its own local folder; each step ends in a collective that carries every rank's error,
-so a failure on one rank fails the save on every rank at that step, and a rank that never
-arrives fails it on every other rank when the coordinator's timeout runs out:
+The protocol (:func:`save_part`), run by every rank of a
+:class:`~taskpoint.distributed.coordination.Coordinator` with its own local folder; each
+step ends in a collective that carries every rank's error, so a failure on one rank fails
+the save on every rank at that step, and a rank that never arrives fails it on every other
+rank when the coordinator's timeout runs out:
 
 1. **Agree.** Every rank sends the checkpoint URL, its rank and world size, and whether its
    folder can be saved. Ranks that disagree all raise
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from taskpoint import preemption
-from taskpoint.coordination import Coordinator, check_agreement
+from taskpoint.distributed.coordination import Coordinator, check_agreement
 from taskpoint.errors import CheckpointCoordinationError, CheckpointError, _save_failures
 from taskpoint.format import _tree_save, archive, retention
 from taskpoint.format._catalog import Catalog
@@ -53,7 +54,7 @@ from taskpoint.progress import current_step
 
 __all__ = ["Part", "PartsCommit", "check_part", "merge_parts", "save_part", "upload_part"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint._parts")  # its name before #27 moved it
 
 
 Part = tuple[tuple[Entry, ...], dict[str, int]]

@@ -15,7 +15,7 @@ so core never depends on torch (``taskpoint_pytorch`` re-exports :class:`TorchCo
 Example (every rank, after ``torch.distributed.init_process_group``)::
 
     import taskpoint
-    from taskpoint.torch_coordination import TorchCoordinator
+    from taskpoint.distributed.torch_coordination import TorchCoordinator
 
     coord = TorchCoordinator(timeout=300)          # a collective: every rank makes one
     ckpt = taskpoint.Checkpoint("s3://bucket/jobs/train-42")
@@ -24,7 +24,7 @@ Example (every rank, after ``torch.distributed.init_process_group``)::
 
 Example (every rank, under torchrun, before any process group)::
 
-    from taskpoint.torch_coordination import torch_job_coordinator
+    from taskpoint.distributed.torch_coordination import torch_job_coordinator
 
     coord = torch_job_coordinator(timeout=300)   # None when the process runs alone
     if coord is not None:
@@ -62,12 +62,17 @@ import re
 from datetime import timedelta
 from typing import Any
 
-from taskpoint.coordination import Coordinator, RankedCoordinator, check_rank, check_timeout
+from taskpoint.distributed.coordination import (
+    Coordinator,
+    RankedCoordinator,
+    check_rank,
+    check_timeout,
+)
 from taskpoint.errors import CheckpointCoordinationError
 
 __all__ = ["AnyRank", "TorchCoordinator", "TorchrunCoordinator", "torch_job_coordinator"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint.torch_coordination")  # its name before #27 moved it
 
 _MISSING_RE = re.compile(r"[Rr]anks? ([\d, ]+) failed to pass monitoredBarrier")
 TORCHRUN_PREFIX = "taskpoint"

@@ -4,7 +4,7 @@ A checkpoint written by several processes (:meth:`taskpoint.Checkpoint.save_part
 needs only three things from the processes' group: each one's rank, the world size, and an
 all-gather of small JSON values with a timeout (a broadcast from rank 0 is derived from it).
 :class:`Coordinator` is that protocol. Under ``torch.distributed``,
-``taskpoint.torch_coordination.TorchCoordinator`` (re-exported by ``taskpoint_pytorch``)
+``taskpoint.distributed.torch_coordination.TorchCoordinator`` (re-exported by ``taskpoint_pytorch``)
 implements it on the process group, and ``TorchrunCoordinator`` through torchrun's store
 before a process group exists, both importing torch only when built; where neither is
 available (Ray tasks, MPI, ``srun``), :class:`StoreCoordinator` implements it through the
@@ -44,7 +44,7 @@ from taskpoint.store.store import RetryPolicy, Store, check_location
 
 __all__ = ["COORDINATION", "Coordinator", "StoreCoordinator"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint.coordination")  # its name before #27 moved it
 
 COORDINATION = "coordination"
 """The folder, under a :class:`StoreCoordinator`'s URL, that holds its sessions."""

@@ -3,7 +3,7 @@
 A framework that writes its checkpoints into a local ``output_dir`` on every node (Hugging
 Face's Trainer, Lightning) leaves each node's share there: RNG states per rank, shards of a
 sharded state dict, the model files of the node that saved them. The adapters use this
-module, over a :class:`~taskpoint.coordination.Coordinator` spanning every rank, to
+module, over a :class:`~taskpoint.distributed.coordination.Coordinator` spanning every rank, to
 
 * find which ranks share a disk (:func:`find_disks`: each rank writes a token file into the
   folder and reports which ranks' tokens it sees), so a shared disk is uploaded once and
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from taskpoint.coordination import Coordinator, check_agreement
+from taskpoint.distributed.coordination import Coordinator, check_agreement
 from taskpoint.errors import CheckpointCoordinationError
 
 __all__ = [
