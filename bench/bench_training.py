@@ -69,7 +69,7 @@ from _common import (  # noqa: E402
     s3_server,
     timed,
 )
-from taskpoint import _save  # noqa: E402
+from taskpoint.checkpoint import _save  # noqa: E402
 
 MB = 2**20
 MODES = ("plain", "background", "blocking")

@@ -212,7 +212,7 @@ def test_link_snapshot_copies_small_files_so_rewriting_them_in_place_is_harmless
     commits the content they had when it was taken instead of failing."""
     import os
 
-    from taskpoint._save import LINK_MIN
+    from taskpoint.checkpoint._save import LINK_MIN
 
     ckpt = Checkpoint((tmp_path / "store").as_uri())
     folder = tmp_path / "out"

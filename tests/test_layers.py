@@ -86,8 +86,8 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_the_modules() -> None:
     graph = import_graph()
-    assert "taskpoint.checkpoint" in graph["taskpoint"]
-    assert "taskpoint.store.store" in graph["taskpoint.checkpoint"]
+    assert "taskpoint.checkpoint.checkpoint" in graph["taskpoint"]
+    assert "taskpoint.store.store" in graph["taskpoint.checkpoint.checkpoint"]
     assert "taskpoint.store.transfer" in graph["taskpoint.store._location"]  # from X import m
     assert "taskpoint.store" in graph["taskpoint.format.tree"]  # another package's __init__
     assert "taskpoint.store" not in graph["taskpoint.store._location"]  # its own package's

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import taskpoint
 from taskpoint import preemption, progress
-from taskpoint.mirror import FolderMirror
+from taskpoint.checkpoint.mirror import FolderMirror
 
 
 @pytest.fixture(autouse=True)

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import taskpoint
+from taskpoint.checkpoint.mirror import FolderMirror
 from taskpoint.distributed import nodes
-from taskpoint.mirror import FolderMirror
 
 
 def _on_ranks(tmp_path: Path, world: int, work: Callable[[taskpoint.Coordinator], Any]) -> list[Any]:

@@ -1,4 +1,4 @@
-"""``taskpoint.mirror.unshare``: a file a snapshot still links is made a file of its own
+"""``taskpoint.checkpoint.mirror.unshare``: a file a snapshot still links is made a file of its own
 before it is written again, so the snapshot keeps what it linked."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from taskpoint.mirror import unshare
+from taskpoint.checkpoint.mirror import unshare
 
 
 @pytest.mark.parametrize("copy", [True, False])

@@ -83,7 +83,7 @@ RAISES_AFTER_SAVE = textwrap.dedent(
     import os, sys
     from pathlib import Path
     import taskpoint
-    from taskpoint.mirror import FolderMirror
+    from taskpoint.checkpoint.mirror import FolderMirror
 
     url, how, tree = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     tree.mkdir()

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from taskpoint import Checkpoint, CheckpointClosedError, CheckpointError, SaveStats, _uploader
+from taskpoint import Checkpoint, CheckpointClosedError, CheckpointError, SaveStats
+from taskpoint.checkpoint import _uploader
 
 
 def _upload_pid(timeout: float = 60.0) -> int:
@@ -136,7 +137,7 @@ def _upload_processes() -> dict[int, int]:
         except OSError:  # it ended meanwhile
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != os.getpid() or b"taskpoint._uploader" not in cmdline:
+        if ppid != os.getpid() or b"taskpoint.checkpoint._uploader" not in cmdline:
             continue
         rss = [line for line in status.splitlines() if line.startswith("VmRSS:")]
         found[int(entry.name)] = int(rss[0].split()[1]) * 1024 if rss else 0

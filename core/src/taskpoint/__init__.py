@@ -18,7 +18,7 @@ the newest committed state back on the next attempt::
 """
 
 from taskpoint._types import CheckpointLike
-from taskpoint.checkpoint import Checkpoint, SaveInput, latest_checkpoint
+from taskpoint.checkpoint.checkpoint import Checkpoint, SaveInput, latest_checkpoint
 from taskpoint.context import Preempted, TaskContext, ctx
 from taskpoint.distributed._parts import PartsCommit
 from taskpoint.distributed.coordination import Coordinator, StoreCoordinator

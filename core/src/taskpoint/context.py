@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from taskpoint import preemption
-from taskpoint.checkpoint import Checkpoint
+from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.names import check_name
 from taskpoint.store.store import check_location
 

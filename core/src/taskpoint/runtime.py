@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 from taskpoint import _isolation, preemption, progress
-from taskpoint.checkpoint import Checkpoint
+from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.context import (
     ENV_RUN_ID,
     Preempted,

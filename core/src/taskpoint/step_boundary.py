@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from taskpoint import preemption, progress
-from taskpoint.checkpoint import Checkpoint
+from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.context import Preempted, TaskContext, _current
 from taskpoint.distributed.torch_coordination import AnyRank
 
@@ -50,7 +50,8 @@ MARGIN_S = 0.5
 (the end record, the process exit)."""
 SETTLE_S = 60.0
 """How long the end of an attempt waits for an upload in flight when no preemption
-signal set a deadline (as long as interpreter exit waits, ``taskpoint.mirror.EXIT_WAIT_S``)."""
+signal set a deadline (as long as interpreter exit waits,
+``taskpoint.checkpoint.mirror.EXIT_WAIT_S``)."""
 
 
 class StepBoundary:

@@ -20,7 +20,8 @@ from typing import Any
 import _servers
 import pytest
 import taskpoint_hf_testkit as kit
-from taskpoint import Checkpoint, CheckpointLike, CheckpointStoreError, RetryPolicy, _uploader
+from taskpoint import Checkpoint, CheckpointLike, CheckpointStoreError, RetryPolicy
+from taskpoint.checkpoint import _uploader
 from taskpoint_hf import TaskpointTrainerCallback, last_complete_checkpoint, restore_last_checkpoint
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 

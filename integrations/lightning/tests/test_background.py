@@ -25,8 +25,8 @@ import taskpoint
 import taskpoint_lightning_testlib as lib
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from taskpoint import _uploader
-from taskpoint.mirror import unshare
+from taskpoint.checkpoint import _uploader
+from taskpoint.checkpoint.mirror import unshare
 from taskpoint_lightning import TaskpointModelCheckpoint, resume_ckpt_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:lightning")

@@ -9,5 +9,5 @@
   checkpoint and restored to each.
 
 It builds on :mod:`taskpoint.format` and :mod:`taskpoint.store`; :class:`~taskpoint.Checkpoint`
-(:mod:`taskpoint.checkpoint`) runs its protocol, never the other way round.
+(:mod:`taskpoint.checkpoint.checkpoint`) runs its protocol, never the other way round.
 """

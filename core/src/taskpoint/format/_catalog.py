@@ -1,7 +1,7 @@
 """The committed checkpoints at one location: listing, reading, verifying, pruning.
 
-Shared by the save path (:mod:`taskpoint._save`, which references what committed
-format-2 trees hold and prunes after each commit), the load path (:mod:`taskpoint._load`)
+Shared by the save path (:mod:`taskpoint.checkpoint._save`, which references what committed
+format-2 trees hold and prunes after each commit), the load path (:mod:`taskpoint.checkpoint._load`)
 and :class:`taskpoint.Checkpoint`'s own queries. A :class:`Catalog` remembers what it has
 learnt: each manifest is read from the store once, and a checkpoint known intact (this
 process committed or restored it, or verified it) is never read through again.

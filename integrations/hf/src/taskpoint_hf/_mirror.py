@@ -13,9 +13,9 @@ from typing import Any
 
 import taskpoint
 from taskpoint import CheckpointLike
+from taskpoint.checkpoint.mirror import FolderMirror, MirrorStats, combined_metrics, unshare
 from taskpoint.distributed import nodes
 from taskpoint.distributed.torch_coordination import TorchCoordinator
-from taskpoint.mirror import FolderMirror, MirrorStats, combined_metrics, unshare
 from transformers import TrainerControl, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from taskpoint import CheckpointError, CheckpointLike, TaskpointWarning
+from taskpoint.checkpoint.mirror import settle_uploads
 from taskpoint.distributed import nodes
 from taskpoint.distributed.torch_coordination import TorchCoordinator
-from taskpoint.mirror import settle_uploads
 
 from taskpoint_hf import _distributed
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import taskpoint
 from taskpoint import CheckpointLike, TaskpointWarning, preemption
+from taskpoint.checkpoint.mirror import FolderMirror, unshare
 from taskpoint.distributed import nodes
 from taskpoint.distributed.torch_coordination import TorchCoordinator
-from taskpoint.mirror import FolderMirror, unshare
 
 from taskpoint_lightning._mirror import flush_async_io, unfinished_files
 from taskpoint_lightning._on_exception import ExceptionFiles

@@ -31,8 +31,8 @@ import taskpoint
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from taskpoint import CheckpointLike
+from taskpoint.checkpoint.mirror import FolderMirror
 from taskpoint.distributed.coordination import check_timeout
-from taskpoint.mirror import FolderMirror
 
 from taskpoint_lightning._mirroring import Fit, Mirroring, Nodes, describe
 from taskpoint_lightning._on_exception import ExceptionFiles

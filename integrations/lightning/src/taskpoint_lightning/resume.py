@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 from taskpoint import CheckpointLike, Coordinator, latest_checkpoint
+from taskpoint.checkpoint.mirror import settle_uploads
 from taskpoint.distributed import nodes
 from taskpoint.distributed.coordination import check_timeout
 from taskpoint.distributed.torch_coordination import torch_job_coordinator
-from taskpoint.mirror import settle_uploads
 
 __all__ = ["resume_ckpt_path"]
 

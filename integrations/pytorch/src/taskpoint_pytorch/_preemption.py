@@ -26,7 +26,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 from taskpoint import preemption, progress
-from taskpoint.mirror import UploadThread
+from taskpoint.checkpoint.mirror import UploadThread
 from taskpoint.step_boundary import StepBoundary
 
 from taskpoint_pytorch._distributed import broadcast_from_zero, rank_and_size

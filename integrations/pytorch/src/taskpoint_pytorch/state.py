@@ -51,8 +51,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
+from taskpoint.checkpoint.mirror import settle_uploads, track
 from taskpoint.format.manifest import TREE_FORMAT
-from taskpoint.mirror import settle_uploads, track
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 

@@ -1,14 +1,14 @@
 """Waiting for this process's background uploads: on demand, and at interpreter exit.
 
 Everything that uploads in the background registers here (:func:`track`): each
-checkpoint's saves, each :class:`taskpoint.mirror.FolderMirror`, the adapters' upload
+checkpoint's saves, each :class:`taskpoint.checkpoint.mirror.FolderMirror`, the adapters' upload
 threads. :func:`settle_uploads` waits for them (the adapters' restore functions call it, so
 a retry in the same process never loads the store while the failed attempt's last upload
 still runs).
 
 At interpreter exit, including an exit on an uncaught exception, the uploads in flight or
 queued are waited for, up to :data:`EXIT_WAIT_S` seconds in all, and then the upload
-process (:mod:`taskpoint._uploader`) is told to finish and exit. This runs from
+process (:mod:`taskpoint.checkpoint._uploader`) is told to finish and exit. This runs from
 ``threading._register_atexit``, which CPython's ``threading._shutdown`` calls (newest
 first) before it joins the remaining threads, and so before ``concurrent.futures`` shuts
 its thread pools down (it registers there too, when first imported; that import is made
@@ -35,11 +35,11 @@ import time
 import weakref
 from typing import Protocol
 
-from taskpoint import _uploader
+from taskpoint.checkpoint import _uploader
 
 __all__ = ["EXIT_WAIT_S", "settle_uploads", "track", "untrack"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint._settle")  # its name before #27 moved it
 
 _POOLS = (concurrent.futures.thread, concurrent.futures.process)
 """Imported before :func:`_register` runs, so their exit hooks run after ours."""

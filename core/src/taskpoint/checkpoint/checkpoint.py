@@ -20,11 +20,11 @@ checkpoints beyond the newest ``keep``. A crash at any point leaves the newest c
 checkpoint loadable; a reader never sees a half-written one.
 
 ``Checkpoint`` is the public face; the work is done by its collaborators: saves by
-:class:`taskpoint._save.Saves` (ordering, background and upload-process saves, listeners)
-and :class:`taskpoint._save.Saver` (one commit), multi-writer commits by
-:mod:`taskpoint.distributed._parts`, loads by :class:`taskpoint._load.Loader`, the attempt
-and its run records by :class:`taskpoint.format.history.Attempt`, listing, verifying,
-pruning and collecting by :class:`taskpoint.format._catalog.Catalog`.
+:class:`taskpoint.checkpoint._save.Saves` (ordering, background and upload-process saves,
+listeners) and :class:`taskpoint.checkpoint._save.Saver` (one commit), multi-writer commits
+by :mod:`taskpoint.distributed._parts`, loads by :class:`taskpoint.checkpoint._load.Loader`,
+the attempt and its run records by :class:`taskpoint.format.history.Attempt`, listing,
+verifying, pruning and collecting by :class:`taskpoint.format._catalog.Catalog`.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
-from taskpoint import _uploader, preemption, progress
-from taskpoint._load import Loader
-from taskpoint._save import Saver, Saves, Snapshot, take_snapshot
+from taskpoint import preemption, progress
+from taskpoint.checkpoint import _uploader
+from taskpoint.checkpoint._load import Loader
+from taskpoint.checkpoint._save import Saver, Saves, Snapshot, take_snapshot
 from taskpoint.distributed import _parts
 from taskpoint.distributed.coordination import Coordinator
 from taskpoint.errors import CheckpointError
@@ -55,7 +56,7 @@ from taskpoint.store.store import RetryPolicy, Store, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint.checkpoint")  # its name before #27 moved it
 
 SaveInput = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 """What ``save`` accepts: raw bytes, or the path of a file or directory."""
@@ -95,7 +96,7 @@ class Checkpoint:
     anything: a ``Checkpoint`` holds no process or thread of its own once its background
     saves have committed, and at interpreter exit (an exit on an uncaught exception too)
     every background save still queued or in flight is waited for, up to
-    :data:`taskpoint.mirror.EXIT_WAIT_S` seconds in all.
+    :data:`taskpoint.checkpoint.mirror.EXIT_WAIT_S` seconds in all.
 
     A ``Checkpoint`` can be pickled and deep-copied (a framework handing its callbacks to
     spawned worker processes does both): the copy is a new, open ``Checkpoint`` with the
@@ -655,7 +656,7 @@ class Checkpoint:
 
 
 def commit_request(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
-    """Commit a background save in the upload process (see :mod:`taskpoint._uploader`).
+    """Commit a background save in the upload process (see :mod:`taskpoint.checkpoint._uploader`).
 
     Returns:
         The save's stats and its ``(manifest key, checksum)``, for the parent to record.

@@ -50,7 +50,7 @@ from taskpoint.errors import CheckpointError
 
 __all__ = ["STORE_ENV_PREFIXES", "Request", "Worker", "WorkerDied", "main", "shared"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint._uploader")  # its name before #27 moved it
 
 _HEADER = struct.Struct("<QQ")  # the request's number, the pickle's size in bytes
 _READY = 0
@@ -60,14 +60,15 @@ NICE = 10
 _CHILD = (
     "import os, sys\ntry:\n    os.setpriority(os.PRIO_PROCESS, 0, int(sys.argv[1]))\n"
     "except OSError:\n    pass\n"
-    "from taskpoint._uploader import main\nfrom taskpoint.checkpoint import commit_request\n"
+    "from taskpoint.checkpoint._uploader import main\n"
+    "from taskpoint.checkpoint.checkpoint import commit_request\n"
     "raise SystemExit(main(commit_request))\n"
 )
 """The child's program, given its nice value as its argument. It sets its priority first,
 so that importing taskpoint and the storage clients (a second of CPU) never competes with
 the training loop, and absolutely, not relative to the background thread that starts it
 (itself niced). It names the handler only here, as text: this module sits below
-:mod:`taskpoint.checkpoint` and never imports it."""
+:mod:`taskpoint.checkpoint.checkpoint` and never imports it."""
 CLOSE_WAIT_S = 30.0
 """How long :func:`close_shared` waits, by default, for the child to finish its requests."""
 
@@ -83,13 +84,13 @@ class WorkerDied(CheckpointError):
 
 @dataclass(frozen=True)
 class Request:
-    """One save for the child to commit: what :meth:`taskpoint._save.Saver.commit` needs,
+    """One save for the child to commit: what :meth:`taskpoint.checkpoint._save.Saver.commit` needs,
     picklable."""
 
     options: dict[str, Any]  # Checkpoint constructor arguments
     attempt: int
     seq: int
-    source: Any  # taskpoint._save.Source
+    source: Any  # taskpoint.checkpoint._save.Source
     intact: frozenset[tuple[str, str]]  # (manifest key, checksum) the parent knows intact
 
 
@@ -403,7 +404,8 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
-atexit.register(close_shared)  # a save made after the exit's settling (see taskpoint._settle)
+# A save made after the exit's settling (see taskpoint.checkpoint._settle):
+atexit.register(close_shared)
 
 
 def main(handle: Callable[[Request], Any]) -> int:
@@ -412,7 +414,7 @@ def main(handle: Callable[[Request], Any]) -> int:
 
     Args:
         handle: commits one request and returns what the parent's :meth:`Worker.run`
-            returns (:func:`taskpoint.checkpoint.commit_request`).
+            returns (:func:`taskpoint.checkpoint.checkpoint.commit_request`).
     """
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints go to standard error, never into a reply

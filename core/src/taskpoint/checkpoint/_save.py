@@ -1,15 +1,16 @@
 """The save path: what a save takes, its snapshot, writing it, the commit, background saves.
 
 A save is classified (:func:`classify`), snapshotted when it runs in the background
-(:func:`take_snapshot`), then committed by a :class:`Saver`: a format-2 directory
-through :func:`taskpoint.format._tree_save.save_tree` under a
+(:func:`take_snapshot`), then committed by a :class:`Saver`: a format-2 directory through
+:func:`taskpoint.format._tree_save.save_tree` under a
 :class:`taskpoint.format.retention.Lease`, anything else as one format-1 payload (bytes, a
-file, or a tar archive of a directory) under a fresh name. The manifest, written last, is the commit; then older checkpoints are pruned.
-:class:`Background` runs saves on an upload thread, holding at most one queued;
-:mod:`taskpoint._uploader` runs a :class:`Saver` in the process's upload process instead.
-:class:`Saves` runs one checkpoint's saves one at a time: it numbers each, commits it in
-the caller's thread, on the upload thread or in the upload process, and tells the
-checkpoint's ``on_commit`` listeners; once closed it takes no more.
+file, or a tar archive of a directory) under a fresh name. The manifest, written last, is
+the commit; then older checkpoints are pruned. :class:`Background` runs saves on an upload
+thread, holding at most one queued; :mod:`taskpoint.checkpoint._uploader` runs a
+:class:`Saver` in the process's upload process instead. :class:`Saves` runs one checkpoint's
+saves one at a time: it numbers each, commits it in the caller's thread, on the upload
+thread or in the upload process, and tells the checkpoint's ``on_commit`` listeners; once
+closed it takes no more.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from taskpoint import _settle, _uploader, preemption
+from taskpoint import preemption
+from taskpoint.checkpoint import _settle, _uploader
 from taskpoint.distributed import _parts
 from taskpoint.errors import CheckpointClosedError, CheckpointSaveError, _save_failures
 from taskpoint.format import _tree_save, archive, retention
@@ -62,7 +64,7 @@ __all__ = [
     "take_snapshot",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint._save")  # its name before #27 moved it
 
 BACKGROUND_NICE = 10
 """The nice value background uploads run at, below the training loop's threads."""
@@ -497,11 +499,11 @@ class Saves:
 
     A save commits in its caller's thread, or (a background save) on the
     :class:`Background` thread, which hands it to the process's upload process
-    (:mod:`taskpoint._uploader`) when it can: the first background save starts that
+    (:mod:`taskpoint.checkpoint._uploader`) when it can: the first background save starts that
     process without waiting for it, and saves commit on the thread itself until it is
     ready. A multi-writer commit (:class:`taskpoint.PartsCommit`) takes its numbers here
     too. Each commit is announced to the :meth:`on_commit` listeners. Interpreter exit
-    waits for the background saves (see :mod:`taskpoint._settle`).
+    waits for the background saves (see :mod:`taskpoint.checkpoint._settle`).
 
     Args:
         saver: writes and commits one save.
@@ -607,7 +609,8 @@ class Saves:
 
     @property
     def _upload_in_process(self) -> bool:
-        """Whether background saves run in the upload process (see :mod:`taskpoint._uploader`)."""
+        """Whether background saves run in the upload process (see
+        :mod:`taskpoint.checkpoint._uploader`)."""
         if self._background_upload != "process" or self._catalog.progress is not None:
             return False  # a progress callback cannot cross processes
         if self._catalog.store.is_memory:

@@ -27,7 +27,7 @@ restore functions call first: a retry in the same process never loads the store 
 failed attempt's last upload still runs. At interpreter exit, an exit on an uncaught
 exception included, the uploads in flight are waited for, up to :data:`EXIT_WAIT_S`
 seconds in all, before the interpreter's thread pools shut down (see
-:mod:`taskpoint._settle`).
+:mod:`taskpoint.checkpoint._settle`).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from taskpoint import preemption
-from taskpoint._save import Source, classify, discard, lower_priority, take_snapshot
-from taskpoint._settle import EXIT_WAIT_S, settle_uploads, track
 from taskpoint._types import CheckpointLike
-from taskpoint.checkpoint import Checkpoint
+from taskpoint.checkpoint._save import Source, classify, discard, lower_priority, take_snapshot
+from taskpoint.checkpoint._settle import EXIT_WAIT_S, settle_uploads, track
+from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.distributed.coordination import Coordinator
 from taskpoint.format.history import SaveStats
 from taskpoint.progress import current_step
@@ -58,7 +58,7 @@ __all__ = [
     "settle_uploads", "track", "unshare",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint.mirror")  # its name before #27 moved it
 
 PREFIX = "taskpoint/"
 """The prefix of every metric name the adapters log."""

@@ -1,0 +1,20 @@
+"""The checkpoint layer: :class:`~taskpoint.Checkpoint`, what saves and loads go through.
+
+- :mod:`taskpoint.checkpoint.checkpoint`: :class:`~taskpoint.Checkpoint` and
+  :func:`~taskpoint.latest_checkpoint`, the public face;
+- :mod:`taskpoint.checkpoint._save` and :mod:`taskpoint.checkpoint._load`: the save path
+  (snapshot, commit, background saves) and the load path (the newest intact checkpoint);
+- :mod:`taskpoint.checkpoint._uploader` and :mod:`taskpoint.checkpoint._settle`: the
+  process background saves run in, and waiting for them;
+- :mod:`taskpoint.checkpoint.mirror`: the adapters' upload of a finished local folder.
+
+It writes through :mod:`taskpoint.format` to :mod:`taskpoint.store`, and runs the
+multi-writer protocol of :mod:`taskpoint.distributed`; it knows nothing of tasks.
+
+``taskpoint.checkpoint`` was one module before it became this package; the names it listed
+are importable from here still.
+"""
+
+from taskpoint.checkpoint.checkpoint import Checkpoint, SaveInput, latest_checkpoint
+
+__all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
