@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from taskpoint.context import environment_context
+from taskpoint.runtime.context import environment_context
 
 SCRIPT = textwrap.dedent(
     """

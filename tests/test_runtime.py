@@ -215,7 +215,7 @@ async def test_async_task_is_awaited_and_retried() -> None:
 
 def test_backoff_doubles(monkeypatch: pytest.MonkeyPatch) -> None:
     delays: list[float] = []
-    monkeypatch.setattr("taskpoint.runtime.time.sleep", delays.append)
+    monkeypatch.setattr("taskpoint.runtime.tasks.time.sleep", delays.append)
     env = taskpoint.TaskEnvironment(name="backoff", root="memory://backoff")
 
     @env.task(retries=3, backoff=0.5)

@@ -40,7 +40,7 @@ def _run(tmp_path: Path, body: str, **env: str) -> dict[str, Any]:
 LOOP = """
     import json, logging, os, signal, subprocess, sys
     import taskpoint
-    from taskpoint.step_boundary import StepBoundary
+    from taskpoint.runtime.step_boundary import StepBoundary
 
     logging.basicConfig(level=logging.INFO)
     env = taskpoint.TaskEnvironment(name="loop", root=os.environ["STORE"], run_id="r", keep=20)
@@ -114,7 +114,7 @@ OUTSIDE = """
     import json, os, signal
     import taskpoint
     from taskpoint.format.history import read_attempts
-    from taskpoint.step_boundary import StepBoundary
+    from taskpoint.runtime.step_boundary import StepBoundary
     from taskpoint.store.store import Store
 
     ckpt = taskpoint.Checkpoint(os.environ["STORE"])

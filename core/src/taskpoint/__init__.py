@@ -19,7 +19,6 @@ the newest committed state back on the next attempt::
 
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint.checkpoint import Checkpoint, SaveInput, latest_checkpoint
-from taskpoint.context import Preempted, TaskContext, ctx
 from taskpoint.distributed._parts import PartsCommit
 from taskpoint.distributed.coordination import Coordinator, StoreCoordinator
 from taskpoint.errors import (
@@ -37,7 +36,8 @@ from taskpoint.errors import (
 )
 from taskpoint.format.history import SaveStats
 from taskpoint.progress import report_step
-from taskpoint.runtime import TaskEnvironment
+from taskpoint.runtime.context import Preempted, TaskContext, ctx
+from taskpoint.runtime.tasks import TaskEnvironment
 from taskpoint.store.store import RetryPolicy
 from taskpoint.versions import require_version
 

@@ -21,9 +21,9 @@ import click
 from rich.console import Console
 
 from taskpoint import timeline
-from taskpoint._isolation import FILE_MODULE
 from taskpoint.errors import CheckpointError
 from taskpoint.inventory import ActionInfo, default_root, find_action, list_actions
+from taskpoint.runtime._isolation import FILE_MODULE
 from taskpoint.timeline import age, human_size
 
 __all__ = ["main"]

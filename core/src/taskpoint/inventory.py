@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from taskpoint.checkpoint.checkpoint import Checkpoint
-from taskpoint.context import ENV_ROOT, root_from
 from taskpoint.errors import CheckpointError, CheckpointFormatError, CheckpointStoreError
 from taskpoint.format.history import (
     ATTEMPTS,
@@ -34,7 +33,8 @@ from taskpoint.format.manifest import (
     loads_record,
     parse_manifest_name,
 )
-from taskpoint.names import check_name
+from taskpoint.runtime.context import ENV_ROOT, root_from
+from taskpoint.runtime.names import check_name
 from taskpoint.store.store import Store
 
 __all__ = [
@@ -335,7 +335,7 @@ def _actions(root: str, options: dict[str, Any]) -> Iterator[ActionInfo]:
 def parse_action(action: str) -> tuple[str, str]:
     """Split ``"<task>/<run id>"`` into its task and run id, checked as the API checks them.
 
-    Both parts must be names :func:`taskpoint.names.check_name` accepts, so an action can
+    Both parts must be names :func:`taskpoint.runtime.names.check_name` accepts, so an action can
     never reach outside its root: no ``..`` or ``.``, no absolute path, no empty part, no
     backslash.
 

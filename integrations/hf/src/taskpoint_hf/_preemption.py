@@ -46,8 +46,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import taskpoint
-from taskpoint import context, preemption
+from taskpoint import preemption
 from taskpoint.distributed.torch_coordination import AnyRank
+from taskpoint.runtime import context
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 

@@ -127,7 +127,7 @@ class Preemption:
             ValueError: ``TASKPOINT_SAVE_ON_PREEMPTION`` or ``TASKPOINT_GRACE_PERIOD`` is
                 set to something unusable.
         """
-        active = preemption.save_on_preemption(choice, in_task=taskpoint.context.in_task())
+        active = preemption.save_on_preemption(choice, in_task=taskpoint.runtime.context.in_task())
         if trainer.world_size > 1:
             active = bool(trainer.strategy.broadcast(active, src=0))  # rank zero's rule
         self = cls(active, timeout)

@@ -2,7 +2,7 @@
 
 A plain loop already calls ``state.save_sync(checkpoint, epoch=..., step=...)`` between
 steps, with the state consistent; that call is the step boundary
-(:class:`taskpoint.step_boundary.StepBoundary`). At each one, on every rank, the finished
+(:class:`taskpoint.runtime.step_boundary.StepBoundary`). At each one, on every rank, the finished
 step is reported and, when SIGTERM becomes a save (inside a taskpoint task by default),
 the ranks agree whether any received it. If one did, the call saves at once, whatever
 ``every`` says, waits for the commit within the grace period left, and raises
@@ -14,7 +14,7 @@ Deadlines: an upload already in flight is finished first (within the time left);
 that took longer last time than the time left is skipped, loudly, and the newest earlier
 checkpoint stays intact (the attempt's record says the preemption save was missed). A
 background save waits for its commit at most until the grace period's end, less
-:data:`taskpoint.step_boundary.MARGIN_S`; a blocking save is the training thread itself
+:data:`taskpoint.runtime.step_boundary.MARGIN_S`; a blocking save is the training thread itself
 and runs to its end.
 """
 
@@ -27,7 +27,7 @@ from types import TracebackType
 
 from taskpoint import preemption, progress
 from taskpoint.checkpoint.mirror import UploadThread
-from taskpoint.step_boundary import StepBoundary
+from taskpoint.runtime.step_boundary import StepBoundary
 
 from taskpoint_pytorch._distributed import broadcast_from_zero, rank_and_size
 

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 from taskpoint import CheckpointLike, report_step
-from taskpoint.step_boundary import StepBoundary
+from taskpoint.runtime.step_boundary import StepBoundary
 
 from taskpoint_sklearn.bundle import PartialFitBundle
 from taskpoint_sklearn.errors import BundleFormatError

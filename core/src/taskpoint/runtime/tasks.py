@@ -39,9 +39,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any, Literal, ParamSpec, TypeVar, overload
 
-from taskpoint import _isolation, preemption, progress
+from taskpoint import preemption, progress
 from taskpoint.checkpoint.checkpoint import Checkpoint
-from taskpoint.context import (
+from taskpoint.errors import TaskAttemptError
+from taskpoint.format.archive import check_codec
+from taskpoint.format.history import Outcome
+from taskpoint.runtime import _isolation
+from taskpoint.runtime.context import (
     ENV_RUN_ID,
     Preempted,
     TaskContext,
@@ -49,15 +53,12 @@ from taskpoint.context import (
     install_sigterm_handler,
     root_from,
 )
-from taskpoint.errors import TaskAttemptError
-from taskpoint.format.archive import check_codec
-from taskpoint.format.history import Outcome
-from taskpoint.names import check_name
+from taskpoint.runtime.names import check_name
 from taskpoint.store.store import check_location
 
 __all__ = ["Isolation", "TaskEnvironment", "new_run_id"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint.runtime")  # its name before #27 moved it
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -38,12 +38,12 @@ from typing import NoReturn
 
 from taskpoint import preemption, progress
 from taskpoint.checkpoint.checkpoint import Checkpoint
-from taskpoint.context import Preempted, TaskContext, _current
 from taskpoint.distributed.torch_coordination import AnyRank
+from taskpoint.runtime.context import Preempted, TaskContext, _current
 
 __all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint.step_boundary")  # its name before #27 moved it
 
 MARGIN_S = 0.5
 """Seconds of the grace period kept back for ending the attempt after a preemption save

@@ -1,6 +1,6 @@
 """The rule for names that become part of a store path: task, run and environment names.
 
-Kept apart so that :mod:`taskpoint.context`, :mod:`taskpoint.runtime` and
+Kept apart so that :mod:`taskpoint.runtime.context`, :mod:`taskpoint.runtime.tasks` and
 :mod:`taskpoint.inventory` check names the same way without importing one another.
 """
 

@@ -1,8 +1,8 @@
-"""Entry point of a process-isolated attempt: ``python -m taskpoint._child SPEC OUTCOME``.
+"""Entry point of a process-isolated attempt: ``python -m taskpoint.runtime._child SPEC OUTCOME``.
 
 Kept apart from ``_isolation`` so that running it as ``__main__`` does not create a second
 copy of the classes the outcome is pickled with, and so that the parent's side
-(:mod:`taskpoint._isolation`, which :mod:`taskpoint.runtime` uses) never imports the
+(:mod:`taskpoint.runtime._isolation`, which :mod:`taskpoint.runtime.tasks` uses) never imports the
 runtime back: only the child, at the top of the layers, builds a ``TaskEnvironment``.
 """
 
@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from taskpoint._isolation import Outcome, Spec, import_task_module, report_error
-from taskpoint.context import _current
-from taskpoint.runtime import TaskEnvironment
+from taskpoint.runtime._isolation import Outcome, Spec, import_task_module, report_error
+from taskpoint.runtime.context import _current
+from taskpoint.runtime.tasks import TaskEnvironment
 
 __all__ = ["child_main"]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from taskpoint import preemption
 from taskpoint.checkpoint.checkpoint import Checkpoint
-from taskpoint.names import check_name
+from taskpoint.runtime.names import check_name
 from taskpoint.store.store import check_location
 
 __all__ = [

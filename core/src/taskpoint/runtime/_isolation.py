@@ -1,7 +1,7 @@
 """Process-isolated attempts: each attempt of a task runs in a fresh Python process.
 
 The parent pickles what the attempt needs (where to import the task from, its arguments,
-its context) into a private temporary folder, starts ``python -m taskpoint._child``,
+its context) into a private temporary folder, starts ``python -m taskpoint.runtime._child``,
 and reads the outcome back. A child that dies by a signal or exits non-zero without an
 outcome is a failed attempt. SIGTERM sent to the parent is forwarded to the child, so
 ``on_preempt`` callbacks run where the training state lives.
@@ -28,7 +28,7 @@ from taskpoint import progress
 from taskpoint.errors import TaskAttemptError
 
 if TYPE_CHECKING:
-    from taskpoint.context import TaskContext
+    from taskpoint.runtime.context import TaskContext
 
 __all__ = ["FILE_MODULE", "Outcome", "Spec", "import_task_module", "report_error", "run_attempt"]
 
@@ -164,7 +164,7 @@ def _describe(returncode: int) -> str:
 
 def _run_child(spec_path: Path, outcome_path: Path) -> int:
     child = subprocess.Popen(
-        [sys.executable, "-m", "taskpoint._child", str(spec_path), str(outcome_path)],
+        [sys.executable, "-m", "taskpoint.runtime._child", str(spec_path), str(outcome_path)],
         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
     )
     forwarded = False
