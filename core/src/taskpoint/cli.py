@@ -20,11 +20,11 @@ from typing import Any
 import click
 from rich.console import Console
 
-from taskpoint import timeline
 from taskpoint.errors import CheckpointError
-from taskpoint.inventory import ActionInfo, default_root, find_action, list_actions
+from taskpoint.inspect import timeline
+from taskpoint.inspect.inventory import ActionInfo, default_root, find_action, list_actions
+from taskpoint.inspect.timeline import age, human_size
 from taskpoint.runtime._isolation import FILE_MODULE
-from taskpoint.timeline import age, human_size
 
 __all__ = ["main"]
 

@@ -1,7 +1,7 @@
 """The rule for names that become part of a store path: task, run and environment names.
 
 Kept apart so that :mod:`taskpoint.runtime.context`, :mod:`taskpoint.runtime.tasks` and
-:mod:`taskpoint.inventory` check names the same way without importing one another.
+:mod:`taskpoint.inspect.inventory` check names the same way without importing one another.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """An action's history drawn for people: attempts, resumes and checkpoints in time order.
 
 ``taskpoint show`` prints :func:`render`; ``taskpoint show --json`` adds :func:`to_json`
-to the action's description. Both are pure: they take what :mod:`taskpoint.inventory` read
-(an :class:`~taskpoint.inventory.ActionInfo`, its attempt records and the verification
+to the action's description. Both are pure: they take what :mod:`taskpoint.inspect.inventory` read
+(an :class:`~taskpoint.inspect.inventory.ActionInfo`, its attempt records and the verification
 results) and perform no I/O. Records written by older versions lack most fields, and a
 damaged store holds garbage: every field may be missing, and any value is shown as what it
 is, never raised over.
@@ -10,8 +10,8 @@ is, never raised over.
 Example::
 
     from rich.console import Console
-    from taskpoint import timeline
-    from taskpoint.inventory import find_action
+    from taskpoint.inspect import timeline
+    from taskpoint.inspect.inventory import find_action
 
     info = find_action("s3://bucket/jobs", "train.fit/20250601T120000Z-3f2a9c")
     Console().print(timeline.render(info, info.verify()))
@@ -34,7 +34,7 @@ from taskpoint.format.history import AttemptRecord, finite_number, steps_lost
 from taskpoint.format.manifest import Manifest, parse_manifest_name
 
 if TYPE_CHECKING:
-    from taskpoint.inventory import ActionInfo, Damage
+    from taskpoint.inspect.inventory import ActionInfo, Damage
 
 __all__ = [
     "AttemptView",

@@ -47,7 +47,7 @@ __all__ = [
     "parse_action",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taskpoint.inventory")  # its name before #27 moved it
 
 
 def default_root() -> str:
