@@ -1,4 +1,16 @@
-"""The core package's modules import one another top-down: no import circle, anywhere.
+"""The core package's layers import one another top-down: no import circle, anywhere.
+
+``core/src/taskpoint/`` is cut into layers along the data flow (CONTRIBUTING.md, "Layout
+and habits"); a module imports only from its own layer and the layers below it::
+
+    faces         taskpoint, taskpoint.cli, and the old paths kept as re-exports
+    inspect       what a checkpoint root holds, drawn for people
+    runtime       tasks, attempts, process isolation, ctx(), step boundaries
+    checkpoint    Checkpoint: the save and load paths, background uploads, folder mirrors
+    distributed   several writers of one checkpoint: coordinators, parts, nodes' disks
+    format        what a location holds: manifests, archives, trees, retention, history
+    store         one location on any fsspec filesystem (the only fsspec importer)
+    base          errors, _types, versions, preemption, progress: they import no layer
 
 Every import counts, including those inside functions and under ``TYPE_CHECKING``: a lazy
 import that closes a circle only hides it. Importing a module runs its packages'
@@ -8,11 +20,34 @@ import that closes a circle only hides it. Importing a module runs its packages'
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import taskpoint
 
 PACKAGE = Path(taskpoint.__file__).parent
+
+LAYERS: list[tuple[str, ...]] = [
+    ("taskpoint.errors", "taskpoint._types", "taskpoint.versions", "taskpoint.preemption",
+     "taskpoint.progress"),
+    ("taskpoint.store",),
+    ("taskpoint.format",),
+    ("taskpoint.distributed",),
+    ("taskpoint.checkpoint",),
+    ("taskpoint.runtime",),
+    ("taskpoint.inspect",),
+    ("taskpoint", "taskpoint.cli"),
+]
+"""Bottom to top; an entry holds a module, or a package with every module in it."""
+
+OLD_PATHS = {
+    "taskpoint.coordination": "taskpoint.distributed.coordination",
+    "taskpoint.mirror": "taskpoint.checkpoint.mirror",
+    "taskpoint.nodes": "taskpoint.distributed.nodes",
+    "taskpoint.step_boundary": "taskpoint.runtime.step_boundary",
+    "taskpoint.torch_coordination": "taskpoint.distributed.torch_coordination",
+}
+"""Documented paths of modules that moved into a package, kept as re-exports (faces)."""
 
 
 def _module_name(path: Path) -> str:
@@ -62,6 +97,16 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+def layer_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of ``module``'s layer, or None where it has none."""
+    if module in OLD_PATHS:
+        return len(LAYERS) - 1
+    for index, entries in enumerate(LAYERS):
+        if any(module == e or (e != "taskpoint" and module.startswith(e + ".")) for e in entries):
+            return index
+    return None
+
+
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
@@ -106,3 +151,40 @@ def test_core_modules_import_without_circles() -> None:
 def test_only_the_package_imports_itself_from_the_top() -> None:
     importers = {m for m, deps in import_graph().items() if "taskpoint" in deps}
     assert importers == set(), f"modules importing the package itself: {sorted(importers)}"
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(m for m in import_graph() if layer_of(m) is None)
+    assert unplaced == [], f"modules in no layer (add them to LAYERS): {unplaced}"
+
+
+def test_imports_go_down_the_layers() -> None:
+    def layer(module: str) -> int:
+        found = layer_of(module)
+        assert found is not None, f"{module} is in no layer"
+        return found
+
+    upward = sorted(
+        f"{module} -> {dep}"
+        for module, deps in import_graph().items()
+        for dep in deps
+        if layer(dep) > layer(module)
+    )
+    assert upward == [], "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def test_the_old_paths_only_re_export_their_new_home() -> None:
+    graph = import_graph()
+    for old, new in OLD_PATHS.items():
+        docstring, *imports, names = ast.parse(_paths()[old].read_text(encoding="utf-8")).body
+        assert isinstance(docstring, ast.Expr) and new in ast.literal_eval(docstring.value), old
+        assert imports and all(
+            isinstance(i, ast.ImportFrom) and i.module == new for i in imports
+        ), f"{old} imports only from {new}"
+        assert isinstance(names, ast.Assign) and ast.unparse(names.targets[0]) == "__all__", old
+        shim, home = importlib.import_module(old), importlib.import_module(new)
+        assert set(home.__all__) <= set(shim.__all__), f"{old} re-exports what {new} lists"
+        for name in shim.__all__:
+            assert getattr(shim, name) is getattr(home, name), f"{old}.{name}"
+        importers = sorted(m for m, deps in graph.items() if old in deps)
+        assert importers == [], f"{importers} import {old}; import {new} instead"
