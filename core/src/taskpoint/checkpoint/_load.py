@@ -41,7 +41,7 @@ from taskpoint.format.manifest import CHECKPOINTS, Manifest
 
 __all__ = ["BYTES_NAME", "Loader", "is_local_write_error"]
 
-log = logging.getLogger("taskpoint._load")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 BYTES_NAME = "checkpoint.bin"
 """The file name a restored bytes payload gets."""

@@ -64,7 +64,7 @@ __all__ = [
     "take_snapshot",
 ]
 
-log = logging.getLogger("taskpoint._save")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 BACKGROUND_NICE = 10
 """The nice value background uploads run at, below the training loop's threads."""

@@ -39,7 +39,7 @@ from taskpoint.checkpoint import _uploader
 
 __all__ = ["EXIT_WAIT_S", "settle_uploads", "track", "untrack"]
 
-log = logging.getLogger("taskpoint._settle")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 _POOLS = (concurrent.futures.thread, concurrent.futures.process)
 """Imported before :func:`_register` runs, so their exit hooks run after ours."""

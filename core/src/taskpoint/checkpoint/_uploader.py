@@ -50,7 +50,7 @@ from taskpoint.errors import CheckpointError
 
 __all__ = ["STORE_ENV_PREFIXES", "Request", "Worker", "WorkerDied", "main", "shared"]
 
-log = logging.getLogger("taskpoint._uploader")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<QQ")  # the request's number, the pickle's size in bytes
 _READY = 0

@@ -56,7 +56,7 @@ from taskpoint.store.store import RetryPolicy, Store, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
 
-log = logging.getLogger("taskpoint.checkpoint")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 SaveInput = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 """What ``save`` accepts: raw bytes, or the path of a file or directory."""

@@ -58,7 +58,7 @@ __all__ = [
     "settle_uploads", "track", "unshare",
 ]
 
-log = logging.getLogger("taskpoint.mirror")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 PREFIX = "taskpoint/"
 """The prefix of every metric name the adapters log."""

@@ -54,7 +54,7 @@ from taskpoint.progress import current_step
 
 __all__ = ["Part", "PartsCommit", "check_part", "merge_parts", "save_part", "upload_part"]
 
-log = logging.getLogger("taskpoint._parts")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 
 Part = tuple[tuple[Entry, ...], dict[str, int]]

@@ -44,7 +44,7 @@ from taskpoint.store.store import RetryPolicy, Store, check_location
 
 __all__ = ["COORDINATION", "Coordinator", "StoreCoordinator"]
 
-log = logging.getLogger("taskpoint.coordination")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 COORDINATION = "coordination"
 """The folder, under a :class:`StoreCoordinator`'s URL, that holds its sessions."""

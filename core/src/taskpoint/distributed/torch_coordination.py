@@ -72,7 +72,7 @@ from taskpoint.errors import CheckpointCoordinationError
 
 __all__ = ["AnyRank", "TorchCoordinator", "TorchrunCoordinator", "torch_job_coordinator"]
 
-log = logging.getLogger("taskpoint.torch_coordination")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 _MISSING_RE = re.compile(r"[Rr]anks? ([\d, ]+) failed to pass monitoredBarrier")
 TORCHRUN_PREFIX = "taskpoint"

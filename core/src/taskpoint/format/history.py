@@ -70,7 +70,7 @@ __all__ = [
     "steps_lost",
 ]
 
-log = logging.getLogger("taskpoint.history")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 ATTEMPTS = "attempts"
 """The folder, under a checkpoint's URL, that holds the attempt records."""

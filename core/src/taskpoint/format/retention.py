@@ -75,7 +75,7 @@ from taskpoint.store.store import Store
 
 __all__ = ["GC_LOCK", "LEASES", "OBJECTS", "Collected", "Lease", "collect", "prune_manifests"]
 
-log = logging.getLogger("taskpoint.retention")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 OBJECTS = "objects"
 """The folder, under a checkpoint's URL, holding format-2 content objects."""

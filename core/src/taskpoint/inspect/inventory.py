@@ -47,7 +47,7 @@ __all__ = [
     "parse_action",
 ]
 
-log = logging.getLogger("taskpoint.inventory")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 
 def default_root() -> str:

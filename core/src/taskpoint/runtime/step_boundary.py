@@ -43,7 +43,7 @@ from taskpoint.runtime.context import Preempted, TaskContext, _current
 
 __all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary"]
 
-log = logging.getLogger("taskpoint.step_boundary")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 MARGIN_S = 0.5
 """Seconds of the grace period kept back for ending the attempt after a preemption save

@@ -58,7 +58,7 @@ from taskpoint.store.store import check_location
 
 __all__ = ["Isolation", "TaskEnvironment", "new_run_id"]
 
-log = logging.getLogger("taskpoint.runtime")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -42,7 +42,7 @@ __all__ = [
     "tune_backend",
 ]
 
-log = logging.getLogger("taskpoint.transfer")  # its name before #27 moved it
+log = logging.getLogger(__name__)
 
 _MIN_S3_PART = 5 * 2**20
 _S3_MAX_PARTS = 10_000
