@@ -208,21 +208,11 @@ def _place(
         else:
             fd = os.open(place.path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
             try:
-                _pwrite_all(fd, raw, place.offset)
+                archive.write_at(fd, raw, place.offset)
             finally:
                 os.close(fd)
         if progress is not None:
             progress(len(raw))
-
-
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset``: a write the disk takes only part of (a file size
-    limit or a full disk reached midway) is continued, so its refusal raises ``OSError``
-    rather than leaving the file short."""
-    view = memoryview(data)
-    while view:
-        done = os.pwrite(fd, view, offset)
-        view, offset = view[done:], offset + done
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ __all__ = [
     "unpack_directory",
     "walk_tree",
     "worth_compressing",
+    "write_at",
 ]
 
 _GZIP_LEVEL = 1
@@ -415,8 +416,7 @@ class Extractor:
             raise ValueError(f"{path!r} is not a file left to fill, or was created already")
         fd = os.open(path, _CREATE, 0o600)
         try:
-            if data and os.write(fd, data) < len(data):
-                _write_all(fd, data)
+            write_at(fd, data)
             # Set through the descriptor: the mode applies to later opens only (a file
             # made read-only is written all the same), and nothing writes it afterwards.
             os.fchmod(fd, member.mode & 0o777)
@@ -527,12 +527,19 @@ class Extractor:
         return [*base, *(p for p in target.split("/") if p not in ("", "."))]
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    """Write ``data`` to ``fd`` from its start, however many calls that takes."""
-    os.lseek(fd, 0, os.SEEK_SET)
+def write_at(fd: int, data: bytes | memoryview, offset: int = 0) -> None:
+    """Write all of ``data`` to ``fd`` at ``offset``, however many calls that takes.
+
+    A write the disk takes only in part (a file size limit or a full disk reached midway)
+    is continued, so the disk's refusal raises instead of leaving the file short.
+
+    Raises:
+        OSError: the disk refused the write.
+    """
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view) :]
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
 
 
 class _ForwardReader:
