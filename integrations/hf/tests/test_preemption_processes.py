@@ -36,9 +36,10 @@ def _launch(
 
 
 def _why(done: subprocess.CompletedProcess[str]) -> str:
-    """The workers' own error lines (torchrun prefixes them), else the end of stderr."""
-    lines = [line for line in done.stderr.splitlines() if line.startswith("[rank")]
-    return "\n".join(lines[-80:]) or done.stderr[-3000:]
+    """The end of stderr, without DDP's warning lines: the workers' errors and torchrun's
+    account of how each worker ended (a signal shows only there)."""
+    lines = [line for line in done.stderr.splitlines() if "reducer.cpp" not in line]
+    return "\n".join(lines)[-6000:]
 
 
 def _load(path: Path) -> kit.Result:
