@@ -51,11 +51,19 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
-from taskpoint.checkpoint.mirror import settle_uploads, track
+from taskpoint.checkpoint.mirror import track
 from taskpoint.format.manifest import TREE_FORMAT
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from taskpoint_pytorch._agreement import (
+    agree_to_save,
+    describe_error,
+    gather_or_raise,
+    raise_first_failure,
+    settle_every_rank,
+)
+from taskpoint_pytorch._arguments import check_checkpoint, check_sharded_checkpoint
 from taskpoint_pytorch._distributed import all_gather, broadcast_from_zero, rank_and_size
 from taskpoint_pytorch._errors import StateError, StateMismatchError
 from taskpoint_pytorch._layout import (
@@ -67,7 +75,7 @@ from taskpoint_pytorch._layout import (
     read_bundle,
 )
 from taskpoint_pytorch._preemption import Preemption
-from taskpoint_pytorch._rng import capture_rng, restore_rng
+from taskpoint_pytorch._rng import restore_rng
 from taskpoint_pytorch._safety import check_weights_only
 from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
 
@@ -155,25 +163,6 @@ def _unwrap(module: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module):
             return module
         module = inner
-
-
-def _check_counter(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int; got {value!r}")
-    return value
-
-
-def _describe_error(exc: BaseException | None) -> str | None:
-    return None if exc is None else f"{type(exc).__name__}: {exc}"
-
-
-def _raise_first_failure(local: BaseException | None, messages: list[str | None], what: str) -> None:
-    """Raise this rank's own error, else a ``StateError`` naming the first failed rank."""
-    if local is not None:
-        raise local
-    for rank, message in enumerate(messages):
-        if message is not None:
-            raise StateError(f"cannot {what}: rank {rank} failed ({message}), so every rank stops")
 
 
 @dataclass
@@ -425,9 +414,11 @@ class TaskpointState:
         def prepare() -> None:
             if background:
                 raise ValueError("sharded=True saves are blocking: background=True is refused")
-            _check_sharded_checkpoint(checkpoint)
+            check_sharded_checkpoint(checkpoint)
 
-        epoch, step, extra_state, rng_states = self._agree_to_save(prepare, epoch, step, extra)
+        epoch, step, extra_state, rng_states = agree_to_save(
+            prepare, epoch, step, extra, self._rng
+        )
         save_id = broadcast_from_zero(uuid.uuid4().hex)
         rest: dict[str, Any] = {}
         local_error: Exception | None = None
@@ -437,8 +428,8 @@ class TaskpointState:
                 check_weights_only(value, key)
         except Exception as exc:
             local_error = exc
-        failures = all_gather(_describe_error(local_error))
-        _raise_first_failure(local_error, failures, "save the state")
+        failures = all_gather(describe_error(local_error))
+        raise_first_failure(local_error, failures, "save the state")
         assert isinstance(checkpoint, Checkpoint)
         save_sharded(
             checkpoint, {n: _unwrap(m) for n, m in self._models.items()}, self._optimizers, rest
@@ -492,9 +483,11 @@ class TaskpointState:
         def prepare() -> None:
             if rank == 0:
                 self._uploads.wait()
-            _check_checkpoint(checkpoint)
+            check_checkpoint(checkpoint)
 
-        epoch, step, extra_state, rng_states = self._agree_to_save(prepare, epoch, step, extra)
+        epoch, step, extra_state, rng_states = agree_to_save(
+            prepare, epoch, step, extra, self._rng
+        )
         staged = _Staged(rank=rank)
         if rank != 0:
             return staged
@@ -516,40 +509,6 @@ class TaskpointState:
             staged.error = exc
             staged.path = None
         return staged
-
-    def _agree_to_save(
-        self,
-        prepare: Callable[[], None],
-        epoch: int,
-        step: int,
-        extra: Mapping[str, Any] | None,
-    ) -> tuple[int, int, dict[str, Any], list[dict[str, Any] | None]]:
-        """Every rank: run ``prepare``, check the counters and ``extra``, capture this
-        rank's RNG state, and gather them all (a collective).
-
-        Returns:
-            The checked epoch, step and extra state, and every rank's RNG state in rank
-            order.
-
-        Raises:
-            Exception: what ``prepare`` or a check raised here, or :class:`StateError`
-                when another rank failed: every rank raises, none goes on to save.
-        """
-        local_error: Exception | None = None
-        rng_state: dict[str, Any] | None = None
-        extra_state: dict[str, Any] = {}
-        try:
-            prepare()
-            epoch = _check_counter("epoch", epoch)
-            step = _check_counter("step", step)
-            extra_state = _check_extra(extra)
-            # After the checks (they draw no random numbers), before anything that could.
-            rng_state = capture_rng() if self._rng else None
-        except Exception as exc:
-            local_error = exc
-        gathered = all_gather((rng_state, _describe_error(local_error)))
-        _raise_first_failure(local_error, [message for _, message in gathered], "save the state")
-        return epoch, step, extra_state, [state for state, _ in gathered]
 
     def _bundle(
         self,
@@ -585,7 +544,7 @@ class TaskpointState:
     @staticmethod
     def _settle(staged: _Staged) -> None:
         """Rank 0 tells every rank how the commit went; all raise if it failed."""
-        outcome = broadcast_from_zero(_describe_error(staged.error) if staged.rank == 0 else None)
+        outcome = broadcast_from_zero(describe_error(staged.error) if staged.rank == 0 else None)
         if staged.error is not None:
             raise staged.error
         if outcome is not None:
@@ -624,9 +583,9 @@ class TaskpointState:
         """
         if self._sharded:
             return self._restore_sharded(checkpoint)
-        _settle_every_rank()
+        settle_every_rank()
         try:
-            _check_checkpoint(checkpoint)
+            check_checkpoint(checkpoint)
             bundle = self._read(checkpoint.load_sync(), map_location)
         except Exception as exc:
             return self._finish_restore(None, exc)
@@ -638,9 +597,9 @@ class TaskpointState:
         """Async :meth:`restore_sync`: the download is awaited."""
         if self._sharded:
             return self._restore_sharded(checkpoint)
-        _settle_every_rank()
+        settle_every_rank()
         try:
-            _check_checkpoint(checkpoint)
+            check_checkpoint(checkpoint)
             bundle = self._read(await checkpoint.load(), map_location)
         except Exception as exc:
             return self._finish_restore(None, exc)
@@ -649,21 +608,20 @@ class TaskpointState:
     def _restore_sharded(self, checkpoint: object) -> ResumePoint | None:
         """Every rank: agree a checkpoint exists, ``dcp.load`` into the current sharding,
         then apply the rest of the bundle."""
-        _settle_every_rank()
+        settle_every_rank()
         rank, world = rank_and_size()
         error: Exception | None = None
         newest: str | None = None
         try:
-            _check_sharded_checkpoint(checkpoint)
+            check_sharded_checkpoint(checkpoint)
             assert isinstance(checkpoint, Checkpoint)
             committed = checkpoint.committed()
             newest = committed[0].key if committed else None
         except Exception as exc:
             error = exc
-        gathered = all_gather((newest, _describe_error(error)))
-        _raise_first_failure(error, [message for _, message in gathered], "restore the state")
-        if any(n is None for n, _ in gathered) and any(n is not None for n, _ in gathered):
-            found = ", ".join(f"rank {r}: {n or 'nothing'}" for r, (n, _) in enumerate(gathered))
+        seen = gather_or_raise(newest, error, "restore the state")
+        if any(n is None for n in seen) and any(n is not None for n in seen):
+            found = ", ".join(f"rank {r}: {n or 'nothing'}" for r, n in enumerate(seen))
             raise StateError(
                 f"ranks see different checkpoints ({found}); every rank must read the same "
                 "store (a memory:// store is private to its process)"
@@ -705,9 +663,7 @@ class TaskpointState:
     ) -> ResumePoint | None:
         rank, world = rank_and_size()
         summary = None if bundle is None else (bundle["save_id"], bundle["epoch"], bundle["step"])
-        gathered = all_gather((summary, _describe_error(error)))
-        _raise_first_failure(error, [message for _, message in gathered], "restore the state")
-        summaries = [s for s, _ in gathered]
+        summaries = gather_or_raise(summary, error, "restore the state")
         if any(s != summaries[0] for s in summaries):
             found = ", ".join(
                 f"rank {r}: " + ("nothing" if s is None else f"save {s[0]} (epoch {s[1]}, step {s[2]})")
@@ -764,14 +720,6 @@ class TaskpointState:
                     )
             if mine is not None:
                 restore_rng(mine)
-
-
-def _settle_every_rank() -> None:
-    """Wait for this process's uploads still in flight (an earlier attempt's too), then for
-    every rank's: only rank 0 uploads, and a rank that loaded before rank 0's last commit
-    landed would restore an older checkpoint than rank 0 (a collective)."""
-    settle_uploads()
-    all_gather(None)
 
 
 def _cpu_copy(value: Any) -> Any:
@@ -841,38 +789,3 @@ def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
             checkpoint.save_sync(path)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _check_sharded_checkpoint(checkpoint: object) -> None:
-    if not isinstance(checkpoint, Checkpoint):
-        raise TypeError(
-            "TaskpointState(sharded=True) saves through torch.distributed.checkpoint, every "
-            "rank uploading its own shards, so it needs a taskpoint.Checkpoint; got "
-            f"{type(checkpoint).__name__}"
-        )
-
-
-def _check_checkpoint(checkpoint: object) -> None:
-    if not isinstance(checkpoint, CheckpointLike):
-        hint = (
-            " (taskpoint.ctx().checkpoint is None when the task's environment has "
-            "checkpoints=False, and outside a task)"
-            if checkpoint is None
-            else ""
-        )
-        raise TypeError(
-            "checkpoint must be a taskpoint.Checkpoint or another object with save, "
-            f"save_sync, load and load_sync; got {type(checkpoint).__name__}{hint}"
-        )
-
-
-def _check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    if extra is None:
-        return {}
-    if not isinstance(extra, Mapping):
-        raise TypeError(f"extra must be a mapping of str keys to values; got {type(extra).__name__}")
-    for key in extra:
-        if not isinstance(key, str):
-            raise TypeError(f"extra keys must be strings; got {key!r}")
-    return dict(extra)
-
