@@ -38,23 +38,21 @@ uploading run in a background thread, one save at a time::
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
 from taskpoint.checkpoint.mirror import track
 from taskpoint.format.manifest import TREE_FORMAT
 from torch import nn
-from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from taskpoint_pytorch._agreement import (
     agree_to_save,
@@ -64,10 +62,10 @@ from taskpoint_pytorch._agreement import (
     settle_every_rank,
 )
 from taskpoint_pytorch._arguments import check_checkpoint, check_sharded_checkpoint
+from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._distributed import all_gather, broadcast_from_zero, rank_and_size
-from taskpoint_pytorch._errors import StateError, StateMismatchError
+from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import (
-    KINDS,
     LAYOUT,
     LAYOUT_VERSION,
     STATE_FILE,
@@ -75,7 +73,6 @@ from taskpoint_pytorch._layout import (
     read_bundle,
 )
 from taskpoint_pytorch._preemption import Preemption
-from taskpoint_pytorch._rng import restore_rng
 from taskpoint_pytorch._safety import check_weights_only
 from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
 
@@ -109,60 +106,6 @@ class ResumePoint:
     epoch: int
     step: int
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-T = TypeVar("T")
-
-
-def _named(
-    arg: str, default: str, value: T | Mapping[str, T] | None, check: Callable[[str, Any], None]
-) -> dict[str, T]:
-    if value is None:
-        return {}
-    if isinstance(value, Mapping):
-        named: dict[str, T] = {}
-        for name, item in value.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"{arg} names must be non-empty strings; got {name!r}")
-            check(f"{arg}[{name!r}]", item)
-            named[name] = item
-        return named
-    check(arg, value)
-    return {default: value}
-
-
-def _is_a(kind: type | tuple[type, ...], expected: str) -> Callable[[str, Any], None]:
-    def check(where: str, value: Any) -> None:
-        if not isinstance(value, kind):
-            raise TypeError(
-                f"{where} must be {expected} (or pass a mapping of names to them); "
-                f"got {type(value).__name__}"
-            )
-
-    return check
-
-
-def _is_stateful(where: str, value: Any) -> None:
-    if not (callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    )):
-        raise TypeError(
-            f"{where} must have state_dict() and load_state_dict() (an LR scheduler, say); "
-            f"got {type(value).__name__}"
-        )
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The module whose state dict has no wrapper prefixes (DDP, DataParallel, compile)."""
-    while True:
-        inner: object = None
-        if isinstance(module, (DistributedDataParallel, DataParallel)):
-            inner = module.module
-        elif type(module).__name__ == "OptimizedModule":
-            inner = getattr(module, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return module
-        module = inner
 
 
 @dataclass
@@ -231,31 +174,15 @@ class TaskpointState:
         sharded: bool = False,
         save_on_preemption: bool | None = None,
     ) -> None:
-        self._models = _named("model", "model", model, _is_a(nn.Module, "a torch.nn.Module"))
-        self._optimizers = _named(
-            "optimizer", "optimizer", optimizer,
-            _is_a(torch.optim.Optimizer, "a torch.optim.Optimizer"),
-        )
-        self._schedulers = _named("scheduler", "scheduler", scheduler, _is_stateful)
-        self._scalers = _named(
-            "scaler", "scaler", scaler, _is_a(torch.amp.GradScaler, "a torch.amp.GradScaler")
-        )
-        if generators is not None and not isinstance(generators, Mapping):
-            raise TypeError(
-                "generators must be a mapping of names to torch.Generator objects; "
-                f"got {type(generators).__name__}"
-            )
-        self._generators: dict[str, torch.Generator] = _named(
-            "generators", "generator", generators, _is_a(torch.Generator, "a torch.Generator")
-        )
-        self._rng = bool(rng)
+        self._components = Components(model, optimizer, scheduler, scaler, generators, rng)
+        self._rng = self._components.rng
         self._blocking = bool(blocking)
         self._sharded = bool(sharded)
         if self._sharded and not self._blocking:
             raise ValueError("sharded=True saves are blocking: pass blocking=True")
         if self._sharded:
-            for optimizer in self._optimizers.values():
-                owner_of(optimizer, {n: _unwrap(m) for n, m in self._models.items()})
+            for optimizer in self._components.optimizers.values():
+                owner_of(optimizer, self._components.unwrapped_models())
         self._preemption = Preemption(save_on_preemption)
         self._uploads = self._preemption.uploads
         track(self._uploads)
@@ -266,17 +193,7 @@ class TaskpointState:
 
     def layout(self) -> dict[str, list[str]]:
         """The component names per kind, as a bundle records them (for messages and tests)."""
-        return {kind: sorted(self._parts(kind)) for kind in KINDS}
-
-    def _parts(self, kind: str) -> Mapping[str, Any]:
-        parts: dict[str, Mapping[str, Any]] = {
-            "models": self._models,
-            "optimizers": self._optimizers,
-            "schedulers": self._schedulers,
-            "scalers": self._scalers,
-            "generators": self._generators,
-        }
-        return parts[kind]
+        return self._components.layout()
 
     # -- saving -----------------------------------------------------------------------
 
@@ -432,7 +349,7 @@ class TaskpointState:
         raise_first_failure(local_error, failures, "save the state")
         assert isinstance(checkpoint, Checkpoint)
         save_sharded(
-            checkpoint, {n: _unwrap(m) for n, m in self._models.items()}, self._optimizers, rest
+            checkpoint, self._components.unwrapped_models(), self._components.optimizers, rest
         )
         if rank == 0:
             log.debug("committed sharded state (epoch=%d, step=%d) from %d ranks", epoch, step, world)
@@ -447,7 +364,7 @@ class TaskpointState:
         save_id: str,
     ) -> dict[str, Any]:
         """A sharded save's bundle without the model and optimizer state (saved by DCP)."""
-        bundle = self._bundle(epoch, step, extra, rng_states, world, tensors=False)
+        bundle = self._components.bundle(epoch, step, extra, rng_states, world, tensors=False)
         bundle["save_id"] = save_id
         bundle["sharded"] = True
         return bundle
@@ -492,7 +409,7 @@ class TaskpointState:
         if rank != 0:
             return staged
         try:
-            bundle = self._bundle(epoch, step, extra_state, rng_states, world)
+            bundle = self._components.bundle(epoch, step, extra_state, rng_states, world)
             for key, value in bundle.items():
                 check_weights_only(value, key)
             if copy:
@@ -509,37 +426,6 @@ class TaskpointState:
             staged.error = exc
             staged.path = None
         return staged
-
-    def _bundle(
-        self,
-        epoch: int,
-        step: int,
-        extra: dict[str, Any],
-        rng_states: list[dict[str, Any] | None],
-        world: int,
-        *,
-        tensors: bool = True,
-    ) -> dict[str, Any]:
-        return {
-            "layout": LAYOUT,
-            "version": LAYOUT_VERSION,
-            "models": {
-                n: _unwrap(m).state_dict() if tensors else {} for n, m in self._models.items()
-            },
-            "optimizers": {
-                n: o.state_dict() if tensors else {} for n, o in self._optimizers.items()
-            },
-            "schedulers": {n: s.state_dict() for n, s in self._schedulers.items()},
-            "scalers": {n: s.state_dict() for n, s in self._scalers.items()},
-            "generators": {n: g.get_state() for n, g in self._generators.items()},
-            "rng": rng_states if self._rng else None,
-            "epoch": epoch,
-            "step": step,
-            "extra": extra,
-            "world_size": world,
-            "save_id": uuid.uuid4().hex,
-            "torch_version": str(torch.__version__),
-        }
 
     @staticmethod
     def _settle(staged: _Staged) -> None:
@@ -633,11 +519,12 @@ class TaskpointState:
             return None
         assert isinstance(checkpoint, Checkpoint)
         rest = load_sharded(
-            checkpoint, {n: _unwrap(m) for n, m in self._models.items()}, self._optimizers
+            checkpoint, self._components.unwrapped_models(), self._components.optimizers
         )
-        parts = {kind: self._parts(kind) for kind in KINDS}
-        check_layout(rest, Path(f"{checkpoint.url} (sharded state)"), parts, self._rng)
-        self._apply(rest, rank, world, tensors=False)
+        check_layout(
+            rest, Path(f"{checkpoint.url} (sharded state)"), self._components.by_kind(), self._rng
+        )
+        self._components.load(rest, rank, world, tensors=False)
         self._preemption.begin(rest["epoch"], rest["step"])
         if rank == 0:
             log.info(
@@ -646,17 +533,9 @@ class TaskpointState:
             )
         return ResumePoint(epoch=rest["epoch"], step=rest["step"], extra=dict(rest["extra"]))
 
-    def _device(self) -> torch.device:
-        for module in self._models.values():
-            for tensor in itertools.chain(module.parameters(), module.buffers()):
-                return tensor.device
-        return torch.device("cpu")
-
     def _read(self, restored: Path | None, map_location: MapLocation) -> dict[str, Any] | None:
-        parts = {kind: self._parts(kind) for kind in KINDS}
-        parts["models"] = {n: _unwrap(m) for n, m in self._models.items()}
-        location = map_location if map_location is not None else self._device()
-        return read_bundle(restored, location, parts, self._rng)
+        location = map_location if map_location is not None else self._components.device()
+        return read_bundle(restored, location, self._components.by_kind(), self._rng)
 
     def _finish_restore(
         self, bundle: dict[str, Any] | None, error: Exception | None
@@ -679,7 +558,7 @@ class TaskpointState:
                 log.info("no state bundle committed yet: starting from scratch")
             self._preemption.begin(0, 0)
             return None
-        self._apply(bundle, rank, world)
+        self._components.load(bundle, rank, world)
         self._preemption.begin(bundle["epoch"], bundle["step"])
         if rank == 0:
             log.info(
@@ -687,39 +566,6 @@ class TaskpointState:
                 bundle["world_size"], bundle["epoch"], bundle["step"],
             )
         return ResumePoint(epoch=bundle["epoch"], step=bundle["step"], extra=dict(bundle["extra"]))
-
-    def _apply(
-        self, bundle: dict[str, Any], rank: int, world: int, *, tensors: bool = True
-    ) -> None:
-        for name, module in self._models.items() if tensors else ():
-            _unwrap(module).load_state_dict(bundle["models"][name])
-        for name, optimizer in self._optimizers.items() if tensors else ():
-            try:
-                optimizer.load_state_dict(bundle["optimizers"][name])
-            except (ValueError, KeyError, RuntimeError) as exc:
-                raise StateMismatchError(
-                    f"optimizers[{name!r}] cannot take the checkpoint's state: {exc}",
-                    component=f"optimizers[{name!r}]",
-                ) from exc
-        for kind in ("schedulers", "scalers"):
-            for name, obj in self._parts(kind).items():
-                obj.load_state_dict(bundle[kind][name])
-        for name, generator in self._generators.items():
-            generator.set_state(bundle["generators"][name].cpu())
-        states = bundle.get("rng")
-        if self._rng and states:
-            if len(states) == world:
-                mine = states[rank]
-            else:
-                mine = states[0]
-                if rank == 0:
-                    log.warning(
-                        "checkpoint was saved by %d rank(s), this job has %d: every rank "
-                        "restores rank 0's RNG state, so the run will not match an "
-                        "uninterrupted one", len(states), world,
-                    )
-            if mine is not None:
-                restore_rng(mine)
 
 
 def _cpu_copy(value: Any) -> Any:
