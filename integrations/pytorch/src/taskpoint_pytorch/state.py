@@ -37,11 +37,7 @@ uploading run in a background thread, one save at a time::
 
 from __future__ import annotations
 
-import copy
 import logging
-import shutil
-import tempfile
-import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,7 +47,6 @@ from typing import Any, Protocol
 import torch
 from taskpoint import Checkpoint, CheckpointLike
 from taskpoint.checkpoint.mirror import track
-from taskpoint.format.manifest import TREE_FORMAT
 from torch import nn
 
 from taskpoint_pytorch._agreement import (
@@ -74,6 +69,7 @@ from taskpoint_pytorch._layout import (
 )
 from taskpoint_pytorch._preemption import Preemption
 from taskpoint_pytorch._safety import check_weights_only
+from taskpoint_pytorch._save import BundleSaver
 from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
 
 __all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
@@ -106,19 +102,6 @@ class ResumePoint:
     epoch: int
     step: int
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _Staged:
-    rank: int
-    error: BaseException | None = None
-    folder: Path | None = None
-    path: Path | None = None
-    bundle: dict[str, Any] | None = None  # a background save's private copy
-
-    def cleanup(self) -> None:
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class TaskpointState:
@@ -185,6 +168,7 @@ class TaskpointState:
                 owner_of(optimizer, self._components.unwrapped_models())
         self._preemption = Preemption(save_on_preemption)
         self._uploads = self._preemption.uploads
+        self._saver = BundleSaver(self._components, blocking=self._blocking, uploads=self._uploads)
         track(self._uploads)
 
     def __repr__(self) -> str:
@@ -252,19 +236,8 @@ class TaskpointState:
         with turn:
             if self._sharded:
                 self._save_sharded(checkpoint, epoch, step, extra, background)
-            elif self._in_background(background):
-                self._save_background(checkpoint, epoch, step, extra)
             else:
-                staged = self._stage(checkpoint, epoch, step, extra)
-                try:
-                    if staged.path is not None:
-                        try:
-                            checkpoint.save_sync(_upload_target(checkpoint, staged.path))
-                        except Exception as exc:
-                            staged.error = exc
-                    self._settle(staged)
-                finally:
-                    staged.cleanup()
+                self._saver.save_sync(checkpoint, epoch, step, extra, background)
         return True
 
     async def save(
@@ -286,19 +259,8 @@ class TaskpointState:
         with turn:
             if self._sharded:
                 self._save_sharded(checkpoint, epoch, step, extra, background)
-            elif self._in_background(background):
-                self._save_background(checkpoint, epoch, step, extra)
             else:
-                staged = self._stage(checkpoint, epoch, step, extra)
-                try:
-                    if staged.path is not None:
-                        try:
-                            await checkpoint.save(_upload_target(checkpoint, staged.path))
-                        except Exception as exc:
-                            staged.error = exc
-                    self._settle(staged)
-                finally:
-                    staged.cleanup()
+                await self._saver.save(checkpoint, epoch, step, extra, background)
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -368,76 +330,6 @@ class TaskpointState:
         bundle["save_id"] = save_id
         bundle["sharded"] = True
         return bundle
-
-    def _in_background(self, background: bool | None) -> bool:
-        return not self._blocking if background is None else bool(background)
-
-    def _save_background(
-        self, checkpoint: CheckpointLike, epoch: int, step: int, extra: Mapping[str, Any] | None
-    ) -> None:
-        staged = self._stage(checkpoint, epoch, step, extra, copy=True)
-        self._settle(staged)  # every rank raises if rank 0 could not build the bundle
-        if staged.bundle is not None:
-            bundle = staged.bundle
-            self._uploads.start(lambda: _write_and_save(checkpoint, bundle))
-
-    def _stage(
-        self,
-        checkpoint: object,
-        epoch: int,
-        step: int,
-        extra: Mapping[str, Any] | None,
-        *,
-        copy: bool = False,
-    ) -> _Staged:
-        """Gather every rank's RNG state; on rank 0 write the bundle to a local file (or,
-        with ``copy``, keep a private copy of it for a background save).
-
-        Rank 0 first waits for its background save in flight: its failure fails the save
-        on every rank."""
-        rank, world = rank_and_size()
-
-        def prepare() -> None:
-            if rank == 0:
-                self._uploads.wait()
-            check_checkpoint(checkpoint)
-
-        epoch, step, extra_state, rng_states = agree_to_save(
-            prepare, epoch, step, extra, self._rng
-        )
-        staged = _Staged(rank=rank)
-        if rank != 0:
-            return staged
-        try:
-            bundle = self._components.bundle(epoch, step, extra_state, rng_states, world)
-            for key, value in bundle.items():
-                check_weights_only(value, key)
-            if copy:
-                staged.bundle = _cpu_copy(bundle)
-                return staged
-            staged.folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
-            staged.path = staged.folder / STATE_FILE
-            torch.save(bundle, staged.path)
-            log.debug(
-                "serialised state bundle (epoch=%d, step=%d, %d bytes)",
-                epoch, step, staged.path.stat().st_size,
-            )
-        except Exception as exc:
-            staged.error = exc
-            staged.path = None
-        return staged
-
-    @staticmethod
-    def _settle(staged: _Staged) -> None:
-        """Rank 0 tells every rank how the commit went; all raise if it failed."""
-        outcome = broadcast_from_zero(describe_error(staged.error) if staged.rank == 0 else None)
-        if staged.error is not None:
-            raise staged.error
-        if outcome is not None:
-            raise StateError(
-                f"rank 0 failed to save the checkpoint ({outcome}), so rank {staged.rank} "
-                "stops too"
-            )
 
     # -- restoring --------------------------------------------------------------------
 
@@ -566,72 +458,3 @@ class TaskpointState:
                 bundle["world_size"], bundle["epoch"], bundle["step"],
             )
         return ResumePoint(epoch=bundle["epoch"], step=bundle["step"], extra=dict(bundle["extra"]))
-
-
-def _cpu_copy(value: Any) -> Any:
-    """A copy of ``value`` whose tensors are private CPU tensors, taken now.
-
-    CUDA tensors go to pinned memory with non-blocking copies, then each device's current
-    stream is synchronised once; a tensor appearing twice is copied once.
-    """
-    devices: set[torch.device] = set()
-    seen: dict[int, torch.Tensor] = {}
-
-    def walk(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            if id(item) in seen:
-                return seen[id(item)]
-            tensor = item.detach()
-            if tensor.device.type == "cuda" and tensor.layout == torch.strided:
-                out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                out.copy_(tensor, non_blocking=True)
-                devices.add(tensor.device)
-            elif tensor.device.type == "cpu":
-                out = tensor.clone()
-            else:
-                out = tensor.to("cpu")
-            seen[id(item)] = out
-            return out
-        if isinstance(item, dict):
-            mapped = type(item)()
-            for key, child in item.items():
-                mapped[key] = walk(child)
-            return mapped
-        if isinstance(item, (list, tuple, set)):
-            return type(item)(walk(child) for child in item)
-        return copy.deepcopy(item)  # primitives (kept as they are) or a registered safe type
-
-    copied = walk(value)
-    for device in devices:
-        torch.cuda.current_stream(device).synchronize()
-    return copied
-
-
-def _upload_target(checkpoint: object, path: Path) -> Path:
-    """What a save hands to ``checkpoint``: for a :class:`taskpoint.Checkpoint` that stores
-    folders by content (store format 2, the default), the folder holding the bundle, so a
-    save uploads only the chunks of ``state.pt`` that changed since the last one (a
-    restore finds the bundle in the folder); else the bundle file itself."""
-    if isinstance(checkpoint, Checkpoint):
-        config = getattr(checkpoint, "_config", {})  # no public accessor for the format
-        if config.get("store_format", TREE_FORMAT) == TREE_FORMAT:
-            return path.parent
-    return path
-
-
-def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
-    """A background save's work: serialise ``bundle`` and commit it."""
-    folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
-    try:
-        path = folder / STATE_FILE
-        torch.save(bundle, path)
-        log.debug("serialised state bundle (%d bytes) in %s", path.stat().st_size,
-                  threading.current_thread().name)
-        if isinstance(checkpoint, Checkpoint):
-            # Its upload process (or thread) sends it, off this process's GIL.
-            checkpoint.save_sync(_upload_target(checkpoint, path), background=True, snapshot="link")
-            checkpoint.wait()
-        else:
-            checkpoint.save_sync(path)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
