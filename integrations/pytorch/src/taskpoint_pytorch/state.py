@@ -56,7 +56,7 @@ from taskpoint_pytorch._agreement import (
     raise_first_failure,
     settle_every_rank,
 )
-from taskpoint_pytorch._arguments import check_checkpoint, check_sharded_checkpoint
+from taskpoint_pytorch._arguments import check_sharded_checkpoint
 from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._distributed import all_gather, broadcast_from_zero, rank_and_size
 from taskpoint_pytorch._errors import StateError
@@ -65,9 +65,9 @@ from taskpoint_pytorch._layout import (
     LAYOUT_VERSION,
     STATE_FILE,
     check_layout,
-    read_bundle,
 )
 from taskpoint_pytorch._preemption import Preemption
+from taskpoint_pytorch._restore import BundleRestorer, MapLocation
 from taskpoint_pytorch._safety import check_weights_only
 from taskpoint_pytorch._save import BundleSaver
 from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
@@ -75,8 +75,6 @@ from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
 __all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
 
 log = logging.getLogger(__name__)
-
-MapLocation = str | torch.device | None
 
 
 class Stateful(Protocol):
@@ -169,6 +167,7 @@ class TaskpointState:
         self._preemption = Preemption(save_on_preemption)
         self._uploads = self._preemption.uploads
         self._saver = BundleSaver(self._components, blocking=self._blocking, uploads=self._uploads)
+        self._restorer = BundleRestorer(self._components, self._preemption)
         track(self._uploads)
 
     def __repr__(self) -> str:
@@ -361,13 +360,7 @@ class TaskpointState:
         """
         if self._sharded:
             return self._restore_sharded(checkpoint)
-        settle_every_rank()
-        try:
-            check_checkpoint(checkpoint)
-            bundle = self._read(checkpoint.load_sync(), map_location)
-        except Exception as exc:
-            return self._finish_restore(None, exc)
-        return self._finish_restore(bundle, None)
+        return _resume_point(self._restorer.restore_sync(checkpoint, map_location))
 
     async def restore(
         self, checkpoint: CheckpointLike, *, map_location: MapLocation = None
@@ -375,13 +368,7 @@ class TaskpointState:
         """Async :meth:`restore_sync`: the download is awaited."""
         if self._sharded:
             return self._restore_sharded(checkpoint)
-        settle_every_rank()
-        try:
-            check_checkpoint(checkpoint)
-            bundle = self._read(await checkpoint.load(), map_location)
-        except Exception as exc:
-            return self._finish_restore(None, exc)
-        return self._finish_restore(bundle, None)
+        return _resume_point(await self._restorer.restore(checkpoint, map_location))
 
     def _restore_sharded(self, checkpoint: object) -> ResumePoint | None:
         """Every rank: agree a checkpoint exists, ``dcp.load`` into the current sharding,
@@ -423,38 +410,11 @@ class TaskpointState:
                 "restored sharded state saved by %d rank(s) on %d: epoch=%d step=%d",
                 rest["world_size"], world, rest["epoch"], rest["step"],
             )
-        return ResumePoint(epoch=rest["epoch"], step=rest["step"], extra=dict(rest["extra"]))
+        return _resume_point(rest)
 
-    def _read(self, restored: Path | None, map_location: MapLocation) -> dict[str, Any] | None:
-        location = map_location if map_location is not None else self._components.device()
-        return read_bundle(restored, location, self._components.by_kind(), self._rng)
 
-    def _finish_restore(
-        self, bundle: dict[str, Any] | None, error: Exception | None
-    ) -> ResumePoint | None:
-        rank, world = rank_and_size()
-        summary = None if bundle is None else (bundle["save_id"], bundle["epoch"], bundle["step"])
-        summaries = gather_or_raise(summary, error, "restore the state")
-        if any(s != summaries[0] for s in summaries):
-            found = ", ".join(
-                f"rank {r}: " + ("nothing" if s is None else f"save {s[0]} (epoch {s[1]}, step {s[2]})")
-                for r, s in enumerate(summaries)
-            )
-            raise StateError(
-                f"ranks restored different checkpoints ({found}); every rank must read the "
-                "same store (a memory:// store is private to its process: use a shared "
-                "path or object storage)"
-            )
-        if bundle is None:
-            if rank == 0:
-                log.info("no state bundle committed yet: starting from scratch")
-            self._preemption.begin(0, 0)
-            return None
-        self._components.load(bundle, rank, world)
-        self._preemption.begin(bundle["epoch"], bundle["step"])
-        if rank == 0:
-            log.info(
-                "restored state bundle saved by %d rank(s): epoch=%d step=%d",
-                bundle["world_size"], bundle["epoch"], bundle["step"],
-            )
-        return ResumePoint(epoch=bundle["epoch"], step=bundle["step"], extra=dict(bundle["extra"]))
+def _resume_point(bundle: dict[str, Any] | None) -> ResumePoint | None:
+    """Where a loop resumes after restoring ``bundle``; ``None`` for no bundle."""
+    if bundle is None:
+        return None
+    return ResumePoint(epoch=bundle["epoch"], step=bundle["step"], extra=dict(bundle["extra"]))
