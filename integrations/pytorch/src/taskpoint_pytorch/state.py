@@ -37,44 +37,23 @@ uploading run in a background thread, one save at a time::
 
 from __future__ import annotations
 
-import logging
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from taskpoint import Checkpoint, CheckpointLike
+from taskpoint import CheckpointLike
 from taskpoint.checkpoint.mirror import track
 from torch import nn
 
-from taskpoint_pytorch._agreement import (
-    agree_to_save,
-    describe_error,
-    gather_or_raise,
-    raise_first_failure,
-    settle_every_rank,
-)
-from taskpoint_pytorch._arguments import check_sharded_checkpoint
 from taskpoint_pytorch._components import Components
-from taskpoint_pytorch._distributed import all_gather, broadcast_from_zero, rank_and_size
-from taskpoint_pytorch._errors import StateError
-from taskpoint_pytorch._layout import (
-    LAYOUT,
-    LAYOUT_VERSION,
-    STATE_FILE,
-    check_layout,
-)
+from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION, STATE_FILE
 from taskpoint_pytorch._preemption import Preemption
 from taskpoint_pytorch._restore import BundleRestorer, MapLocation
-from taskpoint_pytorch._safety import check_weights_only
 from taskpoint_pytorch._save import BundleSaver
-from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
+from taskpoint_pytorch._sharded import ShardedState
 
 __all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
-
-log = logging.getLogger(__name__)
 
 
 class Stateful(Protocol):
@@ -156,23 +135,18 @@ class TaskpointState:
         save_on_preemption: bool | None = None,
     ) -> None:
         self._components = Components(model, optimizer, scheduler, scaler, generators, rng)
-        self._rng = self._components.rng
-        self._blocking = bool(blocking)
-        self._sharded = bool(sharded)
-        if self._sharded and not self._blocking:
+        if sharded and not blocking:
             raise ValueError("sharded=True saves are blocking: pass blocking=True")
-        if self._sharded:
-            for optimizer in self._components.optimizers.values():
-                owner_of(optimizer, self._components.unwrapped_models())
         self._preemption = Preemption(save_on_preemption)
         self._uploads = self._preemption.uploads
-        self._saver = BundleSaver(self._components, blocking=self._blocking, uploads=self._uploads)
+        self._sharded = ShardedState(self._components, self._preemption) if sharded else None
+        self._saver = BundleSaver(self._components, blocking=bool(blocking), uploads=self._uploads)
         self._restorer = BundleRestorer(self._components, self._preemption)
         track(self._uploads)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{kind}={sorted(names)}" for kind, names in self.layout().items())
-        return f"TaskpointState({parts}, rng={self._rng})"
+        return f"TaskpointState({parts}, rng={self._components.rng})"
 
     def layout(self) -> dict[str, list[str]]:
         """The component names per kind, as a bundle records them (for messages and tests)."""
@@ -233,8 +207,8 @@ class TaskpointState:
         if not turn.save:
             return False
         with turn:
-            if self._sharded:
-                self._save_sharded(checkpoint, epoch, step, extra, background)
+            if self._sharded is not None:
+                self._sharded.save(checkpoint, epoch, step, extra, background)
             else:
                 self._saver.save_sync(checkpoint, epoch, step, extra, background)
         return True
@@ -256,8 +230,8 @@ class TaskpointState:
         if not turn.save:
             return False
         with turn:
-            if self._sharded:
-                self._save_sharded(checkpoint, epoch, step, extra, background)
+            if self._sharded is not None:
+                self._sharded.save(checkpoint, epoch, step, extra, background)
             else:
                 await self._saver.save(checkpoint, epoch, step, extra, background)
         return True
@@ -277,58 +251,6 @@ class TaskpointState:
             taskpoint.CheckpointError: the background save failed (raised once).
         """
         return self._uploads.wait(timeout)
-
-    def _save_sharded(
-        self,
-        checkpoint: object,
-        epoch: int,
-        step: int,
-        extra: Mapping[str, Any] | None,
-        background: bool | None,
-    ) -> None:
-        """Every rank: gather RNG states, agree the bundle's rest is valid, ``dcp.save``."""
-        rank, world = rank_and_size()
-
-        def prepare() -> None:
-            if background:
-                raise ValueError("sharded=True saves are blocking: background=True is refused")
-            check_sharded_checkpoint(checkpoint)
-
-        epoch, step, extra_state, rng_states = agree_to_save(
-            prepare, epoch, step, extra, self._rng
-        )
-        save_id = broadcast_from_zero(uuid.uuid4().hex)
-        rest: dict[str, Any] = {}
-        local_error: Exception | None = None
-        try:
-            rest = self._rest(epoch, step, extra_state, rng_states, world, save_id)
-            for key, value in rest.items():
-                check_weights_only(value, key)
-        except Exception as exc:
-            local_error = exc
-        failures = all_gather(describe_error(local_error))
-        raise_first_failure(local_error, failures, "save the state")
-        assert isinstance(checkpoint, Checkpoint)
-        save_sharded(
-            checkpoint, self._components.unwrapped_models(), self._components.optimizers, rest
-        )
-        if rank == 0:
-            log.debug("committed sharded state (epoch=%d, step=%d) from %d ranks", epoch, step, world)
-
-    def _rest(
-        self,
-        epoch: int,
-        step: int,
-        extra: dict[str, Any],
-        rng_states: list[dict[str, Any] | None],
-        world: int,
-        save_id: str,
-    ) -> dict[str, Any]:
-        """A sharded save's bundle without the model and optimizer state (saved by DCP)."""
-        bundle = self._components.bundle(epoch, step, extra, rng_states, world, tensors=False)
-        bundle["save_id"] = save_id
-        bundle["sharded"] = True
-        return bundle
 
     # -- restoring --------------------------------------------------------------------
 
@@ -358,59 +280,17 @@ class TaskpointState:
             StateError: ranks restored different checkpoints, or another rank failed.
             taskpoint.CheckpointError: the store failed or holds no intact checkpoint.
         """
-        if self._sharded:
-            return self._restore_sharded(checkpoint)
+        if self._sharded is not None:
+            return _resume_point(self._sharded.restore(checkpoint))
         return _resume_point(self._restorer.restore_sync(checkpoint, map_location))
 
     async def restore(
         self, checkpoint: CheckpointLike, *, map_location: MapLocation = None
     ) -> ResumePoint | None:
         """Async :meth:`restore_sync`: the download is awaited."""
-        if self._sharded:
-            return self._restore_sharded(checkpoint)
+        if self._sharded is not None:
+            return _resume_point(self._sharded.restore(checkpoint))
         return _resume_point(await self._restorer.restore(checkpoint, map_location))
-
-    def _restore_sharded(self, checkpoint: object) -> ResumePoint | None:
-        """Every rank: agree a checkpoint exists, ``dcp.load`` into the current sharding,
-        then apply the rest of the bundle."""
-        settle_every_rank()
-        rank, world = rank_and_size()
-        error: Exception | None = None
-        newest: str | None = None
-        try:
-            check_sharded_checkpoint(checkpoint)
-            assert isinstance(checkpoint, Checkpoint)
-            committed = checkpoint.committed()
-            newest = committed[0].key if committed else None
-        except Exception as exc:
-            error = exc
-        seen = gather_or_raise(newest, error, "restore the state")
-        if any(n is None for n in seen) and any(n is not None for n in seen):
-            found = ", ".join(f"rank {r}: {n or 'nothing'}" for r, n in enumerate(seen))
-            raise StateError(
-                f"ranks see different checkpoints ({found}); every rank must read the same "
-                "store (a memory:// store is private to its process)"
-            )
-        if newest is None:
-            if rank == 0:
-                log.info("no state committed yet: starting from scratch")
-            self._preemption.begin(0, 0)
-            return None
-        assert isinstance(checkpoint, Checkpoint)
-        rest = load_sharded(
-            checkpoint, self._components.unwrapped_models(), self._components.optimizers
-        )
-        check_layout(
-            rest, Path(f"{checkpoint.url} (sharded state)"), self._components.by_kind(), self._rng
-        )
-        self._components.load(rest, rank, world, tensors=False)
-        self._preemption.begin(rest["epoch"], rest["step"])
-        if rank == 0:
-            log.info(
-                "restored sharded state saved by %d rank(s) on %d: epoch=%d step=%d",
-                rest["world_size"], world, rest["epoch"], rest["step"],
-            )
-        return _resume_point(rest)
 
 
 def _resume_point(bundle: dict[str, Any] | None) -> ResumePoint | None:
