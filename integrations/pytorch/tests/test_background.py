@@ -17,7 +17,7 @@ import pytest
 import taskpoint
 import torch
 from taskpoint_pytorch import ResumePoint, TaskpointState
-from taskpoint_pytorch.state import _cpu_copy
+from taskpoint_pytorch._save import cpu_copy
 from torch import nn
 
 
@@ -163,7 +163,7 @@ def test_blocking_is_the_default_and_each_call_can_override_it(
 def test_the_copy_is_private_and_keeps_shared_tensors_shared() -> None:
     weight = torch.ones(3)
     value = {"a": weight, "b": [weight, (weight, 2)], "c": {"n": 1, "s": "x"}}
-    copied = _cpu_copy(value)
+    copied = cpu_copy(value)
     weight.add_(1)
     assert torch.equal(copied["a"], torch.ones(3))
     assert copied["a"] is copied["b"][0] is copied["b"][1][0]

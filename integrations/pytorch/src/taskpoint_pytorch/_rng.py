@@ -3,6 +3,8 @@
 ``random.getstate()`` and ``numpy.random.get_state()`` return tuples holding Python and
 NumPy objects that ``torch.load(weights_only=True)`` refuses to rebuild. They are stored
 here as tensors, lists, numbers and strings only, and turned back on restore.
+A bundle holds every rank's state, in rank order; each rank restores its own
+(:func:`restore_rank_rng`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "restore_rng"]
+__all__ = ["capture_rng", "restore_rank_rng", "restore_rng"]
 
 log = logging.getLogger(__name__)
 
@@ -90,3 +92,32 @@ def restore_rng(state: dict[str, Any]) -> None:
         )
     for index, device_state in enumerate(cuda[:count]):
         torch.cuda.set_rng_state(device_state.cpu(), index)
+
+
+def restore_rank_rng(states: list[dict[str, Any] | None] | None, rank: int, world: int) -> None:
+    """Restore this rank's entry of a bundle's RNG states (see :func:`restore_rng`).
+
+    With as many states as ranks, each rank takes its own; otherwise (the world size
+    changed) every rank takes rank 0's, and rank 0 logs a warning that the run will not
+    match an uninterrupted one. Nothing happens when ``states`` is empty or ``None`` (saved
+    with ``rng=False``) or the chosen entry is ``None``.
+
+    Args:
+        states: every saving rank's state, in rank order, as the bundle holds them.
+        rank: this process's global rank.
+        world: the world size now.
+    """
+    if not states:
+        return
+    if len(states) == world:
+        mine = states[rank]
+    else:
+        mine = states[0]
+        if rank == 0:
+            log.warning(
+                "checkpoint was saved by %d rank(s), this job has %d: every rank "
+                "restores rank 0's RNG state, so the run will not match an "
+                "uninterrupted one", len(states), world,
+            )
+    if mine is not None:
+        restore_rng(mine)

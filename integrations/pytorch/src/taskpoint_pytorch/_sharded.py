@@ -10,12 +10,18 @@ rank's RNG state, the counters and ``extra``) is one small ``torch.save`` blob, 
 every rank, stored once beside the shards under ``rest`` (as bytes). Restoring loads with DCP into the
 current sharding, whatever the world size (DCP reshards), and reads ``rest`` with
 ``weights_only=True``.
+
+:class:`ShardedState` runs a sharded ``TaskpointState``'s saves and restores on every rank:
+the ranks agree (``_agreement``) before any of them calls ``dcp.save`` or ``dcp.load``.
 """
 
 from __future__ import annotations
 
 import io
+import logging
+import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import taskpoint
@@ -35,10 +41,25 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from taskpoint_pytorch._agreement import (
+    agree_to_save,
+    describe_error,
+    gather_or_raise,
+    raise_first_failure,
+    settle_every_rank,
+)
+from taskpoint_pytorch._arguments import check_sharded_checkpoint
+from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._dcp import TaskpointStorageReader, TaskpointStorageWriter
+from taskpoint_pytorch._distributed import all_gather, broadcast_from_zero, rank_and_size
 from taskpoint_pytorch._errors import StateError
+from taskpoint_pytorch._layout import check_layout
+from taskpoint_pytorch._preemption import Preemption
+from taskpoint_pytorch._safety import check_weights_only
 
-__all__ = ["load_sharded", "owner_of", "save_sharded"]
+__all__ = ["ShardedState", "load_sharded", "owner_of", "save_sharded"]
+
+log = logging.getLogger(__name__)
 
 REST = "rest"
 """The key of the bundle's non-sharded part in the DCP state dict."""
@@ -146,3 +167,116 @@ def load_sharded(
     if not isinstance(rest, dict):
         raise StateError(f"the checkpoint's {REST!r} entry is not a state bundle")
     return rest
+
+
+class ShardedState:
+    """The saves and restores of one ``TaskpointState(..., sharded=True)``.
+
+    Args:
+        components: the objects saved and restored.
+        preemption: the state's step boundaries, begun once a restore is done.
+
+    Raises:
+        ValueError: an optimizer's parameters belong to none of the models.
+    """
+
+    def __init__(self, components: Components, preemption: Preemption) -> None:
+        for optimizer in components.optimizers.values():
+            owner_of(optimizer, components.unwrapped_models())
+        self._components = components
+        self._preemption = preemption
+
+    def save(
+        self,
+        checkpoint: object,
+        epoch: int,
+        step: int,
+        extra: Mapping[str, Any] | None,
+        background: bool | None,
+    ) -> None:
+        """Every rank: gather RNG states, agree the bundle's rest is valid, ``dcp.save``.
+
+        Raises:
+            ValueError: ``background`` is true, or a counter is bad.
+            TypeError: ``checkpoint`` is not a :class:`taskpoint.Checkpoint`, or a value
+                would not load with ``weights_only=True``.
+            StateError: another rank failed, or DCP failed on any rank.
+        """
+        rank, world = rank_and_size()
+
+        def prepare() -> None:
+            if background:
+                raise ValueError("sharded=True saves are blocking: background=True is refused")
+            check_sharded_checkpoint(checkpoint)
+
+        epoch, step, extra_state, rng_states = agree_to_save(
+            prepare, epoch, step, extra, self._components.rng
+        )
+        save_id = broadcast_from_zero(uuid.uuid4().hex)
+        rest: dict[str, Any] = {}
+        local_error: Exception | None = None
+        try:
+            rest = self._components.bundle(epoch, step, extra_state, rng_states, world, tensors=False)
+            rest["save_id"] = save_id
+            rest["sharded"] = True
+            for key, value in rest.items():
+                check_weights_only(value, key)
+        except Exception as exc:
+            local_error = exc
+        failures = all_gather(describe_error(local_error))
+        raise_first_failure(local_error, failures, "save the state")
+        assert isinstance(checkpoint, taskpoint.Checkpoint)
+        save_sharded(checkpoint, self._components.unwrapped_models(), self._components.optimizers, rest)
+        if rank == 0:
+            log.debug("committed sharded state (epoch=%d, step=%d) from %d ranks", epoch, step, world)
+
+    def restore(self, checkpoint: object) -> dict[str, Any] | None:
+        """Every rank: agree a checkpoint exists, ``dcp.load`` into the current sharding,
+        then apply the rest of the bundle.
+
+        Returns:
+            The rest of the bundle restored, or ``None`` when nothing was committed yet.
+
+        Raises:
+            TypeError: ``checkpoint`` is not a :class:`taskpoint.Checkpoint`.
+            StateLayoutError: the rest is not a bundle of this layout.
+            StateError: ranks see different checkpoints, another rank failed, or DCP
+                failed on any rank.
+        """
+        settle_every_rank()
+        rank, world = rank_and_size()
+        error: Exception | None = None
+        newest: str | None = None
+        try:
+            check_sharded_checkpoint(checkpoint)
+            assert isinstance(checkpoint, taskpoint.Checkpoint)
+            committed = checkpoint.committed()
+            newest = committed[0].key if committed else None
+        except Exception as exc:
+            error = exc
+        seen = gather_or_raise(newest, error, "restore the state")
+        if any(n is None for n in seen) and any(n is not None for n in seen):
+            found = ", ".join(f"rank {r}: {n or 'nothing'}" for r, n in enumerate(seen))
+            raise StateError(
+                f"ranks see different checkpoints ({found}); every rank must read the same "
+                "store (a memory:// store is private to its process)"
+            )
+        if newest is None:
+            if rank == 0:
+                log.info("no state committed yet: starting from scratch")
+            self._preemption.begin(0, 0)
+            return None
+        assert isinstance(checkpoint, taskpoint.Checkpoint)
+        rest = load_sharded(checkpoint, self._components.unwrapped_models(), self._components.optimizers)
+        check_layout(
+            rest, Path(f"{checkpoint.url} (sharded state)"), self._components.by_kind(),
+            self._components.rng,
+        )
+        self._components.load(rest, rank, world, tensors=False)
+        self._preemption.begin(rest["epoch"], rest["step"])
+        if rank == 0:
+            log.info(
+                "restored sharded state saved by %d rank(s) on %d: epoch=%d step=%d",
+                rest["world_size"], world, rest["epoch"], rest["step"],
+            )
+        return rest

@@ -37,45 +37,23 @@ uploading run in a background thread, one save at a time::
 
 from __future__ import annotations
 
-import copy
-import itertools
-import logging
-import shutil
-import tempfile
-import threading
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
-from taskpoint import Checkpoint, CheckpointLike
-from taskpoint.checkpoint.mirror import settle_uploads, track
-from taskpoint.format.manifest import TREE_FORMAT
+from taskpoint import CheckpointLike
+from taskpoint.checkpoint.mirror import track
 from torch import nn
-from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from taskpoint_pytorch._distributed import all_gather, broadcast_from_zero, rank_and_size
-from taskpoint_pytorch._errors import StateError, StateMismatchError
-from taskpoint_pytorch._layout import (
-    KINDS,
-    LAYOUT,
-    LAYOUT_VERSION,
-    STATE_FILE,
-    check_layout,
-    read_bundle,
-)
+from taskpoint_pytorch._components import Components
+from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION, STATE_FILE
 from taskpoint_pytorch._preemption import Preemption
-from taskpoint_pytorch._rng import capture_rng, restore_rng
-from taskpoint_pytorch._safety import check_weights_only
-from taskpoint_pytorch._sharded import load_sharded, owner_of, save_sharded
+from taskpoint_pytorch._restore import BundleRestorer, MapLocation
+from taskpoint_pytorch._save import BundleSaver
+from taskpoint_pytorch._sharded import ShardedState
 
 __all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
-
-log = logging.getLogger(__name__)
-
-MapLocation = str | torch.device | None
 
 
 class Stateful(Protocol):
@@ -101,92 +79,6 @@ class ResumePoint:
     epoch: int
     step: int
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-T = TypeVar("T")
-
-
-def _named(
-    arg: str, default: str, value: T | Mapping[str, T] | None, check: Callable[[str, Any], None]
-) -> dict[str, T]:
-    if value is None:
-        return {}
-    if isinstance(value, Mapping):
-        named: dict[str, T] = {}
-        for name, item in value.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"{arg} names must be non-empty strings; got {name!r}")
-            check(f"{arg}[{name!r}]", item)
-            named[name] = item
-        return named
-    check(arg, value)
-    return {default: value}
-
-
-def _is_a(kind: type | tuple[type, ...], expected: str) -> Callable[[str, Any], None]:
-    def check(where: str, value: Any) -> None:
-        if not isinstance(value, kind):
-            raise TypeError(
-                f"{where} must be {expected} (or pass a mapping of names to them); "
-                f"got {type(value).__name__}"
-            )
-
-    return check
-
-
-def _is_stateful(where: str, value: Any) -> None:
-    if not (callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    )):
-        raise TypeError(
-            f"{where} must have state_dict() and load_state_dict() (an LR scheduler, say); "
-            f"got {type(value).__name__}"
-        )
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The module whose state dict has no wrapper prefixes (DDP, DataParallel, compile)."""
-    while True:
-        inner: object = None
-        if isinstance(module, (DistributedDataParallel, DataParallel)):
-            inner = module.module
-        elif type(module).__name__ == "OptimizedModule":
-            inner = getattr(module, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return module
-        module = inner
-
-
-def _check_counter(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int; got {value!r}")
-    return value
-
-
-def _describe_error(exc: BaseException | None) -> str | None:
-    return None if exc is None else f"{type(exc).__name__}: {exc}"
-
-
-def _raise_first_failure(local: BaseException | None, messages: list[str | None], what: str) -> None:
-    """Raise this rank's own error, else a ``StateError`` naming the first failed rank."""
-    if local is not None:
-        raise local
-    for rank, message in enumerate(messages):
-        if message is not None:
-            raise StateError(f"cannot {what}: rank {rank} failed ({message}), so every rank stops")
-
-
-@dataclass
-class _Staged:
-    rank: int
-    error: BaseException | None = None
-    folder: Path | None = None
-    path: Path | None = None
-    bundle: dict[str, Any] | None = None  # a background save's private copy
-
-    def cleanup(self) -> None:
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class TaskpointState:
@@ -242,52 +134,23 @@ class TaskpointState:
         sharded: bool = False,
         save_on_preemption: bool | None = None,
     ) -> None:
-        self._models = _named("model", "model", model, _is_a(nn.Module, "a torch.nn.Module"))
-        self._optimizers = _named(
-            "optimizer", "optimizer", optimizer,
-            _is_a(torch.optim.Optimizer, "a torch.optim.Optimizer"),
-        )
-        self._schedulers = _named("scheduler", "scheduler", scheduler, _is_stateful)
-        self._scalers = _named(
-            "scaler", "scaler", scaler, _is_a(torch.amp.GradScaler, "a torch.amp.GradScaler")
-        )
-        if generators is not None and not isinstance(generators, Mapping):
-            raise TypeError(
-                "generators must be a mapping of names to torch.Generator objects; "
-                f"got {type(generators).__name__}"
-            )
-        self._generators: dict[str, torch.Generator] = _named(
-            "generators", "generator", generators, _is_a(torch.Generator, "a torch.Generator")
-        )
-        self._rng = bool(rng)
-        self._blocking = bool(blocking)
-        self._sharded = bool(sharded)
-        if self._sharded and not self._blocking:
+        self._components = Components(model, optimizer, scheduler, scaler, generators, rng)
+        if sharded and not blocking:
             raise ValueError("sharded=True saves are blocking: pass blocking=True")
-        if self._sharded:
-            for optimizer in self._optimizers.values():
-                owner_of(optimizer, {n: _unwrap(m) for n, m in self._models.items()})
         self._preemption = Preemption(save_on_preemption)
         self._uploads = self._preemption.uploads
+        self._sharded = ShardedState(self._components, self._preemption) if sharded else None
+        self._saver = BundleSaver(self._components, blocking=bool(blocking), uploads=self._uploads)
+        self._restorer = BundleRestorer(self._components, self._preemption)
         track(self._uploads)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{kind}={sorted(names)}" for kind, names in self.layout().items())
-        return f"TaskpointState({parts}, rng={self._rng})"
+        return f"TaskpointState({parts}, rng={self._components.rng})"
 
     def layout(self) -> dict[str, list[str]]:
         """The component names per kind, as a bundle records them (for messages and tests)."""
-        return {kind: sorted(self._parts(kind)) for kind in KINDS}
-
-    def _parts(self, kind: str) -> Mapping[str, Any]:
-        parts: dict[str, Mapping[str, Any]] = {
-            "models": self._models,
-            "optimizers": self._optimizers,
-            "schedulers": self._schedulers,
-            "scalers": self._scalers,
-            "generators": self._generators,
-        }
-        return parts[kind]
+        return self._components.layout()
 
     # -- saving -----------------------------------------------------------------------
 
@@ -344,21 +207,10 @@ class TaskpointState:
         if not turn.save:
             return False
         with turn:
-            if self._sharded:
-                self._save_sharded(checkpoint, epoch, step, extra, background)
-            elif self._in_background(background):
-                self._save_background(checkpoint, epoch, step, extra)
+            if self._sharded is not None:
+                self._sharded.save(checkpoint, epoch, step, extra, background)
             else:
-                staged = self._stage(checkpoint, epoch, step, extra)
-                try:
-                    if staged.path is not None:
-                        try:
-                            checkpoint.save_sync(_upload_target(checkpoint, staged.path))
-                        except Exception as exc:
-                            staged.error = exc
-                    self._settle(staged)
-                finally:
-                    staged.cleanup()
+                self._saver.save_sync(checkpoint, epoch, step, extra, background)
         return True
 
     async def save(
@@ -378,21 +230,10 @@ class TaskpointState:
         if not turn.save:
             return False
         with turn:
-            if self._sharded:
-                self._save_sharded(checkpoint, epoch, step, extra, background)
-            elif self._in_background(background):
-                self._save_background(checkpoint, epoch, step, extra)
+            if self._sharded is not None:
+                self._sharded.save(checkpoint, epoch, step, extra, background)
             else:
-                staged = self._stage(checkpoint, epoch, step, extra)
-                try:
-                    if staged.path is not None:
-                        try:
-                            await checkpoint.save(_upload_target(checkpoint, staged.path))
-                        except Exception as exc:
-                            staged.error = exc
-                    self._settle(staged)
-                finally:
-                    staged.cleanup()
+                await self._saver.save(checkpoint, epoch, step, extra, background)
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -410,189 +251,6 @@ class TaskpointState:
             taskpoint.CheckpointError: the background save failed (raised once).
         """
         return self._uploads.wait(timeout)
-
-    def _save_sharded(
-        self,
-        checkpoint: object,
-        epoch: int,
-        step: int,
-        extra: Mapping[str, Any] | None,
-        background: bool | None,
-    ) -> None:
-        """Every rank: gather RNG states, agree the bundle's rest is valid, ``dcp.save``."""
-        rank, world = rank_and_size()
-
-        def prepare() -> None:
-            if background:
-                raise ValueError("sharded=True saves are blocking: background=True is refused")
-            _check_sharded_checkpoint(checkpoint)
-
-        epoch, step, extra_state, rng_states = self._agree_to_save(prepare, epoch, step, extra)
-        save_id = broadcast_from_zero(uuid.uuid4().hex)
-        rest: dict[str, Any] = {}
-        local_error: Exception | None = None
-        try:
-            rest = self._rest(epoch, step, extra_state, rng_states, world, save_id)
-            for key, value in rest.items():
-                check_weights_only(value, key)
-        except Exception as exc:
-            local_error = exc
-        failures = all_gather(_describe_error(local_error))
-        _raise_first_failure(local_error, failures, "save the state")
-        assert isinstance(checkpoint, Checkpoint)
-        save_sharded(
-            checkpoint, {n: _unwrap(m) for n, m in self._models.items()}, self._optimizers, rest
-        )
-        if rank == 0:
-            log.debug("committed sharded state (epoch=%d, step=%d) from %d ranks", epoch, step, world)
-
-    def _rest(
-        self,
-        epoch: int,
-        step: int,
-        extra: dict[str, Any],
-        rng_states: list[dict[str, Any] | None],
-        world: int,
-        save_id: str,
-    ) -> dict[str, Any]:
-        """A sharded save's bundle without the model and optimizer state (saved by DCP)."""
-        bundle = self._bundle(epoch, step, extra, rng_states, world, tensors=False)
-        bundle["save_id"] = save_id
-        bundle["sharded"] = True
-        return bundle
-
-    def _in_background(self, background: bool | None) -> bool:
-        return not self._blocking if background is None else bool(background)
-
-    def _save_background(
-        self, checkpoint: CheckpointLike, epoch: int, step: int, extra: Mapping[str, Any] | None
-    ) -> None:
-        staged = self._stage(checkpoint, epoch, step, extra, copy=True)
-        self._settle(staged)  # every rank raises if rank 0 could not build the bundle
-        if staged.bundle is not None:
-            bundle = staged.bundle
-            self._uploads.start(lambda: _write_and_save(checkpoint, bundle))
-
-    def _stage(
-        self,
-        checkpoint: object,
-        epoch: int,
-        step: int,
-        extra: Mapping[str, Any] | None,
-        *,
-        copy: bool = False,
-    ) -> _Staged:
-        """Gather every rank's RNG state; on rank 0 write the bundle to a local file (or,
-        with ``copy``, keep a private copy of it for a background save).
-
-        Rank 0 first waits for its background save in flight: its failure fails the save
-        on every rank."""
-        rank, world = rank_and_size()
-
-        def prepare() -> None:
-            if rank == 0:
-                self._uploads.wait()
-            _check_checkpoint(checkpoint)
-
-        epoch, step, extra_state, rng_states = self._agree_to_save(prepare, epoch, step, extra)
-        staged = _Staged(rank=rank)
-        if rank != 0:
-            return staged
-        try:
-            bundle = self._bundle(epoch, step, extra_state, rng_states, world)
-            for key, value in bundle.items():
-                check_weights_only(value, key)
-            if copy:
-                staged.bundle = _cpu_copy(bundle)
-                return staged
-            staged.folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
-            staged.path = staged.folder / STATE_FILE
-            torch.save(bundle, staged.path)
-            log.debug(
-                "serialised state bundle (epoch=%d, step=%d, %d bytes)",
-                epoch, step, staged.path.stat().st_size,
-            )
-        except Exception as exc:
-            staged.error = exc
-            staged.path = None
-        return staged
-
-    def _agree_to_save(
-        self,
-        prepare: Callable[[], None],
-        epoch: int,
-        step: int,
-        extra: Mapping[str, Any] | None,
-    ) -> tuple[int, int, dict[str, Any], list[dict[str, Any] | None]]:
-        """Every rank: run ``prepare``, check the counters and ``extra``, capture this
-        rank's RNG state, and gather them all (a collective).
-
-        Returns:
-            The checked epoch, step and extra state, and every rank's RNG state in rank
-            order.
-
-        Raises:
-            Exception: what ``prepare`` or a check raised here, or :class:`StateError`
-                when another rank failed: every rank raises, none goes on to save.
-        """
-        local_error: Exception | None = None
-        rng_state: dict[str, Any] | None = None
-        extra_state: dict[str, Any] = {}
-        try:
-            prepare()
-            epoch = _check_counter("epoch", epoch)
-            step = _check_counter("step", step)
-            extra_state = _check_extra(extra)
-            # After the checks (they draw no random numbers), before anything that could.
-            rng_state = capture_rng() if self._rng else None
-        except Exception as exc:
-            local_error = exc
-        gathered = all_gather((rng_state, _describe_error(local_error)))
-        _raise_first_failure(local_error, [message for _, message in gathered], "save the state")
-        return epoch, step, extra_state, [state for state, _ in gathered]
-
-    def _bundle(
-        self,
-        epoch: int,
-        step: int,
-        extra: dict[str, Any],
-        rng_states: list[dict[str, Any] | None],
-        world: int,
-        *,
-        tensors: bool = True,
-    ) -> dict[str, Any]:
-        return {
-            "layout": LAYOUT,
-            "version": LAYOUT_VERSION,
-            "models": {
-                n: _unwrap(m).state_dict() if tensors else {} for n, m in self._models.items()
-            },
-            "optimizers": {
-                n: o.state_dict() if tensors else {} for n, o in self._optimizers.items()
-            },
-            "schedulers": {n: s.state_dict() for n, s in self._schedulers.items()},
-            "scalers": {n: s.state_dict() for n, s in self._scalers.items()},
-            "generators": {n: g.get_state() for n, g in self._generators.items()},
-            "rng": rng_states if self._rng else None,
-            "epoch": epoch,
-            "step": step,
-            "extra": extra,
-            "world_size": world,
-            "save_id": uuid.uuid4().hex,
-            "torch_version": str(torch.__version__),
-        }
-
-    @staticmethod
-    def _settle(staged: _Staged) -> None:
-        """Rank 0 tells every rank how the commit went; all raise if it failed."""
-        outcome = broadcast_from_zero(_describe_error(staged.error) if staged.rank == 0 else None)
-        if staged.error is not None:
-            raise staged.error
-        if outcome is not None:
-            raise StateError(
-                f"rank 0 failed to save the checkpoint ({outcome}), so rank {staged.rank} "
-                "stops too"
-            )
 
     # -- restoring --------------------------------------------------------------------
 
@@ -622,257 +280,21 @@ class TaskpointState:
             StateError: ranks restored different checkpoints, or another rank failed.
             taskpoint.CheckpointError: the store failed or holds no intact checkpoint.
         """
-        if self._sharded:
-            return self._restore_sharded(checkpoint)
-        _settle_every_rank()
-        try:
-            _check_checkpoint(checkpoint)
-            bundle = self._read(checkpoint.load_sync(), map_location)
-        except Exception as exc:
-            return self._finish_restore(None, exc)
-        return self._finish_restore(bundle, None)
+        if self._sharded is not None:
+            return _resume_point(self._sharded.restore(checkpoint))
+        return _resume_point(self._restorer.restore_sync(checkpoint, map_location))
 
     async def restore(
         self, checkpoint: CheckpointLike, *, map_location: MapLocation = None
     ) -> ResumePoint | None:
         """Async :meth:`restore_sync`: the download is awaited."""
-        if self._sharded:
-            return self._restore_sharded(checkpoint)
-        _settle_every_rank()
-        try:
-            _check_checkpoint(checkpoint)
-            bundle = self._read(await checkpoint.load(), map_location)
-        except Exception as exc:
-            return self._finish_restore(None, exc)
-        return self._finish_restore(bundle, None)
-
-    def _restore_sharded(self, checkpoint: object) -> ResumePoint | None:
-        """Every rank: agree a checkpoint exists, ``dcp.load`` into the current sharding,
-        then apply the rest of the bundle."""
-        _settle_every_rank()
-        rank, world = rank_and_size()
-        error: Exception | None = None
-        newest: str | None = None
-        try:
-            _check_sharded_checkpoint(checkpoint)
-            assert isinstance(checkpoint, Checkpoint)
-            committed = checkpoint.committed()
-            newest = committed[0].key if committed else None
-        except Exception as exc:
-            error = exc
-        gathered = all_gather((newest, _describe_error(error)))
-        _raise_first_failure(error, [message for _, message in gathered], "restore the state")
-        if any(n is None for n, _ in gathered) and any(n is not None for n, _ in gathered):
-            found = ", ".join(f"rank {r}: {n or 'nothing'}" for r, (n, _) in enumerate(gathered))
-            raise StateError(
-                f"ranks see different checkpoints ({found}); every rank must read the same "
-                "store (a memory:// store is private to its process)"
-            )
-        if newest is None:
-            if rank == 0:
-                log.info("no state committed yet: starting from scratch")
-            self._preemption.begin(0, 0)
-            return None
-        assert isinstance(checkpoint, Checkpoint)
-        rest = load_sharded(
-            checkpoint, {n: _unwrap(m) for n, m in self._models.items()}, self._optimizers
-        )
-        parts = {kind: self._parts(kind) for kind in KINDS}
-        check_layout(rest, Path(f"{checkpoint.url} (sharded state)"), parts, self._rng)
-        self._apply(rest, rank, world, tensors=False)
-        self._preemption.begin(rest["epoch"], rest["step"])
-        if rank == 0:
-            log.info(
-                "restored sharded state saved by %d rank(s) on %d: epoch=%d step=%d",
-                rest["world_size"], world, rest["epoch"], rest["step"],
-            )
-        return ResumePoint(epoch=rest["epoch"], step=rest["step"], extra=dict(rest["extra"]))
-
-    def _device(self) -> torch.device:
-        for module in self._models.values():
-            for tensor in itertools.chain(module.parameters(), module.buffers()):
-                return tensor.device
-        return torch.device("cpu")
-
-    def _read(self, restored: Path | None, map_location: MapLocation) -> dict[str, Any] | None:
-        parts = {kind: self._parts(kind) for kind in KINDS}
-        parts["models"] = {n: _unwrap(m) for n, m in self._models.items()}
-        location = map_location if map_location is not None else self._device()
-        return read_bundle(restored, location, parts, self._rng)
-
-    def _finish_restore(
-        self, bundle: dict[str, Any] | None, error: Exception | None
-    ) -> ResumePoint | None:
-        rank, world = rank_and_size()
-        summary = None if bundle is None else (bundle["save_id"], bundle["epoch"], bundle["step"])
-        gathered = all_gather((summary, _describe_error(error)))
-        _raise_first_failure(error, [message for _, message in gathered], "restore the state")
-        summaries = [s for s, _ in gathered]
-        if any(s != summaries[0] for s in summaries):
-            found = ", ".join(
-                f"rank {r}: " + ("nothing" if s is None else f"save {s[0]} (epoch {s[1]}, step {s[2]})")
-                for r, s in enumerate(summaries)
-            )
-            raise StateError(
-                f"ranks restored different checkpoints ({found}); every rank must read the "
-                "same store (a memory:// store is private to its process: use a shared "
-                "path or object storage)"
-            )
-        if bundle is None:
-            if rank == 0:
-                log.info("no state bundle committed yet: starting from scratch")
-            self._preemption.begin(0, 0)
-            return None
-        self._apply(bundle, rank, world)
-        self._preemption.begin(bundle["epoch"], bundle["step"])
-        if rank == 0:
-            log.info(
-                "restored state bundle saved by %d rank(s): epoch=%d step=%d",
-                bundle["world_size"], bundle["epoch"], bundle["step"],
-            )
-        return ResumePoint(epoch=bundle["epoch"], step=bundle["step"], extra=dict(bundle["extra"]))
-
-    def _apply(
-        self, bundle: dict[str, Any], rank: int, world: int, *, tensors: bool = True
-    ) -> None:
-        for name, module in self._models.items() if tensors else ():
-            _unwrap(module).load_state_dict(bundle["models"][name])
-        for name, optimizer in self._optimizers.items() if tensors else ():
-            try:
-                optimizer.load_state_dict(bundle["optimizers"][name])
-            except (ValueError, KeyError, RuntimeError) as exc:
-                raise StateMismatchError(
-                    f"optimizers[{name!r}] cannot take the checkpoint's state: {exc}",
-                    component=f"optimizers[{name!r}]",
-                ) from exc
-        for kind in ("schedulers", "scalers"):
-            for name, obj in self._parts(kind).items():
-                obj.load_state_dict(bundle[kind][name])
-        for name, generator in self._generators.items():
-            generator.set_state(bundle["generators"][name].cpu())
-        states = bundle.get("rng")
-        if self._rng and states:
-            if len(states) == world:
-                mine = states[rank]
-            else:
-                mine = states[0]
-                if rank == 0:
-                    log.warning(
-                        "checkpoint was saved by %d rank(s), this job has %d: every rank "
-                        "restores rank 0's RNG state, so the run will not match an "
-                        "uninterrupted one", len(states), world,
-                    )
-            if mine is not None:
-                restore_rng(mine)
+        if self._sharded is not None:
+            return _resume_point(self._sharded.restore(checkpoint))
+        return _resume_point(await self._restorer.restore(checkpoint, map_location))
 
 
-def _settle_every_rank() -> None:
-    """Wait for this process's uploads still in flight (an earlier attempt's too), then for
-    every rank's: only rank 0 uploads, and a rank that loaded before rank 0's last commit
-    landed would restore an older checkpoint than rank 0 (a collective)."""
-    settle_uploads()
-    all_gather(None)
-
-
-def _cpu_copy(value: Any) -> Any:
-    """A copy of ``value`` whose tensors are private CPU tensors, taken now.
-
-    CUDA tensors go to pinned memory with non-blocking copies, then each device's current
-    stream is synchronised once; a tensor appearing twice is copied once.
-    """
-    devices: set[torch.device] = set()
-    seen: dict[int, torch.Tensor] = {}
-
-    def walk(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            if id(item) in seen:
-                return seen[id(item)]
-            tensor = item.detach()
-            if tensor.device.type == "cuda" and tensor.layout == torch.strided:
-                out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                out.copy_(tensor, non_blocking=True)
-                devices.add(tensor.device)
-            elif tensor.device.type == "cpu":
-                out = tensor.clone()
-            else:
-                out = tensor.to("cpu")
-            seen[id(item)] = out
-            return out
-        if isinstance(item, dict):
-            mapped = type(item)()
-            for key, child in item.items():
-                mapped[key] = walk(child)
-            return mapped
-        if isinstance(item, (list, tuple, set)):
-            return type(item)(walk(child) for child in item)
-        return copy.deepcopy(item)  # primitives (kept as they are) or a registered safe type
-
-    copied = walk(value)
-    for device in devices:
-        torch.cuda.current_stream(device).synchronize()
-    return copied
-
-
-def _upload_target(checkpoint: object, path: Path) -> Path:
-    """What a save hands to ``checkpoint``: for a :class:`taskpoint.Checkpoint` that stores
-    folders by content (store format 2, the default), the folder holding the bundle, so a
-    save uploads only the chunks of ``state.pt`` that changed since the last one (a
-    restore finds the bundle in the folder); else the bundle file itself."""
-    if isinstance(checkpoint, Checkpoint):
-        config = getattr(checkpoint, "_config", {})  # no public accessor for the format
-        if config.get("store_format", TREE_FORMAT) == TREE_FORMAT:
-            return path.parent
-    return path
-
-
-def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
-    """A background save's work: serialise ``bundle`` and commit it."""
-    folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
-    try:
-        path = folder / STATE_FILE
-        torch.save(bundle, path)
-        log.debug("serialised state bundle (%d bytes) in %s", path.stat().st_size,
-                  threading.current_thread().name)
-        if isinstance(checkpoint, Checkpoint):
-            # Its upload process (or thread) sends it, off this process's GIL.
-            checkpoint.save_sync(_upload_target(checkpoint, path), background=True, snapshot="link")
-            checkpoint.wait()
-        else:
-            checkpoint.save_sync(path)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _check_sharded_checkpoint(checkpoint: object) -> None:
-    if not isinstance(checkpoint, Checkpoint):
-        raise TypeError(
-            "TaskpointState(sharded=True) saves through torch.distributed.checkpoint, every "
-            "rank uploading its own shards, so it needs a taskpoint.Checkpoint; got "
-            f"{type(checkpoint).__name__}"
-        )
-
-
-def _check_checkpoint(checkpoint: object) -> None:
-    if not isinstance(checkpoint, CheckpointLike):
-        hint = (
-            " (taskpoint.ctx().checkpoint is None when the task's environment has "
-            "checkpoints=False, and outside a task)"
-            if checkpoint is None
-            else ""
-        )
-        raise TypeError(
-            "checkpoint must be a taskpoint.Checkpoint or another object with save, "
-            f"save_sync, load and load_sync; got {type(checkpoint).__name__}{hint}"
-        )
-
-
-def _check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    if extra is None:
-        return {}
-    if not isinstance(extra, Mapping):
-        raise TypeError(f"extra must be a mapping of str keys to values; got {type(extra).__name__}")
-    for key in extra:
-        if not isinstance(key, str):
-            raise TypeError(f"extra keys must be strings; got {key!r}")
-    return dict(extra)
-
+def _resume_point(bundle: dict[str, Any] | None) -> ResumePoint | None:
+    """Where a loop resumes after restoring ``bundle``; ``None`` for no bundle."""
+    if bundle is None:
+        return None
+    return ResumePoint(epoch=bundle["epoch"], step=bundle["step"], extra=dict(bundle["extra"]))

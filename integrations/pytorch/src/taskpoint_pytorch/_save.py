@@ -1,0 +1,256 @@
+"""Saving a state bundle: global rank 0 writes one ``torch.save`` file and commits it.
+
+Every rank first agrees to save (its counters, ``extra`` and RNG state gathered; see
+``_agreement``); rank 0 then builds the bundle, checks it loads with ``weights_only=True``
+and writes :data:`~taskpoint_pytorch._layout.STATE_FILE` to a private temporary folder,
+which the checkpoint commits; then rank 0 tells every rank how the commit went. A
+background save copies the bundle off the training tensors instead (:func:`cpu_copy`) and
+serialises and commits it in the state's upload thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from taskpoint import Checkpoint, CheckpointLike
+from taskpoint.checkpoint.mirror import UploadThread
+from taskpoint.format.manifest import TREE_FORMAT
+
+from taskpoint_pytorch._agreement import agree_to_save, describe_error
+from taskpoint_pytorch._arguments import check_checkpoint
+from taskpoint_pytorch._components import Components
+from taskpoint_pytorch._distributed import broadcast_from_zero, rank_and_size
+from taskpoint_pytorch._errors import StateError
+from taskpoint_pytorch._layout import STATE_FILE
+from taskpoint_pytorch._safety import check_weights_only
+
+__all__ = ["BundleSaver", "cpu_copy"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Staged:
+    """One rank's part of a save: rank 0's bundle file (or copy), or the error that stopped it."""
+
+    rank: int
+    error: BaseException | None = None
+    folder: Path | None = None
+    path: Path | None = None
+    bundle: dict[str, Any] | None = None  # a background save's private copy
+
+    def cleanup(self) -> None:
+        """Remove the bundle's temporary folder, if any."""
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def settle(self) -> None:
+        """Rank 0 tells every rank how its part went; all raise if it failed.
+
+        Raises:
+            Exception: this rank's own error, else :class:`StateError` on the other ranks
+                when rank 0 failed.
+        """
+        outcome = broadcast_from_zero(describe_error(self.error) if self.rank == 0 else None)
+        if self.error is not None:
+            raise self.error
+        if outcome is not None:
+            raise StateError(
+                f"rank 0 failed to save the checkpoint ({outcome}), so rank {self.rank} "
+                "stops too"
+            )
+
+
+class BundleSaver:
+    """The saves of one (not sharded) ``TaskpointState``.
+
+    Args:
+        components: the objects saved.
+        blocking: whether a save waits for its commit when the call does not say.
+        uploads: the state's upload thread, which runs background saves one at a time.
+    """
+
+    def __init__(self, components: Components, *, blocking: bool, uploads: UploadThread) -> None:
+        self._components = components
+        self._blocking = blocking
+        self._uploads = uploads
+
+    def save_sync(
+        self, checkpoint: CheckpointLike, epoch: int, step: int,
+        extra: Mapping[str, Any] | None, background: bool | None,
+    ) -> None:
+        """One save on every rank, as ``TaskpointState.save_sync`` describes."""
+        with self._commit(checkpoint, epoch, step, extra, background) as path:
+            if path is not None:
+                checkpoint.save_sync(_upload_target(checkpoint, path))
+
+    async def save(
+        self, checkpoint: CheckpointLike, epoch: int, step: int,
+        extra: Mapping[str, Any] | None, background: bool | None,
+    ) -> None:
+        """Async :meth:`save_sync`: the upload is awaited."""
+        with self._commit(checkpoint, epoch, step, extra, background) as path:
+            if path is not None:
+                await checkpoint.save(_upload_target(checkpoint, path))
+
+    def _in_background(self, background: bool | None) -> bool:
+        return not self._blocking if background is None else bool(background)
+
+    @contextlib.contextmanager
+    def _commit(
+        self, checkpoint: CheckpointLike, epoch: int, step: int,
+        extra: Mapping[str, Any] | None, background: bool | None,
+    ) -> Iterator[Path | None]:
+        """One save, around its upload: yields the bundle file for the body to commit, or
+        ``None`` where there is nothing to commit (a rank other than 0, a bundle that
+        could not be built, a background save: handed to the upload thread already). An
+        ``Exception`` the body raises is the commit's failure. Then, for a blocking save,
+        rank 0 tells every rank how it went (all raise if it failed) and the file goes.
+        """
+        if self._in_background(background):
+            self._save_background(checkpoint, epoch, step, extra)
+            yield None
+            return
+        staged = self._stage(checkpoint, epoch, step, extra)
+        try:
+            try:
+                yield staged.path
+            except Exception as exc:
+                staged.error = exc
+            staged.settle()
+        finally:
+            staged.cleanup()
+
+    def _save_background(
+        self, checkpoint: CheckpointLike, epoch: int, step: int, extra: Mapping[str, Any] | None
+    ) -> None:
+        staged = self._stage(checkpoint, epoch, step, extra, copy=True)
+        staged.settle()  # every rank raises if rank 0 could not build the bundle
+        if staged.bundle is not None:
+            bundle = staged.bundle
+            self._uploads.start(lambda: _write_and_save(checkpoint, bundle))
+
+    def _stage(
+        self,
+        checkpoint: object,
+        epoch: int,
+        step: int,
+        extra: Mapping[str, Any] | None,
+        *,
+        copy: bool = False,
+    ) -> _Staged:
+        """Gather every rank's RNG state; on rank 0 write the bundle to a local file (or,
+        with ``copy``, keep a private copy of it for a background save).
+
+        Rank 0 first waits for its background save in flight: its failure fails the save
+        on every rank."""
+        rank, world = rank_and_size()
+
+        def prepare() -> None:
+            if rank == 0:
+                self._uploads.wait()
+            check_checkpoint(checkpoint)
+
+        epoch, step, extra_state, rng_states = agree_to_save(
+            prepare, epoch, step, extra, self._components.rng
+        )
+        staged = _Staged(rank=rank)
+        if rank != 0:
+            return staged
+        try:
+            bundle = self._components.bundle(epoch, step, extra_state, rng_states, world)
+            for key, value in bundle.items():
+                check_weights_only(value, key)
+            if copy:
+                staged.bundle = cpu_copy(bundle)
+                return staged
+            staged.folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
+            staged.path = staged.folder / STATE_FILE
+            torch.save(bundle, staged.path)
+            log.debug(
+                "serialised state bundle (epoch=%d, step=%d, %d bytes)",
+                epoch, step, staged.path.stat().st_size,
+            )
+        except Exception as exc:
+            staged.error = exc
+            staged.path = None
+        return staged
+
+
+def cpu_copy(value: Any) -> Any:
+    """A copy of ``value`` whose tensors are private CPU tensors, taken now.
+
+    CUDA tensors go to pinned memory with non-blocking copies, then each device's current
+    stream is synchronised once; a tensor appearing twice is copied once.
+    """
+    devices: set[torch.device] = set()
+    seen: dict[int, torch.Tensor] = {}
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            if id(item) in seen:
+                return seen[id(item)]
+            tensor = item.detach()
+            if tensor.device.type == "cuda" and tensor.layout == torch.strided:
+                out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                out.copy_(tensor, non_blocking=True)
+                devices.add(tensor.device)
+            elif tensor.device.type == "cpu":
+                out = tensor.clone()
+            else:
+                out = tensor.to("cpu")
+            seen[id(item)] = out
+            return out
+        if isinstance(item, dict):
+            mapped = type(item)()
+            for key, child in item.items():
+                mapped[key] = walk(child)
+            return mapped
+        if isinstance(item, (list, tuple, set)):
+            return type(item)(walk(child) for child in item)
+        return copy.deepcopy(item)  # primitives (kept as they are) or a registered safe type
+
+    copied = walk(value)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    return copied
+
+
+def _upload_target(checkpoint: object, path: Path) -> Path:
+    """What a save hands to ``checkpoint``: for a :class:`taskpoint.Checkpoint` that stores
+    folders by content (store format 2, the default), the folder holding the bundle, so a
+    save uploads only the chunks of ``state.pt`` that changed since the last one (a
+    restore finds the bundle in the folder); else the bundle file itself."""
+    if isinstance(checkpoint, Checkpoint):
+        config = getattr(checkpoint, "_config", {})  # no public accessor for the format
+        if config.get("store_format", TREE_FORMAT) == TREE_FORMAT:
+            return path.parent
+    return path
+
+
+def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
+    """A background save's work: serialise ``bundle`` and commit it."""
+    folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
+    try:
+        path = folder / STATE_FILE
+        torch.save(bundle, path)
+        log.debug("serialised state bundle (%d bytes) in %s", path.stat().st_size,
+                  threading.current_thread().name)
+        if isinstance(checkpoint, Checkpoint):
+            # Its upload process (or thread) sends it, off this process's GIL.
+            checkpoint.save_sync(_upload_target(checkpoint, path), background=True, snapshot="link")
+            checkpoint.wait()
+        else:
+            checkpoint.save_sync(path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
