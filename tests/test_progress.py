@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -98,6 +99,53 @@ def test_each_failure_records_the_step_it_reached_and_the_next_attempt_the_step_
            "2 steps lost" in seen["log"]
     assert "resuming at step 12 from save 1 of attempt 1; attempt 1 preempted at step 12: " \
            "0 steps lost" in seen["log"]
+
+
+def test_show_text_marks_preemption_saves_and_the_steps_each_failure_lost(
+    tmp_path: Path,
+) -> None:
+    """What ``--json`` says above, in the text people read: the preemption save among the
+    checkpoints, and at each attempt's end the step it reached, the step the next attempt
+    resumed at, the steps lost, and whether its preemption save committed or was missed."""
+    from click.testing import CliRunner
+    from taskpoint.cli import main
+
+    _run(tmp_path, TASK, ISOLATION="inline")
+    shown = CliRunner().invoke(
+        main, ["show", "steps.train/r1", "--root", str(tmp_path / "store")],
+        env={"COLUMNS": "400"},  # one line per event, however long the error
+    )
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    heads = [i for i, line in enumerate(lines) if re.search(r"attempt \d  ", line)]
+    branches = [lines[a:b] for a, b in zip(heads, [*heads[1:], len(lines)], strict=True)]
+    assert len(branches) == 4, shown.output
+
+    def line_of(branch: list[str], needle: str) -> str:
+        (line,) = [x for x in branch if needle in x]
+        return line
+
+    # attempt 0 failed 2 steps after its save at 5
+    assert line_of(branches[0], "failed: RuntimeError: lost the node").endswith(
+        "failed: RuntimeError: lost the node · at step 7 · next resumed at step 5: 2 steps lost"
+    )
+    # attempt 1 was preempted at 12 and saved there: its save is marked, nothing was lost
+    assert " · bytes, 2 B · step 12 · preemption save · uploaded 2 B in " in line_of(
+        branches[1], "checkpoint 000001-000000001"
+    )
+    assert line_of(branches[1], "preempted: ").endswith(
+        "it counts as preempted, not succeeded · preemption save committed · at step 12 · "
+        "next resumed at step 12: 0 steps lost"
+    )
+    # attempt 2 was preempted at 14 with no time to save: missed, 2 steps lost
+    assert line_of(branches[2], "resumed from 000001-000000001.manifest.json · at step 12")
+    assert line_of(branches[2], "preempted: ").endswith(
+        "preempted: Preempted: no time left to save · preemption save MISSED · at step 14 · "
+        "next resumed at step 12: 2 steps lost"
+    )
+    assert line_of(branches[3], "succeeded · ").endswith("succeeded · at step 20")
+    marked = [x for x in lines if " · preemption save · " in x]
+    assert marked == [line_of(branches[1], "checkpoint 000001-000000001")], "one save is marked"
 
 
 def test_a_manifest_carries_the_step_of_a_background_save_made_in_the_upload_process(

@@ -156,3 +156,81 @@ def test_outside_a_task_without_the_switch_a_sigterm_ends_the_process_as_before(
         env={**_environ(), "STORE": str(tmp_path / "store")}, timeout=300,
     )
     assert done.returncode == -15, done.stdout + done.stderr
+
+
+CHANGED_PART = """
+    import hashlib, json, os, signal
+    from pathlib import Path
+    import taskpoint
+    from taskpoint.runtime.step_boundary import StepBoundary
+
+    SIZE, CHANGED = int(os.environ["SIZE"]), int(os.environ["CHANGED"])
+    background = os.environ["BACKGROUND"] == "1"
+    env = taskpoint.TaskEnvironment(name="big", root=os.environ["STORE"], run_id="r", keep=5)
+    state = Path("state")
+
+    def digest(folder):
+        return hashlib.sha256((folder / "weights.bin").read_bytes()).hexdigest()
+
+    @env.task(retries=1, backoff=0.0)
+    def train(steps: int = 8) -> dict:
+        ckpt = taskpoint.ctx().checkpoint
+        restored = ckpt.load_sync()
+        if restored is not None:
+            return {"resumed": int((restored / "step.txt").read_text()),
+                    "weights": digest(restored)}
+        state.mkdir()
+        (state / "weights.bin").write_bytes(os.urandom(SIZE))
+        boundary = StepBoundary()
+        boundary.begin()
+        for step in range(1, steps + 1):
+            (state / "step.txt").write_text(str(step))
+            if step == 6:  # a small part of the state changed since the save at 4
+                with open(state / "weights.bin", "r+b") as fh:
+                    fh.seek(SIZE // 2)
+                    fh.write(os.urandom(CHANGED))
+                print(json.dumps({"at_signal": digest(state)}))
+                os.kill(os.getpid(), signal.SIGTERM)
+            if boundary.reached(step):
+                ckpt.save_sync(state, background=background)
+                ckpt.wait()
+                boundary.stop(step, saved=True)
+            if step == 4:
+                ckpt.save_sync(state, background=background)
+                ckpt.wait()  # committed before the signal, as a save every N steps is
+        return {"finished": steps}
+
+    print(json.dumps(train()))
+"""
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "upload-process"])
+def test_a_preemption_save_uploads_only_the_chunks_that_changed(
+    tmp_path: Path, background: bool
+) -> None:
+    """A 32 MiB state was saved; 1 MiB of it changes, then SIGTERM: the preemption save
+    made at the next boundary uploads about that 1 MiB (the chunks around it), not the
+    state, and the next attempt resumes from it with the changed bytes."""
+    from taskpoint import Checkpoint
+    from taskpoint.format._tree_save import CHUNK_AVG
+
+    size, changed = 32 << 20, 1 << 20
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(CHANGED_PART))
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+        env={**_environ(), "STORE": str(tmp_path / "store"), "SIZE": str(size),
+             "CHANGED": str(changed), "BACKGROUND": str(int(background))}, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    at_signal, result = (json.loads(x) for x in done.stdout.splitlines() if x.startswith("{"))
+    assert result == {"resumed": 6, "weights": at_signal["at_signal"]}, done.stderr
+    preemption_save, before = Checkpoint(tmp_path / "store" / "big.train" / "r").committed()
+    assert (preemption_save.step, preemption_save.preemption) == (6, True)
+    assert (before.step, before.preemption) == (4, False)
+    assert before.stats["uploaded"] >= size  # the first save sent the whole state
+    # The changed megabyte, and at most the chunk (at most 4 x CHUNK_AVG) on each side of
+    # it that content-defined chunking cuts differently: far below the state's size.
+    uploaded = preemption_save.stats["uploaded"]
+    assert changed <= uploaded <= changed + 2 * 4 * CHUNK_AVG, uploaded
+    assert preemption_save.stats["reused"] >= size - changed - 2 * 4 * CHUNK_AVG

@@ -643,10 +643,13 @@ class Saves:
             self.saver.prune()
         self._notify(stats)
 
-    def wait(self) -> None:
-        """Block until background saves have committed; raise what the last failed one raised."""
-        self._background.wait()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until background saves have committed, for at most ``timeout`` seconds
+        (``None``: no limit); raise what the last failed one raised. Whether none runs."""
+        if not self._background.wait(timeout):
+            return False
         self.raise_error()
+        return True
 
     def close(self) -> None:
         """Take no more saves; wait for those queued or in flight (see

@@ -18,9 +18,11 @@ new futures after interpreter shutdown" and nothing committed. Where
 ``threading._register_atexit`` is missing (it is a CPython internal), a plain ``atexit``
 hook does what it can.
 
-An upload still running when the time is up is not waited for: an upload in the upload
-process finishes and commits there all the same (the process outlives its parent to do
-so); one in a thread of this process ends with it, uncommitted.
+After a preemption signal the wait ends by the grace period's end too (the kill follows
+it). An upload still running when the time is up is not waited for, and a warning says it
+had not committed: an upload in the upload process finishes and commits there all the
+same (the process outlives its parent to do so); one in a thread of this process ends
+with it, uncommitted. Either way the store keeps the checkpoint before it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import time
 import weakref
 from typing import Protocol
 
+from taskpoint import preemption
 from taskpoint.checkpoint import _uploader
 
 __all__ = ["EXIT_WAIT_S", "settle_uploads", "track", "untrack"]
@@ -84,22 +87,27 @@ def settle_uploads(timeout: float | None = None) -> None:
 def _settle(uploads: _Waitable, timeout: float | None) -> None:
     try:
         if not uploads.wait(timeout):
-            log.warning("an upload still runs after %ss; not waiting for it", timeout)
+            log.warning(
+                "a background save had not committed after %.1f s; not waiting for it any "
+                "longer (until it commits, the newest checkpoint is the one before it)",
+                timeout,
+            )
     except Exception as exc:
         log.warning("an upload of an earlier attempt failed: %s: %s", type(exc).__name__, exc)
 
 
 def _settle_at_exit() -> None:
     """Wait for every tracked upload, then end the upload process, within
-    :data:`EXIT_WAIT_S` seconds in all."""
+    :data:`EXIT_WAIT_S` seconds in all, and by the grace period's end after a preemption
+    signal."""
     deadline = time.monotonic() + EXIT_WAIT_S
+    notice = preemption.notice()
+    if notice is not None:
+        deadline = min(deadline, notice.deadline)
     for uploads in list(_tracked):
         _settle(uploads, max(0.0, deadline - time.monotonic()))
     if not _uploader.close_shared(max(0.0, deadline - time.monotonic())):
-        log.warning(
-            "the upload process still runs after %ss; it finishes its uploads on its own",
-            EXIT_WAIT_S,
-        )
+        log.warning("the upload process still runs; it finishes its uploads on its own")
 
 
 def _register() -> None:

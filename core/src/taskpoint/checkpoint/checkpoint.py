@@ -438,13 +438,22 @@ class Checkpoint:
             progress=self._progress, step=step, noticed=noticed,
         )
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> bool:
         """Block until background saves have committed.
+
+        Args:
+            timeout: give up after this many seconds (``None``: no limit). A save given
+                up on goes on uploading; until it commits, the newest checkpoint is the
+                one before it.
+
+        Returns:
+            ``True`` once no background save is queued or running; ``False`` when
+            ``timeout`` ran out first.
 
         Raises:
             CheckpointError: what the last failed background save raised.
         """
-        self._saves.wait()
+        return self._saves.wait(timeout)
 
     def on_commit(self, callback: Callable[[SaveStats], object]) -> Callable[[SaveStats], object]:
         """Call ``callback`` with a :class:`~taskpoint.SaveStats` after each commit.

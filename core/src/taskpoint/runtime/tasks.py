@@ -44,7 +44,7 @@ from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.errors import TaskAttemptError
 from taskpoint.format.archive import check_codec
 from taskpoint.format.history import Outcome
-from taskpoint.runtime import _isolation
+from taskpoint.runtime import _isolation, step_boundary
 from taskpoint.runtime.context import (
     ENV_RUN_ID,
     Preempted,
@@ -277,10 +277,25 @@ class Runner:
     def settle(self, context: TaskContext, failed: bool) -> None:
         """Run the attempt's :meth:`~TaskContext.on_end` callbacks (adapters wait there for
         their uploads in flight), then wait for its background saves; their errors fail a
-        successful attempt."""
+        successful attempt.
+
+        A failed attempt waits for them only so long: until the grace period's end, less
+        :data:`~taskpoint.runtime.step_boundary.MARGIN_S`, once a preemption signal came,
+        else :data:`~taskpoint.runtime.step_boundary.SETTLE_S` seconds from now. A save
+        still uploading then is left to go on; the attempt ends (and is recorded) without
+        it, and until it commits the newest checkpoint is the one before it.
+        """
         waits: list[Callable[[], object]] = [context._run_end_callbacks]
         if context.checkpoint is not None:
-            waits.append(context.checkpoint.wait)
+            checkpoint = context.checkpoint
+            if failed:
+                notice = preemption.notice()
+                deadline = time.monotonic() + step_boundary.SETTLE_S if notice is None else (
+                    notice.deadline - step_boundary.MARGIN_S
+                )
+                waits.append(lambda: self._wait_bounded(context, checkpoint, deadline))
+            else:
+                waits.append(checkpoint.wait)
         error: Exception | None = None
         for wait in waits:  # all of them, whatever the first raised
             try:
@@ -293,6 +308,18 @@ class Runner:
             raise error
         log.warning("%s: a background save of the failed attempt failed too: %s",
                     context.action, error)
+
+    @staticmethod
+    def _wait_bounded(context: TaskContext, checkpoint: Checkpoint, deadline: float) -> None:
+        """Wait for ``checkpoint``'s background saves until ``deadline``
+        (``time.monotonic()``); say so when one still uploads then."""
+        started = time.monotonic()
+        if not checkpoint.wait(max(0.0, deadline - started)):
+            log.warning(
+                "%s: a background save had not committed after %.1f s; the attempt ends "
+                "without it (until it commits, the newest checkpoint is the one before it)",
+                context.action, time.monotonic() - started,
+            )
 
     def _finish(self, context: TaskContext, state: str) -> None:
         if context.checkpoint is not None:
