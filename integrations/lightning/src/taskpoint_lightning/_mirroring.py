@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Fit", "Mirroring", "Nodes", "describe"]
 
-log = logging.getLogger("taskpoint_lightning.callback")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

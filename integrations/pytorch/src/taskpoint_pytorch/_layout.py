@@ -32,7 +32,7 @@ __all__ = [
     "read_bundle",
 ]
 
-log = logging.getLogger("taskpoint_pytorch.state")
+log = logging.getLogger(__name__)
 
 LAYOUT = "taskpoint-pytorch/state"
 """The ``layout`` tag every bundle carries."""

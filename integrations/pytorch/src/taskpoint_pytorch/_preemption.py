@@ -33,7 +33,7 @@ from taskpoint_pytorch._distributed import broadcast_from_zero, rank_and_size
 
 __all__ = ["Preemption", "Turn"]
 
-log = logging.getLogger("taskpoint_pytorch.state")
+log = logging.getLogger(__name__)
 
 
 def step_of(epoch: object, step: object) -> int | None:
