@@ -19,10 +19,15 @@ A save writes the payload under a fresh name, then its manifest (the commit), th
 checkpoints beyond the newest ``keep``. A crash at any point leaves the newest committed
 checkpoint loadable; a reader never sees a half-written one.
 
-``Checkpoint`` is the public face; the work is done by its collaborators: saves by
-:class:`taskpoint.checkpoint._save.Saves` (ordering, background and upload-process saves,
-listeners) and :class:`taskpoint.checkpoint._save.Saver` (one commit), multi-writer commits
-by :mod:`taskpoint.distributed._parts`, loads by :class:`taskpoint.checkpoint._load.Loader`,
+``Checkpoint`` is the public face. This module holds its construction, copies, closing,
+saves and loads; it inherits its other methods, a job to a module: the run records
+(:class:`taskpoint.checkpoint._records.Records`) and the checkpoints stored
+(:class:`taskpoint.checkpoint._stored.Stored`).
+
+The work is done by its collaborators: saves by :class:`taskpoint.checkpoint._save.Saves`
+(ordering, background and upload-process saves, listeners) and
+:class:`taskpoint.checkpoint._save.Saver` (one commit), multi-writer commits by
+:mod:`taskpoint.distributed._parts`, loads by :class:`taskpoint.checkpoint._load.Loader`,
 the attempt and its run records by :class:`taskpoint.format.history.Attempt`, listing,
 verifying, pruning and collecting by :class:`taskpoint.format._catalog.Catalog`.
 """
@@ -39,19 +44,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
-from taskpoint import preemption, progress
 from taskpoint.checkpoint import _uploader
 from taskpoint.checkpoint._load import Loader
+from taskpoint.checkpoint._records import Records
 from taskpoint.checkpoint._save import Saver, Saves, Snapshot, take_snapshot
+from taskpoint.checkpoint._stored import Stored
 from taskpoint.distributed import _parts
 from taskpoint.distributed.coordination import Coordinator
 from taskpoint.errors import CheckpointError
-from taskpoint.format import archive, history, retention
+from taskpoint.format import archive, history
 from taskpoint.format._catalog import Catalog
 from taskpoint.format._digest import Progress
 from taskpoint.format._statcache import StatCache
 from taskpoint.format.history import SaveStats
-from taskpoint.format.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, Manifest, check_paths
+from taskpoint.format.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, check_paths
 from taskpoint.store.store import RetryPolicy, Store, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
@@ -62,7 +68,7 @@ SaveInput = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 """What ``save`` accepts: raw bytes, or the path of a file or directory."""
 
 
-class Checkpoint:
+class Checkpoint(Records, Stored):
     """A checkpoint location: ``save`` commits new state, ``load`` restores the newest.
 
     Args:
@@ -456,128 +462,7 @@ class Checkpoint:
         self._saves.on_commit(callback)
         return callback
 
-    def collect(self) -> retention.Collected:
-        """Delete content objects that no committed checkpoint references.
-
-        Safe while other processes save to the same run (see :mod:`taskpoint.format.retention`):
-        a round is skipped while any save is in flight. Saves collect after pruning.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-        """
-        return self._catalog.collect()
-
-    def mark_started(self) -> None:
-        """Record that this checkpoint's attempt started (its runner numbered it).
-
-        Best effort, like every run record (see :mod:`taskpoint.format.history`).
-        """
-        self._attempt.started()
-
-    def mark_ended(
-        self, outcome: history.Outcome, error: str | None = None, *, step: int | None = None
-    ) -> None:
-        """Record how this checkpoint's attempt ended; nothing if it never claimed one.
-
-        The record names the training step the attempt reached (``step``, by default the
-        one last given to :func:`taskpoint.report_step` in this process) and, for an attempt
-        that was preempted or received a preemption signal, whether a save made after the
-        signal committed. Best effort, like every run record (see :mod:`taskpoint.format.history`).
-
-        Raises:
-            ValueError: ``outcome`` is not one of :data:`taskpoint.format.history.OUTCOMES`.
-        """
-        if self._attempt.number is None:
-            return
-        save: history.PreemptionSave | None = None
-        if outcome == "preempted" or preemption.requested():
-            save = "committed" if self._preemption_saved() else "missed"
-        self._attempt.ended(
-            outcome, error, step=progress.current_step() if step is None else step,
-            preemption_save=save,
-        )
-
-    def _preemption_saved(self) -> bool:
-        """Whether this attempt committed a save made after its preemption signal."""
-        try:
-            committed = self.committed()
-        except CheckpointError:
-            return False  # unknown reads as missed: the record errs on the side of caution
-        return any(m.preemption and m.attempt == self._attempt.number for m in committed)
-
-    def prune(self, keep: int) -> int:
-        """Keep the newest ``keep`` intact checkpoints; delete what is older, and stale payloads.
-
-        What counts is the checkpoints a load could return, never names alone: the newest
-        checkpoints are verified (a checkpoint this object committed or restored is known
-        intact and not read again) until ``keep`` intact ones are found, and only
-        checkpoints older than the oldest of those are deleted. Unreadable or corrupt
-        records newer than that stay where they are (a load skips them), so they can
-        never push an intact checkpoint out. With fewer than ``keep`` intact checkpoints
-        nothing is deleted. ``keep=0`` deletes every checkpoint.
-
-        Manifests go before their payloads, so a reader never finds a manifest whose
-        payload is gone for good. The content objects of format-2 checkpoints are freed
-        by :meth:`collect` (which saves run after pruning).
-
-        Returns:
-            How many checkpoints were deleted.
-
-        Raises:
-            ValueError: ``keep`` is negative.
-            CheckpointStoreError: the store failed.
-        """
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-            raise ValueError(f"keep must be an int of at least 0; got {keep!r}")
-        return self._catalog.prune(keep)
-
-    def delete(self) -> None:
-        """Delete everything stored at this checkpoint's URL: checkpoints, markers, status.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-        """
-        self._store.remove_tree()
-
-    def verify(self, manifest: Manifest) -> bool:
-        """Whether ``manifest``'s payload exists and matches its size and checksum.
-
-        Reads the payload through without writing it anywhere.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-        """
-        return self._catalog.verify(manifest)
-
-    def mark_finished(self, state: str, *, attempts: int) -> None:
-        """Record that the action ended (``"succeeded"`` or ``"failed"``) after ``attempts``.
-
-        Best effort: a store failure is logged, not raised, so it never hides the task's
-        own outcome. ``taskpoint gc``/``rm`` treat actions without this record as unfinished.
-        """
-        history.record_finished(self._store, state, attempts)
-
-    def status(self) -> dict[str, Any] | None:
-        """The record :meth:`mark_finished` wrote, or ``None`` while the action is unfinished.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-            CheckpointFormatError: a newer taskpoint wrote the record.
-        """
-        return history.read_status(self._store)
-
     # -- loading ----------------------------------------------------------------------
-
-    def committed(self) -> list[Manifest]:
-        """The committed checkpoints' manifests, newest first, without verifying payloads.
-
-        Manifests that cannot be parsed are left out.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-            CheckpointFormatError: a manifest comes from a newer format.
-        """
-        return self._catalog.newest_first()
 
     def load_sync(
         self,
