@@ -20,8 +20,9 @@ checkpoints beyond the newest ``keep``. A crash at any point leaves the newest c
 checkpoint loadable; a reader never sees a half-written one.
 
 ``Checkpoint`` is the public face. This module holds its construction, copies, closing,
-saves and loads; it inherits its other methods, a job to a module: the run records
-(:class:`taskpoint.checkpoint._records.Records`) and the checkpoints stored
+saves and loads; it inherits its other methods, a job to a module: saving one checkpoint
+from several processes (:class:`taskpoint.checkpoint._multiwriter.MultiWriter`), the run
+records (:class:`taskpoint.checkpoint._records.Records`), and the checkpoints stored
 (:class:`taskpoint.checkpoint._stored.Stored`).
 
 The work is done by its collaborators: saves by :class:`taskpoint.checkpoint._save.Saves`
@@ -38,7 +39,6 @@ import asyncio
 import functools
 import logging
 import os
-import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -46,11 +46,10 @@ from typing import Any, Union
 
 from taskpoint.checkpoint import _uploader
 from taskpoint.checkpoint._load import Loader
+from taskpoint.checkpoint._multiwriter import MultiWriter
 from taskpoint.checkpoint._records import Records
 from taskpoint.checkpoint._save import Saver, Saves, Snapshot, take_snapshot
 from taskpoint.checkpoint._stored import Stored
-from taskpoint.distributed import _parts
-from taskpoint.distributed.coordination import Coordinator
 from taskpoint.errors import CheckpointError
 from taskpoint.format import archive, history
 from taskpoint.format._catalog import Catalog
@@ -68,7 +67,7 @@ SaveInput = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 """What ``save`` accepts: raw bytes, or the path of a file or directory."""
 
 
-class Checkpoint(Records, Stored):
+class Checkpoint(MultiWriter, Records, Stored):
     """A checkpoint location: ``save`` commits new state, ``load`` restores the newest.
 
     Args:
@@ -324,125 +323,6 @@ class Checkpoint(Records, Stored):
             self._saves.queue(await asyncio.to_thread(take_snapshot, source, snapshot), ticket)
         else:
             await asyncio.to_thread(self._saves.run, source, ticket)
-
-    def save_part_sync(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        coordinator: Coordinator,
-        step: int | None = None,
-        noticed: bool | None = None,
-    ) -> None:
-        """Commit one checkpoint written by several processes: this one adds ``path``'s tree.
-
-        Every rank of ``coordinator`` calls this with its own local directory; each uploads
-        its own files (as format-2 content objects) and rank 0 commits the union of the
-        trees once every rank's files are in the store and checked there. Until that commit
-        nothing loads the checkpoint; a rank that fails or is killed leaves the previous
-        checkpoint the newest. ``load_sync(part=rank)`` restores one rank's files alone.
-
-        Every rank returns once the commit is done, or raises. A path two ranks write must
-        hold the same content in both (a shared ``.metadata``, say). A rank that vanishes
-        after rank 0 gathered its part does not undo the commit: every surviving rank
-        raises, with the error's ``committed`` naming the committed manifest.
-
-        Args:
-            path: this rank's local directory.
-            coordinator: the ranks writing the checkpoint (a
-                :class:`taskpoint.StoreCoordinator`, or
-                ``taskpoint.distributed.torch_coordination.TorchCoordinator`` under
-                ``torch.distributed``). Its timeout bounds how long a rank waits for
-                the others at each step, uploads included.
-            step: the training step the checkpoint holds; ``None``: the one last given to
-                :func:`taskpoint.report_step`, now. Pass it when this call runs later
-                than the save was asked for (in a background thread).
-            noticed: whether the save was asked for after the preemption signal
-                (:func:`taskpoint.preemption.requested`); ``None``: as it is now.
-
-        Raises:
-            CheckpointCoordinationError: on every rank: the ranks named different checkpoint
-                URLs or world sizes (before anything is uploaded), two ranks wrote one path
-                with different content, another rank failed, or a rank did not arrive
-                within the coordinator's timeout (naming it). Its ``committed`` is the
-                manifest's URL if the checkpoint was committed all the same (a rank
-                vanished after its part was gathered), else ``None``: nothing this rank
-                saw was committed.
-            NotADirectoryError: ``path`` is not a directory (on this rank; the others raise
-                ``CheckpointCoordinationError`` naming it).
-            CheckpointUnsafeError: the directory holds a special file or a link leaving it.
-            CheckpointStoreError: the store failed.
-            CheckpointClosedError: :meth:`close` was called.
-        """
-        called = time.monotonic()
-        self._saves.check_open()
-        if not isinstance(coordinator, Coordinator):
-            raise TypeError(
-                "coordinator must be a taskpoint.Coordinator (StoreCoordinator, "
-                f"TorchCoordinator); got {type(coordinator).__name__}"
-            )
-        root = Path(os.fspath(path)).absolute()
-        self._saves.raise_error()
-        _parts.save_part(
-            lambda: _parts.check_part(root),
-            lambda: self._saves.begin_parts(called),
-            lambda: self.upload_part(root, step=step, noticed=noticed),
-            coordinator,
-            self._store.url,
-            lambda key: self._store.url_of(key) if self._store.exists(key) else None,
-        )
-
-    async def save_part(
-        self, path: str | os.PathLike[str], *, coordinator: Coordinator
-    ) -> None:
-        """Async :meth:`save_part_sync`: the protocol runs in a worker thread."""
-        await asyncio.to_thread(
-            functools.partial(self.save_part_sync, path, coordinator=coordinator)
-        )
-
-    def begin_parts(self) -> _parts.PartsCommit:
-        """Start a multi-writer commit, on the one process that will commit it.
-
-        For adapters that coordinate their ranks themselves (as ``torch.distributed.checkpoint``
-        does); :meth:`save_part_sync` does all of this for you. The steps: the committing
-        rank calls ``begin_parts()``; after that (a collective later) every rank calls
-        :meth:`upload_part` with its folder and sends the record it returns to the
-        committer, which calls ``commit(records)`` with them in rank order, or ``abort()``.
-        Until ``commit`` nothing loads the checkpoint.
-
-        Returns:
-            A :class:`taskpoint.PartsCommit` holding a save lease, usable as a context
-            manager that aborts unless committed.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-            CheckpointClosedError: :meth:`close` was called.
-        """
-        return self._saves.begin_parts(time.monotonic())
-
-    def upload_part(
-        self, path: str | os.PathLike[str], *, step: int | None = None,
-        noticed: bool | None = None,
-    ) -> dict[str, Any]:
-        """Upload one rank's folder for a multi-writer commit (see :meth:`begin_parts`).
-
-        ``step`` and ``noticed`` as for :meth:`save_part_sync` (the committing rank's
-        record gives the checkpoint its step; any rank's notice marks it a preemption save).
-
-        Returns:
-            The part's JSON record (its paths, content hashes and object names: metadata
-            only) for the committing rank's ``commit``.
-
-        Raises:
-            NotADirectoryError: ``path`` is not a directory.
-            CheckpointUnsafeError: it holds a special file or a link leaving it.
-            CheckpointStoreError: the store failed.
-            CheckpointClosedError: :meth:`close` was called.
-        """
-        self._saves.check_open()
-        return _parts.upload_part(
-            self._catalog, Path(os.fspath(path)).absolute(), codec=self._codec,
-            progress=self._progress, step=step, noticed=noticed,
-        )
 
     def wait(self) -> None:
         """Block until background saves have committed.
