@@ -86,7 +86,7 @@ class MultiWriter:
                 ``CheckpointCoordinationError`` naming it).
             CheckpointUnsafeError: the directory holds a special file or a link leaving it.
             CheckpointStoreError: the store failed.
-            CheckpointClosedError: :meth:`close` was called.
+            CheckpointClosedError: :meth:`~taskpoint.Checkpoint.close` was called.
         """
         called = time.monotonic()
         self._saves.check_open()
@@ -130,7 +130,7 @@ class MultiWriter:
 
         Raises:
             CheckpointStoreError: the store failed.
-            CheckpointClosedError: :meth:`close` was called.
+            CheckpointClosedError: :meth:`~taskpoint.Checkpoint.close` was called.
         """
         return self._saves.begin_parts(time.monotonic())
 
@@ -151,7 +151,7 @@ class MultiWriter:
             NotADirectoryError: ``path`` is not a directory.
             CheckpointUnsafeError: it holds a special file or a link leaving it.
             CheckpointStoreError: the store failed.
-            CheckpointClosedError: :meth:`close` was called.
+            CheckpointClosedError: :meth:`~taskpoint.Checkpoint.close` was called.
         """
         self._saves.check_open()
         return _parts.upload_part(
