@@ -19,10 +19,11 @@ A save writes the payload under a fresh name, then its manifest (the commit), th
 checkpoints beyond the newest ``keep``. A crash at any point leaves the newest committed
 checkpoint loadable; a reader never sees a half-written one.
 
-``Checkpoint`` is the public face. This module holds its construction, copies, closing,
-saves and loads; it inherits its other methods, a job to a module: saving one checkpoint
-from several processes (:class:`taskpoint.checkpoint._multiwriter.MultiWriter`), the run
-records (:class:`taskpoint.checkpoint._records.Records`), and the checkpoints stored
+``Checkpoint`` is the public face. This module holds its construction, copies, closing
+and saves; it inherits its other methods, a job to a module: loading
+(:class:`taskpoint.checkpoint._loading.Loading`), saving one checkpoint from several
+processes (:class:`taskpoint.checkpoint._multiwriter.MultiWriter`), the run records
+(:class:`taskpoint.checkpoint._records.Records`), and the checkpoints stored
 (:class:`taskpoint.checkpoint._stored.Stored`).
 
 The work is done by its collaborators: saves by :class:`taskpoint.checkpoint._save.Saves`
@@ -36,16 +37,16 @@ verifying, pruning and collecting by :class:`taskpoint.format._catalog.Catalog`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
 from taskpoint.checkpoint import _uploader
 from taskpoint.checkpoint._load import Loader
+from taskpoint.checkpoint._loading import Loading
 from taskpoint.checkpoint._multiwriter import MultiWriter
 from taskpoint.checkpoint._records import Records
 from taskpoint.checkpoint._save import Saver, Saves, Snapshot, take_snapshot
@@ -56,7 +57,7 @@ from taskpoint.format._catalog import Catalog
 from taskpoint.format._digest import Progress
 from taskpoint.format._statcache import StatCache
 from taskpoint.format.history import SaveStats
-from taskpoint.format.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, check_paths
+from taskpoint.format.manifest import FORMAT_VERSION, TREE_FORMAT, Codec
 from taskpoint.store.store import RetryPolicy, Store, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
@@ -67,7 +68,7 @@ SaveInput = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 """What ``save`` accepts: raw bytes, or the path of a file or directory."""
 
 
-class Checkpoint(MultiWriter, Records, Stored):
+class Checkpoint(Loading, MultiWriter, Records, Stored):
     """A checkpoint location: ``save`` commits new state, ``load`` restores the newest.
 
     Args:
@@ -341,83 +342,6 @@ class Checkpoint(MultiWriter, Records, Stored):
         """
         self._saves.on_commit(callback)
         return callback
-
-    # -- loading ----------------------------------------------------------------------
-
-    def load_sync(
-        self,
-        *,
-        into: str | os.PathLike[str] | None = None,
-        part: int | None = None,
-        paths: Collection[str] | None = None,
-    ) -> Path | None:
-        """Restore the newest intact committed checkpoint to a local path.
-
-        Args:
-            into: a local directory to restore into instead of a fresh folder. A directory
-                checkpoint's tree *becomes* ``into``: files already there with the right
-                size and content are kept rather than downloaded (a retry on the same
-                machine fetches only what is missing), the others are replaced, and
-                anything the checkpoint does not hold is removed. A file or bytes
-                checkpoint is placed in ``into`` under its name. Nothing in ``into``
-                changes unless the whole checkpoint restored and verified. With ``part``
-                or ``paths``, ``into`` ends up holding just what they select.
-            part: restore only the files rank ``part`` contributed to a checkpoint written
-                by several processes (:meth:`save_part_sync`); ``None``: the whole tree.
-            paths: restore only these paths of a directory checkpoint stored in format 2
-                (relative to the tree, ``/`` between components, e.g.
-                ``["model/__0_0.distcp", ".metadata"]``): the objects other files use are
-                never downloaded. A directory path brings everything under it; the
-                directories containing each path come along, and so does the file a
-                requested hard link shares; a symbolic link comes as a link, without its
-                target. With ``part`` too, each path must be one of that part's.
-                ``None``: the whole tree.
-
-        Returns:
-            The restored file (keeping its name), the restored directory tree, or a file
-            named ``checkpoint.bin`` holding saved bytes; ``None`` when nothing has been
-            committed. Without ``into`` each call restores afresh into a new folder.
-
-        A checkpoint that fails its checksum or cannot be read back is skipped, with a
-        :class:`~taskpoint.TaskpointWarning` naming it, for the next newest.
-
-        Raises:
-            CheckpointCorruptError: checkpoints exist but none is intact.
-            CheckpointFormatError: the newest manifest comes from a newer format.
-            CheckpointUnsafeError: a directory archive holds an unsafe entry.
-            CheckpointStoreError: the store failed (after retries for transient errors).
-            CheckpointCoordinationError: ``part`` was given and the newest checkpoint has
-                no such part (one process wrote it, or fewer ranks); or ``paths`` was given
-                and the newest checkpoint is not a format-2 tree, or holds none of some of
-                them (the message names them). Nothing was restored: an older checkpoint
-                is never taken instead.
-            ValueError: ``part`` is not a rank; ``paths`` is a string, not a collection,
-                or holds a path that is not a relative one inside the tree (empty,
-                absolute, or with ``.`` or ``..`` components).
-        """
-        if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
-            raise ValueError(f"part must be a rank (an int of at least 0) or None; got {part!r}")
-        wanted = None if paths is None else check_paths(paths)
-        self._saves.prepare()  # a job loads before it trains: its saves follow
-        found = self._loader.load(None if into is None else Path(os.fspath(into)), part, wanted)
-        if found is None:
-            return None
-        path, manifest, elapsed = found
-        self._attempt.resumed(manifest, elapsed)
-        history.log_resume(self._store, manifest, self._attempt.number)
-        return path
-
-    async def load(
-        self,
-        *,
-        into: str | os.PathLike[str] | None = None,
-        part: int | None = None,
-        paths: Collection[str] | None = None,
-    ) -> Path | None:
-        """Async :meth:`load_sync`: the download runs in worker threads."""
-        return await asyncio.to_thread(
-            functools.partial(self.load_sync, into=into, part=part, paths=paths)
-        )
 
 
 def commit_request(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
