@@ -2,6 +2,10 @@
 
 - :mod:`taskpoint.checkpoint.checkpoint`: :class:`~taskpoint.Checkpoint` and
   :func:`~taskpoint.latest_checkpoint`, the public face;
+- :mod:`taskpoint.checkpoint._loading`, :mod:`taskpoint.checkpoint._multiwriter`,
+  :mod:`taskpoint.checkpoint._records` and :mod:`taskpoint.checkpoint._stored`: the
+  methods ``Checkpoint`` inherits for loading, for saving one checkpoint from several
+  processes, for its run records and for the checkpoints stored;
 - :mod:`taskpoint.checkpoint._save` and :mod:`taskpoint.checkpoint._load`: the save path
   (snapshot, commit, background saves) and the load path (the newest intact checkpoint);
 - :mod:`taskpoint.checkpoint._uploader` and :mod:`taskpoint.checkpoint._settle`: the

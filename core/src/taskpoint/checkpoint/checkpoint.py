@@ -19,10 +19,17 @@ A save writes the payload under a fresh name, then its manifest (the commit), th
 checkpoints beyond the newest ``keep``. A crash at any point leaves the newest committed
 checkpoint loadable; a reader never sees a half-written one.
 
-``Checkpoint`` is the public face; the work is done by its collaborators: saves by
-:class:`taskpoint.checkpoint._save.Saves` (ordering, background and upload-process saves,
-listeners) and :class:`taskpoint.checkpoint._save.Saver` (one commit), multi-writer commits
-by :mod:`taskpoint.distributed._parts`, loads by :class:`taskpoint.checkpoint._load.Loader`,
+``Checkpoint`` is the public face. This module holds its construction, copies, closing
+and saves; it inherits its other methods, a job to a module: loading
+(:class:`taskpoint.checkpoint._loading.Loading`), saving one checkpoint from several
+processes (:class:`taskpoint.checkpoint._multiwriter.MultiWriter`), the run records
+(:class:`taskpoint.checkpoint._records.Records`), and the checkpoints stored
+(:class:`taskpoint.checkpoint._stored.Stored`).
+
+The work is done by its collaborators: saves by :class:`taskpoint.checkpoint._save.Saves`
+(ordering, background and upload-process saves, listeners) and
+:class:`taskpoint.checkpoint._save.Saver` (one commit), multi-writer commits by
+:mod:`taskpoint.distributed._parts`, loads by :class:`taskpoint.checkpoint._load.Loader`,
 the attempt and its run records by :class:`taskpoint.format.history.Attempt`, listing,
 verifying, pruning and collecting by :class:`taskpoint.format._catalog.Catalog`.
 """
@@ -30,28 +37,27 @@ verifying, pruning and collecting by :class:`taskpoint.format._catalog.Catalog`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
-import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
-from taskpoint import preemption, progress
 from taskpoint.checkpoint import _uploader
 from taskpoint.checkpoint._load import Loader
+from taskpoint.checkpoint._loading import Loading
+from taskpoint.checkpoint._multiwriter import MultiWriter
+from taskpoint.checkpoint._records import Records
 from taskpoint.checkpoint._save import Saver, Saves, Snapshot, take_snapshot
-from taskpoint.distributed import _parts
-from taskpoint.distributed.coordination import Coordinator
+from taskpoint.checkpoint._stored import Stored
 from taskpoint.errors import CheckpointError
-from taskpoint.format import archive, history, retention
+from taskpoint.format import archive, history
 from taskpoint.format._catalog import Catalog
 from taskpoint.format._digest import Progress
 from taskpoint.format._statcache import StatCache
 from taskpoint.format.history import SaveStats
-from taskpoint.format.manifest import FORMAT_VERSION, TREE_FORMAT, Codec, Manifest, check_paths
+from taskpoint.format.manifest import FORMAT_VERSION, TREE_FORMAT, Codec
 from taskpoint.store.store import RetryPolicy, Store, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
@@ -62,7 +68,7 @@ SaveInput = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 """What ``save`` accepts: raw bytes, or the path of a file or directory."""
 
 
-class Checkpoint:
+class Checkpoint(Loading, MultiWriter, Records, Stored):
     """A checkpoint location: ``save`` commits new state, ``load`` restores the newest.
 
     Args:
@@ -319,125 +325,6 @@ class Checkpoint:
         else:
             await asyncio.to_thread(self._saves.run, source, ticket)
 
-    def save_part_sync(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        coordinator: Coordinator,
-        step: int | None = None,
-        noticed: bool | None = None,
-    ) -> None:
-        """Commit one checkpoint written by several processes: this one adds ``path``'s tree.
-
-        Every rank of ``coordinator`` calls this with its own local directory; each uploads
-        its own files (as format-2 content objects) and rank 0 commits the union of the
-        trees once every rank's files are in the store and checked there. Until that commit
-        nothing loads the checkpoint; a rank that fails or is killed leaves the previous
-        checkpoint the newest. ``load_sync(part=rank)`` restores one rank's files alone.
-
-        Every rank returns once the commit is done, or raises. A path two ranks write must
-        hold the same content in both (a shared ``.metadata``, say). A rank that vanishes
-        after rank 0 gathered its part does not undo the commit: every surviving rank
-        raises, with the error's ``committed`` naming the committed manifest.
-
-        Args:
-            path: this rank's local directory.
-            coordinator: the ranks writing the checkpoint (a
-                :class:`taskpoint.StoreCoordinator`, or
-                ``taskpoint.distributed.torch_coordination.TorchCoordinator`` under
-                ``torch.distributed``). Its timeout bounds how long a rank waits for
-                the others at each step, uploads included.
-            step: the training step the checkpoint holds; ``None``: the one last given to
-                :func:`taskpoint.report_step`, now. Pass it when this call runs later
-                than the save was asked for (in a background thread).
-            noticed: whether the save was asked for after the preemption signal
-                (:func:`taskpoint.preemption.requested`); ``None``: as it is now.
-
-        Raises:
-            CheckpointCoordinationError: on every rank: the ranks named different checkpoint
-                URLs or world sizes (before anything is uploaded), two ranks wrote one path
-                with different content, another rank failed, or a rank did not arrive
-                within the coordinator's timeout (naming it). Its ``committed`` is the
-                manifest's URL if the checkpoint was committed all the same (a rank
-                vanished after its part was gathered), else ``None``: nothing this rank
-                saw was committed.
-            NotADirectoryError: ``path`` is not a directory (on this rank; the others raise
-                ``CheckpointCoordinationError`` naming it).
-            CheckpointUnsafeError: the directory holds a special file or a link leaving it.
-            CheckpointStoreError: the store failed.
-            CheckpointClosedError: :meth:`close` was called.
-        """
-        called = time.monotonic()
-        self._saves.check_open()
-        if not isinstance(coordinator, Coordinator):
-            raise TypeError(
-                "coordinator must be a taskpoint.Coordinator (StoreCoordinator, "
-                f"TorchCoordinator); got {type(coordinator).__name__}"
-            )
-        root = Path(os.fspath(path)).absolute()
-        self._saves.raise_error()
-        _parts.save_part(
-            lambda: _parts.check_part(root),
-            lambda: self._saves.begin_parts(called),
-            lambda: self.upload_part(root, step=step, noticed=noticed),
-            coordinator,
-            self._store.url,
-            lambda key: self._store.url_of(key) if self._store.exists(key) else None,
-        )
-
-    async def save_part(
-        self, path: str | os.PathLike[str], *, coordinator: Coordinator
-    ) -> None:
-        """Async :meth:`save_part_sync`: the protocol runs in a worker thread."""
-        await asyncio.to_thread(
-            functools.partial(self.save_part_sync, path, coordinator=coordinator)
-        )
-
-    def begin_parts(self) -> _parts.PartsCommit:
-        """Start a multi-writer commit, on the one process that will commit it.
-
-        For adapters that coordinate their ranks themselves (as ``torch.distributed.checkpoint``
-        does); :meth:`save_part_sync` does all of this for you. The steps: the committing
-        rank calls ``begin_parts()``; after that (a collective later) every rank calls
-        :meth:`upload_part` with its folder and sends the record it returns to the
-        committer, which calls ``commit(records)`` with them in rank order, or ``abort()``.
-        Until ``commit`` nothing loads the checkpoint.
-
-        Returns:
-            A :class:`taskpoint.PartsCommit` holding a save lease, usable as a context
-            manager that aborts unless committed.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-            CheckpointClosedError: :meth:`close` was called.
-        """
-        return self._saves.begin_parts(time.monotonic())
-
-    def upload_part(
-        self, path: str | os.PathLike[str], *, step: int | None = None,
-        noticed: bool | None = None,
-    ) -> dict[str, Any]:
-        """Upload one rank's folder for a multi-writer commit (see :meth:`begin_parts`).
-
-        ``step`` and ``noticed`` as for :meth:`save_part_sync` (the committing rank's
-        record gives the checkpoint its step; any rank's notice marks it a preemption save).
-
-        Returns:
-            The part's JSON record (its paths, content hashes and object names: metadata
-            only) for the committing rank's ``commit``.
-
-        Raises:
-            NotADirectoryError: ``path`` is not a directory.
-            CheckpointUnsafeError: it holds a special file or a link leaving it.
-            CheckpointStoreError: the store failed.
-            CheckpointClosedError: :meth:`close` was called.
-        """
-        self._saves.check_open()
-        return _parts.upload_part(
-            self._catalog, Path(os.fspath(path)).absolute(), codec=self._codec,
-            progress=self._progress, step=step, noticed=noticed,
-        )
-
     def wait(self, timeout: float | None = None) -> bool:
         """Block until background saves have committed.
 
@@ -464,204 +351,6 @@ class Checkpoint:
         """
         self._saves.on_commit(callback)
         return callback
-
-    def collect(self) -> retention.Collected:
-        """Delete content objects that no committed checkpoint references.
-
-        Safe while other processes save to the same run (see :mod:`taskpoint.format.retention`):
-        a round is skipped while any save is in flight. Saves collect after pruning.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-        """
-        return self._catalog.collect()
-
-    def mark_started(self) -> None:
-        """Record that this checkpoint's attempt started (its runner numbered it).
-
-        Best effort, like every run record (see :mod:`taskpoint.format.history`).
-        """
-        self._attempt.started()
-
-    def mark_ended(
-        self, outcome: history.Outcome, error: str | None = None, *, step: int | None = None
-    ) -> None:
-        """Record how this checkpoint's attempt ended; nothing if it never claimed one.
-
-        The record names the training step the attempt reached (``step``, by default the
-        one last given to :func:`taskpoint.report_step` in this process) and, for an attempt
-        that was preempted or received a preemption signal, whether a save made after the
-        signal committed. Best effort, like every run record (see :mod:`taskpoint.format.history`).
-
-        Raises:
-            ValueError: ``outcome`` is not one of :data:`taskpoint.format.history.OUTCOMES`.
-        """
-        if self._attempt.number is None:
-            return
-        save: history.PreemptionSave | None = None
-        if outcome == "preempted" or preemption.requested():
-            save = "committed" if self._preemption_saved() else "missed"
-        self._attempt.ended(
-            outcome, error, step=progress.current_step() if step is None else step,
-            preemption_save=save,
-        )
-
-    def _preemption_saved(self) -> bool:
-        """Whether this attempt committed a save made after its preemption signal."""
-        try:
-            committed = self.committed()
-        except CheckpointError:
-            return False  # unknown reads as missed: the record errs on the side of caution
-        return any(m.preemption and m.attempt == self._attempt.number for m in committed)
-
-    def prune(self, keep: int) -> int:
-        """Keep the newest ``keep`` intact checkpoints; delete what is older, and stale payloads.
-
-        What counts is the checkpoints a load could return, never names alone: the newest
-        checkpoints are verified (a checkpoint this object committed or restored is known
-        intact and not read again) until ``keep`` intact ones are found, and only
-        checkpoints older than the oldest of those are deleted. Unreadable or corrupt
-        records newer than that stay where they are (a load skips them), so they can
-        never push an intact checkpoint out. With fewer than ``keep`` intact checkpoints
-        nothing is deleted. ``keep=0`` deletes every checkpoint.
-
-        Manifests go before their payloads, so a reader never finds a manifest whose
-        payload is gone for good. The content objects of format-2 checkpoints are freed
-        by :meth:`collect` (which saves run after pruning).
-
-        Returns:
-            How many checkpoints were deleted.
-
-        Raises:
-            ValueError: ``keep`` is negative.
-            CheckpointStoreError: the store failed.
-        """
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-            raise ValueError(f"keep must be an int of at least 0; got {keep!r}")
-        return self._catalog.prune(keep)
-
-    def delete(self) -> None:
-        """Delete everything stored at this checkpoint's URL: checkpoints, markers, status.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-        """
-        self._store.remove_tree()
-
-    def verify(self, manifest: Manifest) -> bool:
-        """Whether ``manifest``'s payload exists and matches its size and checksum.
-
-        Reads the payload through without writing it anywhere.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-        """
-        return self._catalog.verify(manifest)
-
-    def mark_finished(self, state: str, *, attempts: int) -> None:
-        """Record that the action ended (``"succeeded"`` or ``"failed"``) after ``attempts``.
-
-        Best effort: a store failure is logged, not raised, so it never hides the task's
-        own outcome. ``taskpoint gc``/``rm`` treat actions without this record as unfinished.
-        """
-        history.record_finished(self._store, state, attempts)
-
-    def status(self) -> dict[str, Any] | None:
-        """The record :meth:`mark_finished` wrote, or ``None`` while the action is unfinished.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-            CheckpointFormatError: a newer taskpoint wrote the record.
-        """
-        return history.read_status(self._store)
-
-    # -- loading ----------------------------------------------------------------------
-
-    def committed(self) -> list[Manifest]:
-        """The committed checkpoints' manifests, newest first, without verifying payloads.
-
-        Manifests that cannot be parsed are left out.
-
-        Raises:
-            CheckpointStoreError: the store failed.
-            CheckpointFormatError: a manifest comes from a newer format.
-        """
-        return self._catalog.newest_first()
-
-    def load_sync(
-        self,
-        *,
-        into: str | os.PathLike[str] | None = None,
-        part: int | None = None,
-        paths: Collection[str] | None = None,
-    ) -> Path | None:
-        """Restore the newest intact committed checkpoint to a local path.
-
-        Args:
-            into: a local directory to restore into instead of a fresh folder. A directory
-                checkpoint's tree *becomes* ``into``: files already there with the right
-                size and content are kept rather than downloaded (a retry on the same
-                machine fetches only what is missing), the others are replaced, and
-                anything the checkpoint does not hold is removed. A file or bytes
-                checkpoint is placed in ``into`` under its name. Nothing in ``into``
-                changes unless the whole checkpoint restored and verified. With ``part``
-                or ``paths``, ``into`` ends up holding just what they select.
-            part: restore only the files rank ``part`` contributed to a checkpoint written
-                by several processes (:meth:`save_part_sync`); ``None``: the whole tree.
-            paths: restore only these paths of a directory checkpoint stored in format 2
-                (relative to the tree, ``/`` between components, e.g.
-                ``["model/__0_0.distcp", ".metadata"]``): the objects other files use are
-                never downloaded. A directory path brings everything under it; the
-                directories containing each path come along, and so does the file a
-                requested hard link shares; a symbolic link comes as a link, without its
-                target. With ``part`` too, each path must be one of that part's.
-                ``None``: the whole tree.
-
-        Returns:
-            The restored file (keeping its name), the restored directory tree, or a file
-            named ``checkpoint.bin`` holding saved bytes; ``None`` when nothing has been
-            committed. Without ``into`` each call restores afresh into a new folder.
-
-        A checkpoint that fails its checksum or cannot be read back is skipped, with a
-        :class:`~taskpoint.TaskpointWarning` naming it, for the next newest.
-
-        Raises:
-            CheckpointCorruptError: checkpoints exist but none is intact.
-            CheckpointFormatError: the newest manifest comes from a newer format.
-            CheckpointUnsafeError: a directory archive holds an unsafe entry.
-            CheckpointStoreError: the store failed (after retries for transient errors).
-            CheckpointCoordinationError: ``part`` was given and the newest checkpoint has
-                no such part (one process wrote it, or fewer ranks); or ``paths`` was given
-                and the newest checkpoint is not a format-2 tree, or holds none of some of
-                them (the message names them). Nothing was restored: an older checkpoint
-                is never taken instead.
-            ValueError: ``part`` is not a rank; ``paths`` is a string, not a collection,
-                or holds a path that is not a relative one inside the tree (empty,
-                absolute, or with ``.`` or ``..`` components).
-        """
-        if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
-            raise ValueError(f"part must be a rank (an int of at least 0) or None; got {part!r}")
-        wanted = None if paths is None else check_paths(paths)
-        self._saves.prepare()  # a job loads before it trains: its saves follow
-        found = self._loader.load(None if into is None else Path(os.fspath(into)), part, wanted)
-        if found is None:
-            return None
-        path, manifest, elapsed = found
-        self._attempt.resumed(manifest, elapsed)
-        history.log_resume(self._store, manifest, self._attempt.number)
-        return path
-
-    async def load(
-        self,
-        *,
-        into: str | os.PathLike[str] | None = None,
-        part: int | None = None,
-        paths: Collection[str] | None = None,
-    ) -> Path | None:
-        """Async :meth:`load_sync`: the download runs in worker threads."""
-        return await asyncio.to_thread(
-            functools.partial(self.load_sync, into=into, part=part, paths=paths)
-        )
 
 
 def commit_request(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
