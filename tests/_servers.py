@@ -212,10 +212,12 @@ class ObjectServer:
         return f"{self.scheme}://{bucket}/{prefix}".rstrip("/")
 
     def filesystem(self, **overrides: Any) -> Any:
-        import fsspec
+        """A fresh client of the server, of the backend taskpoint uses for the scheme
+        (s3fs, gcsfs, adlfs) even after Flyte re-registered the scheme to obstore."""
+        from taskpoint.store._location import _url_to_fs
 
-        options = self.storage_options(**overrides)
-        return fsspec.filesystem(self.scheme, skip_instance_cache=True, **options)
+        options = {"skip_instance_cache": True, **self.storage_options(**overrides)}
+        return _url_to_fs(f"{self.scheme}://", options)[0]
 
     def create_bucket(self, bucket: str) -> None:
         self.filesystem().mkdir(bucket)
@@ -273,12 +275,13 @@ class S3Server(ObjectServer):
         )
 
     def create_bucket(self, bucket: str) -> None:
-        # No region in the options: us-east-1 takes no LocationConstraint.
-        options = self.storage_options()
-        options["client_kwargs"] = {"endpoint_url": self.endpoint}
-        import fsspec
-
-        fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(bucket)
+        """Create ``bucket`` unless it exists. Through boto3: s3fs reads process-wide
+        defaults (``fsspec.config``) that ``flyte.init()`` changes."""
+        client = self.client()
+        try:
+            client.create_bucket(Bucket=bucket)  # us-east-1: no LocationConstraint
+        except (client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
+            pass
 
     def multipart_uploads(self, bucket: str, prefix: str = "") -> list[str]:
         """Keys of the multipart uploads begun and neither completed nor aborted."""
