@@ -10,8 +10,8 @@ Usage::
 (its ``tests/`` folder is used, never its ``src/``). The test files named by ``--files``
 (by default the callback and checkpointing tests) are copied, with ``tests/trainer``'s
 helpers and ``tests/fixtures``, into a temporary folder, beside a ``conftest.py`` that
-wraps ``transformers.Trainer.__init__``: each Trainer made gets a
-``TaskpointTrainerCallback`` saving to a fresh ``file://`` store of its own. pytest then
+adds ``TaskpointTrainerCallback`` to transformers' default callbacks: each Trainer made gets
+one, saving to a fresh ``file://`` store of its own. pytest then
 runs there on CPU (``CUDA_VISIBLE_DEVICES`` empty), outside this project's configuration.
 Its exit status is pytest's.
 """
@@ -32,30 +32,32 @@ CONFTEST = '''\
 """Written by taskpoint's upstream/hf_swap.py: every Trainer gets a TaskpointTrainerCallback."""
 
 import atexit
-import functools
 import itertools
 import shutil
 import tempfile
 from pathlib import Path
 
-import transformers
+import transformers.trainer
 from taskpoint import Checkpoint
-from taskpoint_hf import TaskpointTrainerCallback
+from taskpoint_hf import TaskpointTrainerCallback as _Adapter
 
 _STORES = Path(tempfile.mkdtemp(prefix="hf-swap-stores-"))
 atexit.register(shutil.rmtree, _STORES, True)
 _NUMBERS = itertools.count()
-_INIT = transformers.Trainer.__init__
 
 
-@functools.wraps(_INIT)
-def _init_with_taskpoint(self, *args, **kwargs):
-    _INIT(self, *args, **kwargs)
-    store = _STORES / f"store-{next(_NUMBERS)}"
-    self.add_callback(TaskpointTrainerCallback(Checkpoint(store.as_uri(), keep=3)))
+class TaskpointTrainerCallback(_Adapter):
+    """The adapter's callback, saving to a fresh store of its own: made with no arguments,
+    as the Trainer makes its default callbacks."""
+
+    def __init__(self):
+        store = _STORES / f"store-{next(_NUMBERS)}"
+        super().__init__(Checkpoint(store.as_uri(), keep=3))
 
 
-transformers.Trainer.__init__ = _init_with_taskpoint
+# One of the Trainer's default callbacks: every Trainer gets one, and the tests that list
+# the default callbacks (they read this same list) expect it.
+transformers.trainer.DEFAULT_CALLBACKS.append(TaskpointTrainerCallback)
 '''
 
 

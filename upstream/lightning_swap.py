@@ -58,6 +58,19 @@ def _stores_root() -> Path:
     return Path(root)
 
 
+def _start_upload_process(store: Path) -> None:
+    """Make one background save, which starts the job's upload process before any test.
+
+    The process's reply thread (``taskpoint-upload-process``) then lives until the
+    interpreter exits, as fsspec's ``fsspecIO`` thread does. Lightning's conftest fails a
+    test that leaves a new thread behind; started here, the thread is not new to any test.
+    """
+    import taskpoint
+
+    with taskpoint.Checkpoint(store.as_uri()) as checkpoint:
+        checkpoint.save_sync(b"starts the upload process", background=True)
+
+
 def _make_swap() -> type:
     import taskpoint
     from lightning.pytorch.callbacks import model_checkpoint
@@ -102,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     # extra packages come last: none of them replaces one the project installed.
     sys.path[:0] = [here, str(tests)]
     sys.path.extend(str(p.resolve()) for p in args.extra_path)
-    _stores_root()
+    _start_upload_process(_stores_root() / "warm-up")
     import lightning_swap  # the importable copy of this module: swaps the class
     import pytest
 
