@@ -131,9 +131,13 @@ class _At(TrainerCallback):
         self._at(f"step_{state.global_step}")
 
 
-def test_an_exception_one_step_after_a_save_waits_for_its_upload(tmp_path: Path) -> None:
+def test_an_exception_one_step_after_a_save_waits_for_its_upload_and_the_retry_resumes_there(
+    tmp_path: Path, reference: Callable[..., kit.Result]
+) -> None:
     """checkpoint-6's upload is held when step 7 raises: ``train()`` raises only once it
-    has committed, so the store's newest checkpoint is the one saved a step before."""
+    has committed, so the store's newest checkpoint is the one saved a step before. The
+    retry (a new attempt on the same store) resumes from it, as its record says, and ends
+    as the uninterrupted run."""
     gate = _Gate()
     url = (tmp_path / "store").as_uri()
     checkpoint = Checkpoint(url, keep=5, progress=gate)
@@ -158,6 +162,11 @@ def test_an_exception_one_step_after_a_save_waits_for_its_upload(tmp_path: Path)
     assert newest == restored / "checkpoint-6", f"train() raised before checkpoint-6 committed: {newest}"
     assert Checkpoint(url).committed()[0].step == 6
     assert time.monotonic() - started >= 1.5
+
+    result = kit.run_classifier(Checkpoint(url, keep=5), tmp_path / "out")
+    assert result.resumed_from == str(tmp_path / "out" / "checkpoint-6")
+    kit.assert_same_run(result, reference("classifier"))
+    assert [a.resumed_step for a in kit.attempts(url)] == [None, 6]
 
 
 @pytest.mark.skipif(not JIT, reason="this transformers has no just-in-time checkpoints")

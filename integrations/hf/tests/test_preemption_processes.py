@@ -100,6 +100,37 @@ def test_torchrun_exception_one_step_after_a_save_resumes_from_that_save(tmp_pat
     assert kit.attempts(f"{store}/classifier")[-1].resumed_step == 6
 
 
+def test_torchrun_sigkill_two_steps_after_a_save_resumes_every_rank_from_the_last_commit(
+    tmp_path: Path,
+) -> None:
+    """Multi-writer background uploads, steps of about a second from step 4: rank 1 is
+    SIGKILLed at the end of step 8, two steps after checkpoint-6, and torchrun tears rank 0
+    down. The next launch resumes both ranks from the newest checkpoint the killed launch
+    committed, checkpoint-6 (its upload had two steps to land), and ends as the
+    uninterrupted run."""
+    store, work = f"file://{tmp_path / 'store'}", tmp_path / "work"
+    first = _launch(
+        store, work, "--reference", "--plain", "--pause", "4:1.0",
+        "--stop", "classifier:8:step_end:kill",
+    )
+    assert first.returncode != 0, _why(first)
+    assert "Signal 9 (SIGKILL)" in first.stderr, _why(first)
+    assert not (work / "results" / "classifier-rank0.pt").exists()
+    killed = [m.step for m in Checkpoint(f"{store}/classifier").committed()]  # newest first
+    assert killed[:1] == [6], killed
+
+    second = _launch(store, work, "--plain")
+    assert second.returncode == 0, _why(second)
+    for rank in (0, 1):
+        assert f"rank {rank}: classifier resumed from {work / 'classifier' / 'checkpoint-6'}" \
+            in second.stdout, second.stdout
+        kit.assert_same_run(
+            _load(work / "results" / f"classifier-rank{rank}.pt"),
+            _load(work / "results" / f"classifier-reference-rank{rank}.pt"),
+        )
+    assert [a.resumed_step for a in kit.attempts(f"{store}/classifier")] == [None, 6]
+
+
 def test_sigkill_two_steps_after_the_first_save_resumes_from_it(tmp_path: Path) -> None:
     """One process, background uploads, steps of about a second: SIGKILL at the end of step
     5 finds checkpoint-3 (the first save, whose upload starts the upload machinery)

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,27 +30,6 @@ from taskpoint.format.history import read_attempts, steps_lost
 from taskpoint.store.store import Store
 
 env = taskpoint.TaskEnvironment(name="preempt", run_id="r", keep=50)
-
-
-class SlowCheckpoint:
-    """Delegates to a checkpoint; each save sleeps first (an upload that takes a while)."""
-
-    def __init__(self, inner: Any, delay: float) -> None:
-        self.inner = inner
-        self.delay = delay
-
-    def save_sync(self, data: Any) -> None:
-        time.sleep(self.delay)
-        self.inner.save_sync(data)
-
-    async def save(self, data: Any) -> None:
-        raise NotImplementedError
-
-    def load_sync(self) -> Path | None:
-        return self.inner.load_sync()
-
-    async def load(self) -> Path | None:
-        raise NotImplementedError
 
 
 @env.task(retries=3, backoff=0.0, isolation=os.environ.get("ISOLATION", "inline"))  # type: ignore[call-overload]
@@ -74,7 +52,7 @@ def train(config: dict[str, Any], out: str) -> None:
 
     checkpoint: Any = context.checkpoint
     if config.get("slow_upload"):
-        checkpoint = SlowCheckpoint(checkpoint, config["slow_upload"])
+        checkpoint = lib.SlowCheckpoint(checkpoint, config["slow_upload"])
     parts = lib.build()
     background = bool(config.get("background"))
     if config["loop"] == "epochs":

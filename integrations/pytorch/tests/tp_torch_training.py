@@ -10,8 +10,10 @@ the final parameters.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,28 @@ class Parts:
 
     def state(self, **kwargs: Any) -> TaskpointState:
         return TaskpointState(self.model, self.optimizer, self.scheduler, self.scaler, **kwargs)
+
+
+class SlowCheckpoint:
+    """Delegates to a checkpoint; each save sleeps ``delay`` seconds first (an upload that
+    takes a while), in the thread that saves."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner = inner
+        self.delay = delay
+
+    def save_sync(self, data: Any) -> None:
+        time.sleep(self.delay)
+        self.inner.save_sync(data)
+
+    async def save(self, data: Any) -> None:
+        raise NotImplementedError
+
+    def load_sync(self) -> Path | None:
+        return self.inner.load_sync()
+
+    async def load(self) -> Path | None:
+        raise NotImplementedError
 
 
 def dataset() -> TensorDataset:
