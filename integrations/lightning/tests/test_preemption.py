@@ -286,3 +286,32 @@ def test_torchrun_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_there_e
     for final, reference in zip(results(tmp_path), torchrun_reference, strict=True):
         lib.assert_bitwise_equal(final, reference)
 
+
+def test_torchrun_exception_on_one_rank_commits_the_upload_in_flight_and_resumes_from_it(
+    tmp_path: Path, torchrun_reference: list[dict[str, torch.Tensor]]
+) -> None:
+    """``torchrun``, two ranks, a save every 3 steps (one an epoch): rank 1 raises during
+    step 8, one step after step 6's save, whose upload (every rank's part, stalled 3 s) is
+    still in flight. Rank 1's exception waits for its part and the commit before it leaves
+    the process; torchrun then tears rank 0 down (SIGTERM, stuck in the step's all-reduce),
+    and step 6's checkpoint is in the store. The next launch resumes from it on both ranks
+    and ends with the uninterrupted run's weights, bit for bit."""
+    contract = {"TASKPOINT_ROOT": root(tmp_path), "TASKPOINT_ACTION": "ddp", "TASKPOINT_RUN_ID": "e"}
+    failed = torchrun(
+        tmp_path, "--fail-at", "7", "--fail-rank", "1", "--slow-uploads", "3",
+        TASKPOINT_ATTEMPT="0", **contract,
+    )
+    assert failed.returncode != 0, why(failed)
+    assert "planned failure at step 7" in failed.stderr, why(failed)
+    assert "COMMITTED 3 rank 1" in failed.stdout, why(failed)  # step 6 still in flight
+    assert ends(failed)[1] == (7, "Planned"), why(failed)
+    newest = taskpoint.Checkpoint(f"{root(tmp_path)}/ddp/e").committed()[0]
+    assert newest.step == 6, why(failed)
+    assert newest.parts is not None and sorted(newest.parts) == ["0", "1"]
+
+    resumed = torchrun(tmp_path, TASKPOINT_ATTEMPT="1", **contract)
+    assert resumed.returncode == 0, why(resumed)
+    assert [[at for _, at in starts(resumed, rank)] for rank in (0, 1)] == [[6], [6]], why(resumed)
+    assert {r.attempt: r.resumed_step for r in records(tmp_path, "ddp/e")}[1] == 6
+    for final, reference in zip(results(tmp_path), torchrun_reference, strict=True):
+        lib.assert_bitwise_equal(final, reference)
