@@ -3,13 +3,15 @@ signals or fails itself at a step of its first attempt.
 
 Usage: python preempt_script.py OUT [--task] [--sigterm-at STEP]
 [--sigterm-rank R] [--fail-at STEP [--fail-rank R]] [--exit-hard] [--kill-group-at STEP]
-[--step-sleep SECONDS] [--slow-uploads SECONDS] [--devices N].
+[--step-sleep SECONDS] [--slow-uploads SECONDS] [--devices N] [--every STEPS] [--reference].
 
 ``--task`` trains inside ``@env.task(isolation="process", retries=$TP_RETRIES)`` of an
 environment rooted at ``$TP_ROOT`` (action ``lt.train_task/r1``): each attempt is a process
 of its own, and the runner writes the attempt records. Without it, the checkpoint is the environment contract's
 (``TASKPOINT_ROOT``/``TASKPOINT_ACTION``/``TASKPOINT_RUN_ID``/``TASKPOINT_ATTEMPT``, set by the
-test), and with ``--devices 2`` Lightning starts the second rank (DDP, gloo, CPU).
+test), and with ``--devices 2`` Lightning starts the second rank (DDP, gloo, CPU), or, under
+``torchrun --nproc_per_node=2``, joins torchrun's. ``--every`` sets the save interval in
+steps (default 3); ``--reference`` trains uninterrupted without a checkpoint or a store.
 
 At the start of the batch after ``STEP`` of an attempt that did not resume:
 ``--sigterm-at`` sends SIGTERM to the process (on global rank ``R`` only, with
@@ -18,8 +20,11 @@ At the start of the batch after ``STEP`` of an attempt that did not resume:
 ``--kill-group-at`` SIGKILLs the process group (the upload process with it, as a lost
 machine would). ``--step-sleep`` makes each step
 take that long (first attempt); ``--slow-uploads`` makes every upload after the first stall that long.
-Global rank zero writes the final weights to OUT and every attempt prints
-``STARTED <epoch> <step>``.
+Global rank zero writes the final weights to OUT (rank R > 0 to ``OUT`` with ``-rankR``
+before its suffix); every rank of an attempt prints ``STARTED <epoch> <step> rank <R>``, and
+``ENDED <step> rank <R> <exception type>`` when training ends on an exception; the rank
+that fails with ``--fail-at`` first prints ``COMMITTED <steps> rank <R>``, the steps of the
+checkpoints in the store at that moment.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ from taskpoint_lightning import TaskpointModelCheckpoint, resume_ckpt_path
 class Trigger(L.Callback):
     """Signals, raises or kills at the start of the batch after ``step``, once."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+    def __init__(self, args: argparse.Namespace, checkpoint: taskpoint.Checkpoint | None) -> None:
+        self.args, self.checkpoint = args, checkpoint
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -57,6 +62,9 @@ class Trigger(L.Callback):
         if step == args.kill_group_at:
             os.killpg(os.getpgid(0), signal.SIGKILL)
         if step == args.fail_at and args.fail_rank in (None, trainer.global_rank):
+            if self.checkpoint is not None:
+                steps = sorted(m.step for m in self.checkpoint.committed())
+                say("COMMITTED", *steps, "rank", trainer.global_rank)
             raise lib.Planned(f"planned failure at step {step}")
         if step == args.sigterm_at and args.sigterm_rank in (None, trainer.global_rank):
             os.kill(os.getpid(), signal.SIGTERM)
@@ -64,10 +72,23 @@ class Trigger(L.Callback):
             time.sleep(args.step_sleep)
 
 
-class ReportStart(L.Callback):
+def say(*words: object) -> None:
+    """Print one line in one write, starting on a line of its own: the ranks share the
+    pipe, and print() may hand it a line in pieces that another rank's interleave."""
+    sys.stdout.flush()
+    os.write(1, ("\n" + " ".join(map(str, words)) + "\n").encode())
+
+
+class Report(L.Callback):
+    """Prints where each rank started and, on an exception, where it ended."""
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.is_global_zero:
-            print("STARTED", trainer.current_epoch, trainer.global_step, flush=True)
+        say("STARTED", trainer.current_epoch, trainer.global_step, "rank", trainer.global_rank)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        say("ENDED", trainer.global_step, "rank", trainer.global_rank, type(exception).__name__)
 
 
 class SlowUploads:
@@ -97,6 +118,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--slow-uploads", type=float, default=None)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--reference", action="store_true")
     return parser.parse_args()
 
 
@@ -104,6 +127,17 @@ def train(argv: list[str]) -> dict[str, torch.Tensor]:
     """One attempt: resume from the store, train to the end (or the trigger)."""
     sys.argv[1:] = argv  # (in a process-isolated attempt, for arguments())
     args = arguments()
+    L.seed_everything(0)
+    model = lib.TinyModule()
+    extra = {"devices": args.devices, "strategy": "ddp"} if args.devices > 1 else {}
+    workdir = Path(args.out).parent / "work"  # (both ranks: Lightning uses rank 0's dirpath)
+    loader = lib.loader("shuffle" if args.devices > 1 else "resumable")
+    if args.reference:
+        trainer = lib.trainer(
+            [Report()], default_root_dir=workdir, enable_checkpointing=False, **extra
+        )
+        trainer.fit(model, loader)
+        return {k: v.cpu() for k, v in lib.weights(model).items()}
     context = taskpoint.ctx()
     assert context is not None and context.checkpoint is not None, "no taskpoint context"
     ckpt: taskpoint.Checkpoint = context.checkpoint
@@ -111,16 +145,11 @@ def train(argv: list[str]) -> dict[str, torch.Tensor]:
         ckpt = taskpoint.Checkpoint(
             ckpt.url, attempt=context.attempt, progress=SlowUploads(ckpt.url, args.slow_uploads)
         )
-    workdir = Path(args.out).parent / "work"  # (both ranks: Lightning uses rank 0's dirpath)
     dirpath = workdir / "ckpts"
-    L.seed_everything(0)
-    model = lib.TinyModule()
-    mc = TaskpointModelCheckpoint(ckpt, dirpath=dirpath, save_last=True, every_n_train_steps=3)
-    extra = {"devices": args.devices, "strategy": "ddp"} if args.devices > 1 else {}
-    trainer = lib.trainer(
-        [Trigger(args), ReportStart(), mc], default_root_dir=workdir, **extra
+    mc = TaskpointModelCheckpoint(
+        ckpt, dirpath=dirpath, save_last=True, every_n_train_steps=args.every
     )
-    loader = lib.loader("shuffle" if args.devices > 1 else "resumable")
+    trainer = lib.trainer([Trigger(args, ckpt), Report(), mc], default_root_dir=workdir, **extra)
     try:
         trainer.fit(model, loader, ckpt_path=resume_ckpt_path(ckpt, dirpath=dirpath))
     except BaseException:
@@ -144,8 +173,9 @@ def train_task(argv: list[str]) -> dict[str, torch.Tensor]:
 def main() -> None:
     args = arguments()
     weights = train_task(sys.argv[1:]) if args.task else train(sys.argv[1:])
-    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:
-        torch.save(weights, args.out)
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    out = args.out if rank == 0 else args.out.with_stem(f"{args.out.stem}-rank{rank}")
+    torch.save(weights, out)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +41,61 @@ def run(
     )
 
 
+def torchrun(
+    tmp_path: Path, *args: str, timeout: float = 400, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``preempt_script.py --devices 2`` under ``torchrun --standalone --nproc_per_node=2``
+    (two CPU ranks, gloo), writing ``tmp_path/final.pt`` and ``final-rank1.pt``. A launch
+    still running after ``timeout`` is stopped as a job scheduler would: SIGTERM to torchrun,
+    which stops its workers (SIGKILL 30 s later), then SIGKILL; the test fails."""
+    environ = {
+        **os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+        "TP_ROOT": root(tmp_path), **env,
+    }
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT"):
+        environ.pop(name, None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(SCRIPT), str(tmp_path / "final.pt"), "--devices", "2", *args,
+    ]
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        try:
+            out, err = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+        pytest.fail(f"torchrun still ran after {timeout:g}s: {err[-4000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def why(done: subprocess.CompletedProcess[str]) -> str:
+    """The end of a launch's output, without DDP's warning lines: the workers' errors and
+    torchrun's account of how each worker ended."""
+    lines = [line for line in done.stderr.splitlines() if "reducer.cpp" not in line]
+    return done.stdout[-2000:] + "\n".join(lines)[-6000:]
+
+
+def ends(proc: subprocess.CompletedProcess[str]) -> dict[int, tuple[int, str]]:
+    """Each rank's ``ENDED`` line: the step it stopped at and the exception that ended it."""
+    return {
+        int(words[3]): (int(words[1]), words[4])
+        for words in map(str.split, proc.stdout.splitlines()) if words[:1] == ["ENDED"]
+    }
+
+
+def results(tmp_path: Path) -> list[dict[str, torch.Tensor]]:
+    """Both ranks' final weights from a two-rank launch."""
+    return [torch.load(tmp_path / name) for name in ("final.pt", "final-rank1.pt")]
+
+
 def root(tmp_path: Path) -> str:
     return f"file://{tmp_path / 'store'}"
 
@@ -47,10 +104,12 @@ def records(tmp_path: Path, action: str = "lt.train_task/r1") -> list[AttemptRec
     return read_attempts(Store(f"{root(tmp_path)}/{action}"))
 
 
-def starts(proc: subprocess.CompletedProcess[str]) -> list[tuple[int, int]]:
+def starts(proc: subprocess.CompletedProcess[str], rank: int = 0) -> list[tuple[int, int]]:
+    """Where global rank ``rank`` started training (epoch, step), each attempt in turn."""
     return [
-        (int(line.split()[1]), int(line.split()[2]))
-        for line in proc.stdout.splitlines() if line.startswith("STARTED ")
+        (int(words[1]), int(words[2]))
+        for words in map(str.split, proc.stdout.splitlines())
+        if words[:1] == ["STARTED"] and words[3:5] == ["rank", str(rank)]
     ]
 
 
@@ -63,6 +122,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
         [], enable_checkpointing=False, default_root_dir=tmp_path_factory.mktemp("reference")
     ).fit(model, lib.loader("resumable"))
     return lib.weights(model)
+
+
+@pytest.fixture(scope="module")
+def torchrun_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
+    """An uninterrupted two-rank torchrun run's final weights, per rank (no checkpoint)."""
+    where = tmp_path_factory.mktemp("torchrun-reference")
+    done = torchrun(where, "--reference")
+    assert done.returncode == 0, why(done)
+    return results(where)
 
 
 def test_sigterm_saves_at_that_step_and_the_retry_resumes_there_exactly(
@@ -158,8 +226,10 @@ def test_sigterm_to_one_ddp_rank_stops_both_at_one_step_saved_by_the_other(
 
     resumed = run(tmp_path, "--devices", "2", TASKPOINT_ATTEMPT="1", **contract)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert starts(resumed) == [(1, 5)]
-    assert {r.attempt: r.resumed_step for r in records(tmp_path, "ddp/r1")} == {1: 5}
+    assert [starts(resumed, rank) for rank in (0, 1)] == [[(1, 5)], [(1, 5)]], resumed.stdout
+    first, second = records(tmp_path, "ddp/r1")  # rank 0 records the end: no runner does
+    assert (first.outcome, first.step, first.preemption_save) == ("preempted", 5, "committed")
+    assert (second.attempt, second.resumed_step) == (1, 5)
     restored = taskpoint.Checkpoint(f"{root(tmp_path)}/ddp/r1").load_sync()
     assert restored is not None
     assert torch.load(restored / "last.ckpt", weights_only=False)["global_step"] == 15
@@ -178,3 +248,70 @@ def test_an_exception_on_one_ddp_rank_lets_the_upload_in_flight_commit(tmp_path:
     assert "planned failure at step 7" in failed.stderr, failed.stderr[-4000:]
     newest = taskpoint.Checkpoint(f"{root(tmp_path)}/ddp/x").committed()[0]
     assert newest.step == 6, failed.stderr[-4000:]
+
+
+def test_torchrun_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_there_exactly(
+    tmp_path: Path, torchrun_reference: list[dict[str, torch.Tensor]]
+) -> None:
+    """``torchrun``, two ranks: rank 1 alone receives SIGTERM during step 6 (3 steps an
+    epoch, a save every 4 steps, so the newest save before the signal is step 4's). Both
+    ranks stop at step 6 (the vote), where every rank's part of the preemption save
+    commits before either ends; the attempt is recorded as preempted at step 6, and the
+    next launch resumes at step 6 on both ranks and ends with the uninterrupted run's
+    weights, bit for bit. Step 6 ends an epoch: Lightning resumes a plain (not resumable)
+    dataloader exactly only there."""
+    contract = {
+        "TASKPOINT_ROOT": root(tmp_path), "TASKPOINT_ACTION": "ddp", "TASKPOINT_RUN_ID": "t",
+        "TASKPOINT_SAVE_ON_PREEMPTION": "1", "TASKPOINT_GRACE_PERIOD": "120",
+    }
+    stopped = torchrun(
+        tmp_path, "--every", "4", "--sigterm-at", "5", "--sigterm-rank", "1",
+        TASKPOINT_ATTEMPT="0", **contract,
+    )
+    assert stopped.returncode != 0, why(stopped)
+    assert ends(stopped) == {0: (6, "Preempted"), 1: (6, "Preempted")}, why(stopped)
+    assert "SIGTERM received: stopped at step 6" in stopped.stderr, why(stopped)
+    assert not (tmp_path / "final.pt").exists() and not (tmp_path / "final-rank1.pt").exists()
+    newest = taskpoint.Checkpoint(f"{root(tmp_path)}/ddp/t").committed()[0]
+    assert (newest.step, newest.preemption) == (6, True)
+    assert newest.parts is not None and sorted(newest.parts) == ["0", "1"]
+    ended = [(r.attempt, r.outcome, r.step, r.preemption_save) for r in records(tmp_path, "ddp/t")]
+    assert ended == [(0, "preempted", 6, "committed")]  # rank 0 records it: no runner does
+
+    resumed = torchrun(tmp_path, "--every", "4", TASKPOINT_ATTEMPT="1", **contract)
+    assert resumed.returncode == 0, why(resumed)
+    assert [[at for _, at in starts(resumed, rank)] for rank in (0, 1)] == [[6], [6]], why(resumed)
+    first, second = records(tmp_path, "ddp/t")
+    assert second.resumed_step == 6 and steps_lost(first, second.resumed_step) == 0
+    for final, reference in zip(results(tmp_path), torchrun_reference, strict=True):
+        lib.assert_bitwise_equal(final, reference)
+
+
+def test_torchrun_exception_on_one_rank_commits_the_upload_in_flight_and_resumes_from_it(
+    tmp_path: Path, torchrun_reference: list[dict[str, torch.Tensor]]
+) -> None:
+    """``torchrun``, two ranks, a save every 3 steps (one an epoch): rank 1 raises during
+    step 8, one step after step 6's save, whose upload (every rank's part, stalled 3 s) is
+    still in flight. Rank 1's exception waits for its part and the commit before it leaves
+    the process; torchrun then tears rank 0 down (SIGTERM, stuck in the step's all-reduce),
+    and step 6's checkpoint is in the store. The next launch resumes from it on both ranks
+    and ends with the uninterrupted run's weights, bit for bit."""
+    contract = {"TASKPOINT_ROOT": root(tmp_path), "TASKPOINT_ACTION": "ddp", "TASKPOINT_RUN_ID": "e"}
+    failed = torchrun(
+        tmp_path, "--fail-at", "7", "--fail-rank", "1", "--slow-uploads", "3",
+        TASKPOINT_ATTEMPT="0", **contract,
+    )
+    assert failed.returncode != 0, why(failed)
+    assert "planned failure at step 7" in failed.stderr, why(failed)
+    assert "COMMITTED 3 rank 1" in failed.stdout, why(failed)  # step 6 still in flight
+    assert ends(failed)[1] == (7, "Planned"), why(failed)
+    newest = taskpoint.Checkpoint(f"{root(tmp_path)}/ddp/e").committed()[0]
+    assert newest.step == 6, why(failed)
+    assert newest.parts is not None and sorted(newest.parts) == ["0", "1"]
+
+    resumed = torchrun(tmp_path, TASKPOINT_ATTEMPT="1", **contract)
+    assert resumed.returncode == 0, why(resumed)
+    assert [[at for _, at in starts(resumed, rank)] for rank in (0, 1)] == [[6], [6]], why(resumed)
+    assert {r.attempt: r.resumed_step for r in records(tmp_path, "ddp/e")}[1] == 6
+    for final, reference in zip(results(tmp_path), torchrun_reference, strict=True):
+        lib.assert_bitwise_equal(final, reference)

@@ -179,8 +179,14 @@ class Preemption:
         left = max(0.0, notice.remaining() - MARGIN_S)
         return left if timeout is None else min(timeout, left)
 
-    def stop(self, trainer: pl.Trainer, saver: Saver, *, where: str) -> None:
+    def stop(
+        self, trainer: pl.Trainer, saver: Saver, *, where: str, checkpoint: object = None
+    ) -> None:
         """Save at this step boundary (every rank), wait for the commit, raise.
+
+        Outside a task, where no runner records the attempt, global rank zero records its
+        end as preempted in ``checkpoint`` when it is a :class:`taskpoint.Checkpoint`
+        (before any rank can end: under torchrun the others are then torn down).
 
         Raises:
             taskpoint.Preempted: always, once the stop is done (saved or not).
@@ -228,6 +234,10 @@ class Preemption:
         message = f"{notice.signal} received: stopped at step {step} ({where}); {outcome}"
         if trainer.is_global_zero:
             log.warning("%s", message)
+            if not taskpoint.runtime.context.in_task() and isinstance(
+                checkpoint, taskpoint.Checkpoint
+            ):
+                checkpoint.mark_ended("preempted", f"Preempted: {message}", step=step)
         self._stopped = taskpoint.Preempted(message)
         self.close()
         raise self._stopped

@@ -175,7 +175,7 @@ class _TaskpointMirror(Mirroring):
         fit = self._fit
         if fit is not None and _at_step_boundary(trainer) and fit.stop.requested():
             where = f"after batch {batch_idx} of epoch {trainer.current_epoch}"
-            fit.stop.stop(trainer, self, where=where)
+            fit.stop.stop(trainer, self, where=where, checkpoint=self._taskpoint)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
@@ -189,7 +189,9 @@ class _TaskpointMirror(Mirroring):
         super().on_train_end(trainer, pl_module)  # type: ignore[misc]
         self._mirror(trainer)
         if self._fit is not None and self._fit.stop.requested():
-            self._fit.stop.stop(trainer, self, where="at the end of training")
+            self._fit.stop.stop(
+                trainer, self, where="at the end of training", checkpoint=self._taskpoint
+            )
         self._finish(trainer)
 
     def on_exception(
