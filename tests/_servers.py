@@ -278,10 +278,9 @@ class S3Server(ObjectServer):
         """Create ``bucket`` unless it exists. Through boto3: s3fs reads process-wide
         defaults (``fsspec.config``) that ``flyte.init()`` changes."""
         client = self.client()
-        try:
+        made = (client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists)
+        with contextlib.suppress(*made):
             client.create_bucket(Bucket=bucket)  # us-east-1: no LocationConstraint
-        except (client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
-            pass
 
     def multipart_uploads(self, bucket: str, prefix: str = "") -> list[str]:
         """Keys of the multipart uploads begun and neither completed nor aborted."""
