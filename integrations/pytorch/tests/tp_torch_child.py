@@ -25,11 +25,11 @@ import tp_torch_training as lib
 from taskpoint import Checkpoint
 
 
-class KillingCheckpoint:
+class KillingCheckpoint(lib.DelegatingCheckpoint):
     """A CheckpointLike that SIGKILLs this process around its N-th save."""
 
     def __init__(self, inner: Checkpoint, before: int | None, after: int | None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.before = before
         self.after = after
         self.saves = 0
@@ -38,18 +38,9 @@ class KillingCheckpoint:
         self.saves += 1
         if self.saves == self.before:
             os.kill(os.getpid(), signal.SIGKILL)
-        self.inner.save_sync(data)
+        super().save_sync(data)
         if self.saves == self.after:
             os.kill(os.getpid(), signal.SIGKILL)
-
-    async def save(self, data: Any) -> None:
-        raise NotImplementedError
-
-    def load_sync(self) -> Path | None:
-        return self.inner.load_sync()
-
-    async def load(self) -> Path | None:
-        raise NotImplementedError
 
 
 def main() -> None:

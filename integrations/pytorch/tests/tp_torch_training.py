@@ -43,16 +43,15 @@ class Parts:
         return TaskpointState(self.model, self.optimizer, self.scheduler, self.scaler, **kwargs)
 
 
-class SlowCheckpoint:
-    """Delegates to a checkpoint; each save sleeps ``delay`` seconds first (an upload that
-    takes a while), in the thread that saves."""
+class DelegatingCheckpoint:
+    """A CheckpointLike passing its blocking saves and loads to ``inner``; the test
+    wrappers below change what a save does around the inner one. The async forms are not
+    used by these children."""
 
-    def __init__(self, inner: Any, delay: float) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.delay = delay
 
     def save_sync(self, data: Any) -> None:
-        time.sleep(self.delay)
         self.inner.save_sync(data)
 
     async def save(self, data: Any) -> None:
@@ -63,6 +62,19 @@ class SlowCheckpoint:
 
     async def load(self) -> Path | None:
         raise NotImplementedError
+
+
+class SlowCheckpoint(DelegatingCheckpoint):
+    """Delegates to a checkpoint; each save sleeps ``delay`` seconds first (an upload that
+    takes a while), in the thread that saves."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        super().__init__(inner)
+        self.delay = delay
+
+    def save_sync(self, data: Any) -> None:
+        time.sleep(self.delay)
+        super().save_sync(data)
 
 
 def dataset() -> TensorDataset:
