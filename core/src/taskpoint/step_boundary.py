@@ -1,5 +1,5 @@
 """Re-exports :mod:`taskpoint.runtime.step_boundary` at its documented old path."""
 
-from taskpoint.runtime.step_boundary import MARGIN_S, SETTLE_S, StepBoundary
+from taskpoint.runtime.step_boundary import MARGIN_S, SETTLE_S, StepBoundary, settle_time
 
-__all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary"]
+__all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary", "settle_time"]

@@ -41,7 +41,7 @@ from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.distributed.torch_coordination import AnyRank
 from taskpoint.runtime.context import Preempted, TaskContext, _current
 
-__all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary"]
+__all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary", "settle_time"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,14 @@ SETTLE_S = 60.0
 """How long the end of an attempt waits for an upload in flight when no preemption
 signal set a deadline (as long as interpreter exit waits,
 ``taskpoint.checkpoint.mirror.EXIT_WAIT_S``)."""
+
+
+def settle_time() -> float:
+    """Seconds the end of an attempt may now wait for an upload in flight: the grace
+    period left less :data:`MARGIN_S` once a preemption signal came (0 once that has
+    passed), else :data:`SETTLE_S`."""
+    notice = preemption.notice()
+    return SETTLE_S if notice is None else max(0.0, notice.remaining() - MARGIN_S)
 
 
 class StepBoundary:
@@ -219,5 +227,4 @@ class StepBoundary:
             return
         with scope:
             if settle and self._settle is not None:
-                budget = self.budget()
-                self._settle(max(0.0, budget) if math.isfinite(budget) else SETTLE_S)
+                self._settle(settle_time())

@@ -279,9 +279,9 @@ class Runner:
         their uploads in flight), then wait for its background saves; their errors fail a
         successful attempt.
 
-        A failed attempt waits for them only so long: until the grace period's end, less
-        :data:`~taskpoint.runtime.step_boundary.MARGIN_S`, once a preemption signal came,
-        else :data:`~taskpoint.runtime.step_boundary.SETTLE_S` seconds from now. A save
+        A failed attempt waits for them only so long
+        (:func:`~taskpoint.runtime.step_boundary.settle_time`, from now: until the grace
+        period's end after a preemption signal, else a fixed time). A save
         still uploading then is left to go on; the attempt ends (and is recorded) without
         it, and until it commits the newest checkpoint is the one before it.
         """
@@ -289,10 +289,7 @@ class Runner:
         if context.checkpoint is not None:
             checkpoint = context.checkpoint
             if failed:
-                notice = preemption.notice()
-                deadline = time.monotonic() + step_boundary.SETTLE_S if notice is None else (
-                    notice.deadline - step_boundary.MARGIN_S
-                )
+                deadline = time.monotonic() + step_boundary.settle_time()
                 waits.append(lambda: self._wait_bounded(context, checkpoint, deadline))
             else:
                 waits.append(checkpoint.wait)
