@@ -261,3 +261,146 @@ def test_a_hung_upload_is_given_up_at_its_bound_and_the_checkpoint_before_it_sta
     (record,) = read_attempts(Store(str(root / "hung.train" / "r")))
     assert (record.outcome, record.step) == ("failed", 6)
     assert record.preemption_save == ("missed" if how == "sigterm" else None)
+
+
+SLOW_FS = textwrap.dedent(
+    """
+    import os, time
+    from fsspec.implementations.local import LocalFileSystem
+
+    class SlowFileSystem(LocalFileSystem):
+        \"\"\"The local disk, where every file written once $SLOW_FLAG exists first takes
+        $SLOW_S seconds: a store far away.\"\"\"
+
+        protocol = ("slow",)
+
+        def _open(self, path, mode="rb", *args, **kwargs):
+            if "w" in mode:
+                _slow()
+            return super()._open(path, mode, *args, **kwargs)
+
+        def put_file(self, *args, **kwargs):
+            _slow()
+            return super().put_file(*args, **kwargs)
+
+    def _slow():
+        if os.path.exists(os.environ.get("SLOW_FLAG", "")):
+            time.sleep(float(os.environ["SLOW_S"]))
+    """
+)
+SLOW_SITE = textwrap.dedent(
+    """
+    import os
+    if os.environ.get("SLOW_FLAG"):  # the training process and its upload process
+        import fsspec
+        fsspec.register_implementation("slow", "slowfs.SlowFileSystem", clobber=True)
+    """
+)
+
+TERMINATED_WHILE_UPLOADING = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from pathlib import Path
+    import taskpoint
+    from taskpoint.checkpoint.mirror import FolderMirror
+
+    how, url, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    if how == "own-handler":
+        signal.signal(signal.SIGTERM, lambda *_: (print("own handler", flush=True), os._exit(7)))
+    state = work / "state.txt"  # a file: its upload goes through the store's writes
+    state.write_text("5")
+    ckpt = taskpoint.Checkpoint(url, background_upload="process" if how == "process" else "thread")
+    ckpt.save_sync(state)
+    Path(os.environ["SLOW_FLAG"]).touch()  # from now on every write to the store is slow
+    state.write_text("6")
+    if how == "mirror":
+        FolderMirror(ckpt, blocking=False).save(state, step=6)
+    else:
+        ckpt.save_sync(state, background=True)
+    (work / "uploading").touch()
+    while True:  # training goes on until the launcher's SIGTERM
+        time.sleep(0.01)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["thread", "process", "mirror"])
+def test_a_sigterm_nobody_handles_ends_the_process_once_the_save_in_flight_commits(
+    tmp_path: Path, how: str
+) -> None:
+    """A process with no SIGTERM handler of its own (torchrun's survivors after one rank
+    failed, a plain script) gets SIGTERM while a background save uploads: the signal still
+    ends it (by SIGTERM), but only after the save committed, within the grace period."""
+    slow_s, grace = 3.0, 30.0
+    child, elapsed, log = _terminate_while_uploading(tmp_path, how, slow_s=slow_s, grace=grace)
+    assert child.returncode == -signal.SIGTERM, log
+    restored = Checkpoint(f"file://{tmp_path / 'store'}").load_sync()
+    assert restored is not None and restored.read_text() == "6", log
+    assert elapsed >= slow_s / 2, (elapsed, log)  # it did wait for the upload
+    assert elapsed < grace, (elapsed, log)
+
+
+def test_a_sigterm_ends_the_process_at_the_grace_periods_end_when_the_upload_is_slower(
+    tmp_path: Path,
+) -> None:
+    """The upload in flight would take longer than the grace period: the signal ends the
+    process by the grace period's end, and the checkpoint before it still loads."""
+    grace = 3.0
+    child, elapsed, log = _terminate_while_uploading(tmp_path, "thread", slow_s=60.0, grace=grace)
+    assert child.returncode == -signal.SIGTERM, log
+    assert grace / 2 <= elapsed <= grace + 15, (elapsed, log)
+    restored = Checkpoint(f"file://{tmp_path / 'store'}").load_sync()
+    assert restored is not None and restored.read_text() == "5", log
+
+
+def test_a_sigterm_handler_of_the_programs_own_is_left_in_place(tmp_path: Path) -> None:
+    """A program that handles SIGTERM itself keeps its handler: a background save does not
+    replace it, and the signal does what the program says at once."""
+    child, elapsed, log = _terminate_while_uploading(
+        tmp_path, "own-handler", slow_s=60.0, grace=30.0
+    )
+    assert child.returncode == 7 and "own handler" in log, log
+    assert elapsed < 15, (elapsed, log)
+
+
+def _terminate_while_uploading(
+    tmp_path: Path, how: str, *, slow_s: float, grace: float
+) -> tuple[subprocess.Popen[bytes], float, str]:
+    """Run :data:`TERMINATED_WHILE_UPLOADING`, send it SIGTERM once its save uploads; the
+    process, seconds from the signal to its end, and its output."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_SITE)
+    (site / "slowfs.py").write_text(SLOW_FS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+        SLOW_FLAG=str(tmp_path / "slow"), SLOW_S=str(slow_s), TASKPOINT_GRACE_PERIOD=str(grace),
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "out.txt"
+    with out.open("w") as output:  # a file: the upload process may outlive the child
+        child = subprocess.Popen(
+            [sys.executable, "-c", TERMINATED_WHILE_UPLOADING, how,
+             f"slow://{tmp_path / 'store'}", str(work)],
+            stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not (work / "uploading").exists():
+                assert child.poll() is None, out.read_text()
+                assert time.monotonic() < deadline, "the save never started"
+                time.sleep(0.05)
+            signalled = time.monotonic()
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=grace + 120)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"SIGTERM did not end the process:\n{out.read_text()}")
+            elapsed = time.monotonic() - signalled
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    return child, elapsed, out.read_text()

@@ -24,6 +24,13 @@ The grace period comes from ``TASKPOINT_GRACE_PERIOD`` (seconds, default 30: Kub
 instances get 120 s of notice; SLURM sends the signal ``--signal=TERM@<seconds>`` before
 the time limit.
 
+A SIGTERM that nobody handles (its default action) ends the process, but not while a
+background upload runs: the first background save of a process, made from the main thread,
+installs taskpoint's handler where the signal has no other, and that handler waits (up to
+the grace period's end) for the uploads in flight (:func:`wait_before_exit`) before it
+ends the process as the default action would. A launcher tearing a job down (``torchrun``
+terminating the surviving ranks after one failed) so never abandons a save in flight.
+
 Handlers compose: whoever installs last runs the other. A library that installs its own
 SIGTERM handler without calling the one before it (transformers' JIT checkpointing does)
 would hide the signal from taskpoint, so :func:`install` called again puts taskpoint's
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import math
 import os
 import signal
@@ -51,6 +59,7 @@ __all__ = [
     "Notice",
     "deferred",
     "grace_period",
+    "hold_default_exit",
     "install",
     "notice",
     "pinned",
@@ -58,7 +67,10 @@ __all__ = [
     "requested",
     "reset",
     "save_on_preemption",
+    "wait_before_exit",
 ]
+
+log = logging.getLogger(__name__)
 
 ENV_GRACE = "TASKPOINT_GRACE_PERIOD"
 """Seconds between the preemption signal and the kill that follows it."""
@@ -142,6 +154,7 @@ _grace = DEFAULT_GRACE_S
 _fallback: Callable[[Notice], None] | None = None
 _deferred = 0
 _handling = False
+_exit_waits: list[Callable[[Notice], object]] = []
 _pinned: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "taskpoint_preemption_pinned", default=None
 )
@@ -249,6 +262,35 @@ def install(fallback: Callable[[Notice], None] | None = None) -> bool:
         return True
 
 
+def hold_default_exit() -> bool:
+    """Where SIGTERM has its default action (no handler at all), install taskpoint's, so
+    that the signal still ends the process, but only after :func:`wait_before_exit`'s
+    waits (uploads in flight committing). Handlers someone installed, and an ignored
+    signal, are left as they are. Only the main thread can install handlers; elsewhere
+    nothing changes.
+
+    Returns:
+        Whether taskpoint's handler is in place.
+
+    Raises:
+        ValueError: ``TASKPOINT_GRACE_PERIOD`` is set to something other than seconds.
+    """
+    current = signal.getsignal(signal.SIGTERM)
+    if current is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+        return install()
+    return current is _handle
+
+
+def wait_before_exit(wait: Callable[[Notice], object]) -> None:
+    """Call ``wait(notice)`` before a preemption signal that no other handler takes ends
+    the process (the signal's default action, which taskpoint's handler performs): for
+    work that must finish first, bounded by ``notice.deadline``. What it raises is logged
+    and the process ends all the same. Registered once per process, in order."""
+    with _lock:
+        if wait not in _exit_waits:
+            _exit_waits.append(wait)
+
+
 def _handle(signum: int, frame: FrameType | None) -> None:
     global _notice, _handling
     if _handling:  # a handler we called called us back: it composes too
@@ -267,6 +309,12 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         _fallback(_notice)
     elif _previous in (signal.SIG_DFL, None):
         # Nobody handles the signal but us: end the process as the default action would,
-        # so installing taskpoint's handler never makes a process immune to SIGTERM.
+        # so installing taskpoint's handler never makes a process immune to SIGTERM; once
+        # the uploads in flight have had until the deadline to commit.
+        for wait in list(_exit_waits):
+            try:
+                wait(_notice)
+            except Exception as exc:
+                log.warning("before ending on %s: %s: %s", _notice.signal, type(exc).__name__, exc)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)

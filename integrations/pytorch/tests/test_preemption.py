@@ -209,13 +209,6 @@ def test_torchrun_sigterm_on_one_rank_stops_every_rank_at_that_step_and_resumes_
     _assert_every_rank_as_uninterrupted(lib, tmp_path, at)
 
 
-OTHER_RANK_GAP = (
-    "#25: outside a task, without TASKPOINT_SAVE_ON_PREEMPTION, no handler keeps rank 0 "
-    "alive when torchrun sends it SIGTERM after rank 1 failed: its upload thread dies with "
-    "it and the restarted group resumes at step 3"
-)
-
-
 @pytest.mark.slow
 @needs_gloo
 @pytest.mark.parametrize(
@@ -223,9 +216,7 @@ OTHER_RANK_GAP = (
     [
         pytest.param(0, False, id="uploading-rank"),
         pytest.param(1, True, id="other-rank-with-the-switch"),
-        pytest.param(
-            1, False, id="other-rank", marks=pytest.mark.xfail(strict=True, reason=OTHER_RANK_GAP)
-        ),
+        pytest.param(1, False, id="other-rank"),
     ],
 )
 def test_torchrun_exception_one_step_after_a_background_save_resumes_from_it_on_every_rank(
@@ -235,8 +226,9 @@ def test_torchrun_exception_one_step_after_a_background_save_resumes_from_it_on_
     rank raises before step 7, while the save at step 6 still uploads, and torchrun tears
     the other rank down. The save commits before rank 0 ends, and the restarted group
     (started at once) resumes at step 6 on both ranks, exactly. When rank 1 fails, rank 0
-    gets torchrun's SIGTERM while its upload runs: it outlives the signal only where
-    taskpoint handles SIGTERM (the switch, outside a task)."""
+    gets torchrun's SIGTERM while its upload runs: with the switch it saves on the signal;
+    without it (the default outside a task) the signal, which nothing else handles, still
+    waits for the upload in flight before it ends rank 0."""
     events = _torchrun(
         tmp_path, child_env, "--background", "--every", "3", "--slow-upload", "2",
         "--raise-rank", str(failing), "--raise-step", "7",

@@ -418,7 +418,12 @@ class Background:
         self._thread: threading.Thread | None = None
 
     def submit(self, source: Source, ticket: int) -> None:
-        """Queue ``source`` (dropping a save still queued) and start the thread if needed."""
+        """Queue ``source`` (dropping a save still queued) and start the thread if needed.
+
+        Raises:
+            ValueError: ``TASKPOINT_GRACE_PERIOD`` is set to something other than seconds.
+        """
+        _settle.hold_sigterm()  # a SIGTERM nobody handles lets the save commit first
         with self._cond:
             self._drop_queued()
             self._queued = (source, ticket)

@@ -47,7 +47,7 @@ from pathlib import Path
 from taskpoint import preemption
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint._save import Source, classify, discard, lower_priority, take_snapshot
-from taskpoint.checkpoint._settle import EXIT_WAIT_S, settle_uploads, track
+from taskpoint.checkpoint._settle import EXIT_WAIT_S, hold_sigterm, settle_uploads, track
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.distributed.coordination import Coordinator
 from taskpoint.format.history import SaveStats
@@ -124,7 +124,9 @@ class UploadThread:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._lock = threading.Lock()
+        # Reentrant: a SIGTERM's handler may wait for the job while the main thread, which
+        # it interrupted, holds the lock (taskpoint.preemption.wait_before_exit).
+        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -133,7 +135,9 @@ class UploadThread:
 
         Raises:
             RuntimeError: the previous job has not been waited for.
+            ValueError: ``TASKPOINT_GRACE_PERIOD`` is set to something other than seconds.
         """
+        hold_sigterm()  # a SIGTERM nobody handles lets the job commit before ending us
         with self._lock:
             if self._thread is not None:
                 raise RuntimeError(f"{self._name}: the previous job was not waited for")
