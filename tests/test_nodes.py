@@ -169,8 +169,9 @@ def test_each_disk_restores_once_and_every_rank_gets_the_result(tmp_path: Path) 
     calls: list[int] = []
 
     def restore_on(c: taskpoint.Coordinator) -> Any:
-        def restore() -> dict[str, int]:
+        def restore(disks: nodes.Disks) -> dict[str, int]:
             calls.append(c.rank)
+            assert disks.sharing(c.rank) == {0: (0, 1), 2: (2,)}[c.rank]
             _write(folders[c.rank], {"checkpoint-6/model.bin": "m"})
             return {"step": 6}
 
@@ -190,7 +191,7 @@ def test_restoring_fails_on_every_rank_and_says_why(tmp_path: Path, case: str) -
     restored: list[int] = []
 
     def restore_on(c: taskpoint.Coordinator) -> Any:
-        def restore() -> int:
+        def restore(disks: nodes.Disks) -> int:
             if case == "one_rank_fails" and c.rank == 2:
                 raise OSError("disk b is read-only")
             restored.append(c.rank)

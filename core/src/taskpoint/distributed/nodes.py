@@ -122,6 +122,11 @@ class Disks:
         """How many distinct disks the ranks write to."""
         return len(set(self.leaders))
 
+    def sharing(self, rank: int) -> tuple[int, ...]:
+        """The ranks on ``rank``'s disk (``rank`` among them), in rank order."""
+        leader = self.leaders[rank]
+        return tuple(r for r, other in enumerate(self.leaders) if other == leader)
+
 
 def find_disks(coordinator: Coordinator, folder: Path) -> Disks:
     """Find which ranks see the same ``folder`` (a collective: every rank calls it).
@@ -165,7 +170,7 @@ def find_disks(coordinator: Coordinator, folder: Path) -> Disks:
 def restore_to_every_disk(
     coordinator: Coordinator,
     folder: Path,
-    restore: Callable[[], Any],
+    restore: Callable[[Disks], Any],
     *,
     location: str | None,
     world_size: int,
@@ -183,7 +188,8 @@ def restore_to_every_disk(
         folder: the local folder the checkpoint is restored into (shared by some ranks,
             or each rank's own).
         restore: fills ``folder`` and returns a small JSON value saying what it restored
-            (the checkpoint's step, say); run by each disk's leader only.
+            (the checkpoint's step, say); run by each disk's leader only, given the ranks'
+            :class:`Disks` (so it can restore just what the ranks on its disk need).
         location: the checkpoint's URL as this rank names it (``None`` where the
             checkpoint object has none).
         world_size: the job's size as this rank sees it.
@@ -205,7 +211,7 @@ def restore_to_every_disk(
     )
     disks = find_disks(coordinator, folder)
     results = run_everywhere(
-        coordinator, lambda: restore() if disks.leads(rank) else None,
+        coordinator, lambda: restore(disks) if disks.leads(rank) else None,
         f"restore {location or 'the checkpoint'} into {str(folder)!r}",
     )
     found = {json.dumps(results[r], sort_keys=True) for r in set(disks.leaders)}

@@ -182,7 +182,7 @@ def _resume_everywhere(
         return each[coordinator.rank]  # type: ignore[no-any-return]
     folder = Path(dirpath)
 
-    def restore() -> str | None:
+    def restore(disks: nodes.Disks) -> str | None:  # every disk gets the whole checkpoint
         path = _resume(checkpoint, folder)
         return None if path is None else Path(path).relative_to(folder).as_posix()
 
