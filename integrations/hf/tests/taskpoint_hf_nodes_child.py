@@ -7,7 +7,8 @@
 Runs the tiny classifier with ``output_dir="out"``, relative to the node's own working
 directory (so each node has its own disk), against the checkpoint ``URL``, and writes
 ``DIR/<run>-rank<R>.pt`` when it finishes. ``--reference`` instead runs it uninterrupted,
-without a checkpoint (``output_dir="reference"``). ``--stop`` makes the last rank die
+without a checkpoint (``output_dir="reference"``). Before training, each rank lists the
+files in its ``output_dir`` (what the restore left there) into ``DIR/restored-rank<R>.json``. ``--stop`` makes the last rank die
 (``os._exit(137)``) at that step; ``--raise-at`` makes it raise there, without waiting for
 the upload in flight first. ``--slow-upload`` holds each rank's upload for ``SECONDS`` once
 the store holds a committed checkpoint (``--store`` must be a ``file://`` URL). ``--fail-restore`` makes the restore fail on node 1 (its
@@ -19,6 +20,7 @@ deterministic. Any error is printed as ``rank R: error: ...`` before exiting non
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -26,6 +28,21 @@ import traceback
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
+
+
+class _ListRestored(TrainerCallback):
+    """Lists the files in ``output_dir`` when training begins, before the first save."""
+
+    def __init__(self, out: Path, listing: Path) -> None:
+        self.out, self.listing = out, listing
+
+    def on_train_begin(self, args: object, state: object, control: object, **kw: object) -> None:
+        files = sorted(
+            p.relative_to(self.out).as_posix() for p in self.out.rglob("*")
+            if p.is_file() and not p.relative_to(self.out).parts[0].startswith(".taskpoint-")
+        )
+        self.listing.write_text(json.dumps(files), encoding="utf-8")
 
 
 def main() -> int:
@@ -77,7 +94,10 @@ def main() -> int:
         stop = kit.StopAt(opts.stop, how="exit") if opts.stop and rank == world - 1 else None
         if opts.raise_at and rank == world - 1:
             stop = kit.StopAt(opts.raise_at, how="raise", settle=False)
-        result = kit.run_classifier(checkpoint, Path("out"), stop=stop, **overrides)
+        listing = _ListRestored(Path("out"), opts.results / f"restored-rank{rank}.json")
+        result = kit.run_classifier(
+            checkpoint, Path("out"), stop=stop, callbacks=[listing], **overrides
+        )
     except Exception as exc:
         traceback.print_exc()
         print(

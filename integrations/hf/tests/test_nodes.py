@@ -3,6 +3,7 @@ from its own working directory, with a relative ``output_dir`` (issue #20)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -115,6 +116,7 @@ def _killed_and_resumed(tmp_path: Path, reference: Path, store: str, each_node: 
         # (restore_last_checkpoint warns when it does not)
         assert f"rank {node}: resumed from out/checkpoint-6" in launch.stdout
         assert "TaskpointWarning" not in launch.stdout, launch.stdout[-3000:]
+    _assert_each_node_got_its_own_files(tmp_path / "results")
     assert _resumed_steps(store) == [6]  # the second launch's attempt, in the records
     for rank in (0, 1):
         kit.assert_same_run(
@@ -127,6 +129,31 @@ def _killed_and_resumed(tmp_path: Path, reference: Path, store: str, each_node: 
     files = {p.name for p in (newest / "checkpoint-12").iterdir()}
     assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= files
     assert not [p for p in newest.iterdir() if p.name.startswith(".taskpoint-")]
+
+
+SHARED = {
+    "config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json",
+    "training_args.bin",
+}
+"""What every rank's Trainer reads of a ``checkpoint-N``, whichever node uploaded it."""
+
+
+def _assert_each_node_got_its_own_files(results: Path) -> None:
+    """Each node's restore (listed before training began) brought the shared files and its
+    own rank's RNG state, not the other node's."""
+    listed = [
+        set(json.loads((results / f"restored-rank{rank}.json").read_text())) for rank in (0, 1)
+    ]
+    for rank, files in enumerate(listed):
+        for step in (3, 6):  # save_total_limit=2: the two newest
+            names = {p.split("/", 1)[1] for p in files if p.startswith(f"checkpoint-{step}/")}
+            assert names >= SHARED, (rank, sorted(names))
+            assert f"rng_state_{rank}.pth" in names, (rank, sorted(names))
+            assert f"rng_state_{1 - rank}.pth" not in names, (rank, sorted(names))
+    # the same files on both nodes, but for each rank's RNG state
+    assert {p for p in listed[0] if "rng_state_0" not in p} == {
+        p for p in listed[1] if "rng_state_1" not in p
+    }
 
 
 def _resumed_steps(store: str) -> list[int | None]:

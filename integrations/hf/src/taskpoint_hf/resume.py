@@ -31,7 +31,7 @@ from taskpoint.checkpoint.mirror import settle_uploads
 from taskpoint.distributed import nodes
 from taskpoint.distributed.torch_coordination import TorchCoordinator
 
-from taskpoint_hf import _distributed
+from taskpoint_hf import _distributed, _selection
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -186,10 +186,18 @@ def restore_last_checkpoint(
     waited for first, so the newest checkpoint is found.
 
     In a distributed job the ranks first find out which of them share ``output_dir`` (a
-    token file each), and the first rank of each disk restores the whole checkpoint (every
-    node's files) into it while the others wait, so a node without a shared disk gets its
-    own copy, whatever ``save_on_each_node`` says. Every rank then checks that it sees the
-    restored ``checkpoint-N`` and its own ``rng_state_<rank>.pth``. Each step ends with
+    token file each), and the first rank of each disk restores into it, while the others
+    wait, what the ranks on that disk read: every file the Trainer reads on any rank
+    (model, optimizer, scheduler, ``trainer_state.json``, configs), whichever node uploaded
+    it, but not the other disks' ranks' own files (their ``rng_state_<rank>.pth``, and
+    their shards in a ``torch.distributed.checkpoint`` folder when its ``.metadata`` shows
+    they hold nothing this disk's ranks read). So a node without a shared disk gets its
+    own copy, whatever ``save_on_each_node`` says, and each node's link carries about its
+    own share. The whole checkpoint (every node's files) is restored instead when leaving
+    files out is not clearly safe: ``checkpoint`` is not a :class:`taskpoint.Checkpoint`,
+    one process or a job of another size saved it, the ranks share one disk, or a newer
+    checkpoint was committed while the files were restored. Every rank then checks that it
+    sees the restored ``checkpoint-N`` and its own ``rng_state_<rank>.pth``. Each step ends with
     every rank's outcome gathered (waiting at most ``timeout`` seconds for a rank), so a
     failure on one rank raises on every rank instead of leaving the others blocked in
     the Trainer's first collective.
@@ -247,9 +255,15 @@ def _restore_everywhere(
     """The distributed restore's steps, each ending with every rank's outcome gathered;
     the restored step."""
     url = getattr(checkpoint, "url", None)  # another system's checkpoint may have none
+
+    def restore(disks: nodes.Disks) -> int | None:
+        return _restore(
+            checkpoint, folder, sharing=disks.sharing(ranks.rank), world_size=ranks.world_size
+        )
+
     step = nodes.restore_to_every_disk(
-        coordinator, folder, lambda: _restore(checkpoint, folder),
-        location=None if url is None else str(url), world_size=ranks.world_size,
+        coordinator, folder, restore, location=None if url is None else str(url),
+        world_size=ranks.world_size,
     )
     assert step is None or isinstance(step, int)
     nodes.run_everywhere(
@@ -286,9 +300,19 @@ def _resumed(folder: Path, step: int | None, ranks: _distributed.Ranks) -> Path 
     return path
 
 
-def _restore(checkpoint: CheckpointLike, folder: Path) -> int | None:
-    """Load, vet and move the checkpoints into ``folder``; the newest step or ``None``."""
-    tree = checkpoint.load_sync()
+def _restore(
+    checkpoint: CheckpointLike,
+    folder: Path,
+    *,
+    sharing: tuple[int, ...] = (0,),
+    world_size: int = 1,
+) -> int | None:
+    """Load, vet and move the checkpoints into ``folder``; the newest step or ``None``.
+
+    ``sharing``: the ranks whose disk holds ``folder``, of a job of ``world_size``; what
+    only other ranks read is left out where that is safe (:func:`_selection.load`).
+    """
+    tree = _selection.load(checkpoint, ranks=sharing, world_size=world_size)
     if tree is not None and not tree.is_dir():
         raise CheckpointError(
             f"{checkpoint!r} holds the file {tree.name!r}, not a Trainer output directory; "

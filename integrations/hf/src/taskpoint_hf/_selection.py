@@ -1,0 +1,264 @@
+"""Which files of a multi-node Trainer checkpoint the ranks on one disk need.
+
+In a distributed job without a shared disk, :func:`~taskpoint_hf.restore_last_checkpoint`
+restores the checkpoint once per disk. :func:`load` makes that restore fetch what the
+ranks on the disk read, not every node's files, when that is clearly safe:
+
+* kept: every file the Trainer on any rank reads (model, optimizer, scheduler,
+  ``trainer_state.json``, configs), whichever rank's part uploaded it, and everything
+  outside the ``checkpoint-N`` directories;
+* left out: in each ``checkpoint-N``, the ``rng_state_<r>.pth`` of ranks ``r`` on other
+  disks (the Trainer reads ``rng_state_<process_index>.pth`` only), and in a
+  ``torch.distributed.checkpoint`` folder (one holding ``.metadata``, as FSDP's
+  ``SHARDED_STATE_DICT`` writes) the ``__<r>_<j>.distcp`` files of ranks on other disks
+  whose every item is rank ``r``'s own shard: a chunk of a tensor stored as one chunk per
+  rank, in as many ranks' files. A file holding anything else (a bytes item, a tensor
+  stored whole, a chunk several ranks share: DCP's planner spreads such items over the
+  ranks' files, so a rank may need another rank's file) stays, and so does every file of
+  a folder whose ``.metadata`` cannot be read.
+
+Everything is restored (:meth:`~taskpoint.Checkpoint.load_sync` without ``paths``) whenever
+the selection is not clearly safe: the checkpoint is not a :class:`taskpoint.Checkpoint`
+(another system's :class:`~taskpoint.CheckpointLike` has no parts), its newest commit is
+not a format-2 tree written by one part per rank of a job of this size (its ``rng_state``
+files name other ranks than ``0 .. world_size - 1``: resharding needs every file), the
+ranks share one disk, or nothing would be left out. A commit landing while the selection
+is made or restored is a race: the whole newest checkpoint is restored instead, never a
+mix of two. Sharded files are matched to ranks by number, so a job resuming with the same
+world size but another sharding layout needs every file: it fails loudly (DCP cannot open
+a file it needs) rather than silently.
+
+Example (each disk's leader)::
+
+    tree = load(checkpoint, ranks=disks.sharing(rank), world_size=world)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import tempfile
+from collections import defaultdict
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from taskpoint import Checkpoint, CheckpointCoordinationError, CheckpointLike
+from taskpoint.format.manifest import Manifest
+
+__all__ = ["DCP_METADATA", "Selection", "load", "select"]
+
+log = logging.getLogger(__name__)
+
+DCP_METADATA = ".metadata"
+"""The file naming a ``torch.distributed.checkpoint`` folder (it describes every shard)."""
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-\d+$")
+_RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+_SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What one disk restores of a checkpoint.
+
+    Attributes:
+        manifest: the commit the selection was made from (the newest when it was made).
+        paths: the paths of its tree to restore.
+        left_out: the files other disks' ranks need alone, sorted.
+    """
+
+    manifest: Manifest
+    paths: frozenset[str]
+    left_out: tuple[str, ...]
+
+
+def load(checkpoint: CheckpointLike, *, ranks: Collection[int], world_size: int) -> Path | None:
+    """Restore the newest checkpoint, only what ``ranks`` need when that is safe.
+
+    Args:
+        checkpoint: where the Trainer's ``output_dir`` was saved.
+        ranks: the ranks sharing the disk restored to.
+        world_size: the job's size.
+
+    Returns:
+        What :meth:`~taskpoint.CheckpointLike.load_sync` returns: the restored tree (with
+        :func:`select`'s paths, or whole), or ``None`` when nothing was committed.
+
+    Raises:
+        CheckpointError: the store's errors (a race with a newer commit is not one: the
+            whole newest checkpoint is restored then).
+    """
+    try:
+        selection = select(checkpoint, ranks=ranks, world_size=world_size)
+    except CheckpointCoordinationError as exc:  # the newest commit changed under us
+        log.warning("restoring the whole checkpoint: %s", exc)
+        selection = None
+    if selection is None:
+        return checkpoint.load_sync()
+    assert isinstance(checkpoint, Checkpoint)
+    try:
+        tree = checkpoint.load_sync(paths=selection.paths)
+    except CheckpointCoordinationError as exc:  # the newest commit lacks some of them
+        log.warning("restoring the whole checkpoint: %s", exc)
+        return checkpoint.load_sync()
+    newest = checkpoint.committed()
+    if not newest or newest[0].key != selection.manifest.key:
+        log.warning(
+            "restoring the whole checkpoint: %s was committed after %s, whose files for "
+            "ranks %s were being restored", newest[0].key if newest else "nothing",
+            selection.manifest.key, sorted(ranks),
+        )
+        if tree is not None:
+            shutil.rmtree(tree, ignore_errors=True)
+        return checkpoint.load_sync()
+    log.info(
+        "restored %d of the %d paths of %s for ranks %s, leaving out %d files only other "
+        "disks' ranks read", len(selection.paths), len(selection.manifest.entries or ()),
+        selection.manifest.key, sorted(ranks), len(selection.left_out),
+    )
+    return tree
+
+
+def select(
+    checkpoint: CheckpointLike, *, ranks: Collection[int], world_size: int
+) -> Selection | None:
+    """What the ranks on one disk need of the newest committed checkpoint.
+
+    Reads the newest manifest and, for each DCP folder in it, restores its ``.metadata``
+    into a temporary folder to read which items each shard file holds (see the module
+    docstring for what is kept and what is left out).
+
+    Args:
+        checkpoint: where the Trainer's ``output_dir`` was saved.
+        ranks: the ranks sharing the disk restored to.
+        world_size: the job's size.
+
+    Returns:
+        The selection, or ``None`` where the whole checkpoint is to be restored.
+
+    Raises:
+        CheckpointCoordinationError: a newer commit replaced the one read while its
+            ``.metadata`` files were restored.
+        CheckpointError: the store's errors.
+    """
+    here = frozenset(ranks)
+    if not isinstance(checkpoint, Checkpoint) or here >= frozenset(range(world_size)):
+        return None  # another system's checkpoint (no parts), or one disk needing all
+    committed = checkpoint.committed()
+    if not committed:
+        return None
+    manifest = committed[0]
+    if manifest.entries is None or manifest.parts is None:
+        return None  # format 1, or written by one process
+    if set(manifest.parts) != {str(r) for r in range(world_size)}:
+        return None  # another job size wrote it: resharding needs everything
+    files = [e.path for e in manifest.entries if e.type != "dir"]
+    inside = [p for p in files if "/" in p and _CHECKPOINT_RE.match(p.split("/", 1)[0])]
+    rng = _rng_files(inside, world_size)
+    if rng is None:
+        return None
+    left_out = {path for path, rank in rng.items() if rank not in here}
+    folders = sorted(
+        p.rpartition("/")[0] for p in inside if p.rpartition("/")[2] == DCP_METADATA
+    )
+    if folders:
+        metadata = _read_metadata(checkpoint, folders)
+        for folder in folders:
+            left_out |= _shards_left_out(folder, inside, metadata.get(folder), here, world_size)
+    if not left_out:
+        return None
+    parents = {p.rpartition("/")[0] for p in (e.path for e in manifest.entries) if "/" in p}
+    empty = {e.path for e in manifest.entries if e.type == "dir" and e.path not in parents}
+    paths = frozenset(p for p in files if p not in left_out) | empty
+    return Selection(manifest, paths, tuple(sorted(left_out)))
+
+
+def _rng_files(inside: list[str], world_size: int) -> dict[str, int] | None:
+    """``checkpoint-N/rng_state_<r>.pth`` paths to ``r``; ``None`` unless each
+    ``checkpoint-N`` holding any names exactly ranks ``0 .. world_size - 1``."""
+    found: dict[str, int] = {}
+    by_folder: dict[str, set[int]] = defaultdict(set)
+    for path in inside:
+        folder, _, name = path.partition("/")
+        match = _RNG_RE.match(name)
+        if match is None:
+            continue
+        if match[1] is None:
+            return None  # a one-process job's rng_state.pth
+        found[path] = int(match[1])
+        by_folder[folder].add(int(match[1]))
+    if any(held != set(range(world_size)) for held in by_folder.values()):
+        return None
+    return found
+
+
+def _read_metadata(checkpoint: Checkpoint, folders: list[str]) -> dict[str, Any]:
+    """Each DCP folder's parsed ``.metadata``; a folder whose file cannot be read is
+    left out (its shards are all kept)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    with tempfile.TemporaryDirectory(prefix="taskpoint-hf-metadata-") as scratch:
+        tree = checkpoint.load_sync(
+            into=scratch, paths=[f"{folder}/{DCP_METADATA}" for folder in folders]
+        )
+        found: dict[str, Any] = {}
+        for folder in folders:
+            try:
+                assert tree is not None
+                found[folder] = FileSystemReader(str(tree / folder)).read_metadata()
+            except Exception as exc:  # anything unreadable: keep every shard file
+                log.warning(
+                    "keeping every shard of %s: its %s cannot be read (%s: %s)",
+                    folder, DCP_METADATA, type(exc).__name__, exc,
+                )
+    return found
+
+
+def _shards_left_out(
+    folder: str, inside: list[str], metadata: Any, here: frozenset[int], world_size: int
+) -> set[str]:
+    """The ``__<r>_<j>.distcp`` files of ``folder`` that only ranks off this disk read."""
+    shards: dict[str, int] = {}
+    for path in inside:
+        parent, _, name = path.rpartition("/")
+        match = _SHARD_RE.match(name)
+        if parent == folder and match is not None:
+            shards[name] = int(match[1])
+    if metadata is None or set(shards.values()) != set(range(world_size)):
+        return set()  # unreadable, or not one prefix per rank of this job: keep them all
+    own = _own_files(metadata, shards, world_size)
+    return {f"{folder}/{name}" for name, rank in shards.items() if rank not in here and name in own}
+
+
+def _own_files(metadata: Any, shards: dict[str, int], world_size: int) -> set[str]:
+    """The files of a DCP folder holding nothing but their writer's own shards.
+
+    An item is a rank's own when its tensor is stored as ``world_size`` chunks, each in
+    another rank's file: each rank wrote its own chunk there, and under the same sharding
+    reads it back from there alone. Bytes, whole tensors and chunks several ranks hold
+    (the planner stores those once, in any rank's file) make a file everybody's.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    storage = getattr(metadata, "storage_data", None)
+    described = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(storage, dict) or not isinstance(described, dict):
+        return set()
+    ranks_of: dict[str, list[int]] = defaultdict(list)  # fqn -> the rank of each chunk's file
+    files: dict[str, set[str]] = defaultdict(set)  # file -> the fqns it holds
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        if name not in shards:
+            return set()  # a file this tree does not hold: something else wrote it
+        ranks_of[index.fqn].append(shards[name])
+        files[name].add(index.fqn)
+    own_fqns = {
+        fqn for fqn, held in ranks_of.items()
+        if isinstance(described.get(fqn), TensorStorageMetadata)
+        and len(described[fqn].chunks) == world_size
+        and sorted(held) == list(range(world_size))
+    }
+    return {name for name, fqns in files.items() if fqns <= own_fqns}
