@@ -24,10 +24,12 @@ round):
     loses the one before), laid out as FSDP's ``SHARDED_STATE_DICT`` writes it (this
     rank's shard files ``pytorch_model_fsdp_0/__<rank>_<j>.distcp``, new bytes every
     round, its ``rng_state_<rank>.pth``; node 0 also ``trainer_state.json`` and the shards'
-    ``.metadata``); the timed step is ``on_save`` and waiting for the commit. Then
-    ``restore_last_checkpoint`` into the emptied ``output_dir``. No model is trained: the
-    callback sees the files an FSDP Trainer on several nodes leaves, with real
-    ``TrainingArguments`` and ``TrainerState``.
+    ``.metadata``, a real DCP one describing each shard file as its rank's chunk of one
+    tensor); the timed step is ``on_save`` and waiting for the commit. Then
+    ``restore_last_checkpoint`` into the emptied ``output_dir``, which brings each node the
+    shared files and its own rank's files only (checked: no other rank's shard arrives).
+    No model is trained: the callback sees the files an FSDP Trainer on several nodes
+    leaves, with real ``TrainingArguments`` and ``TrainerState``.
 
 Each timed step (``save-<i>``, ``load-<i>``) starts when the driver says go: the node
 writes ``sync/ready-<step>-<rank>``, waits for ``sync/go-<step>``, runs the step and writes
@@ -163,7 +165,44 @@ def run_dcp(spec: dict[str, Any], steps: Steps) -> None:
         dist.destroy_process_group()
 
 
-def _write_hf_checkpoint(out: Path, step: int, rank: int, files: list[Path]) -> None:
+def _dcp_metadata(world: int, files: list[Path]) -> bytes:
+    """The ``.metadata`` ``dcp.save`` writes for these shards: tensor ``shard_<j>`` stored as
+    one chunk per rank, rank ``r``'s in ``__<r>_<j>.distcp`` (every node's share is the same
+    size). ``restore_last_checkpoint`` reads it to leave out other nodes' shards."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    described: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for j, path in enumerate(files):
+        size = path.stat().st_size
+        rows = size // 4
+        chunks = [
+            ChunkStorageMetadata(offsets=torch.Size([r * rows]), sizes=torch.Size([rows]))
+            for r in range(world)
+        ]
+        described[f"shard_{j}"] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), torch.Size([world * rows]), chunks
+        )
+        for r, chunk in enumerate(chunks):
+            storage[MetadataIndex(f"shard_{j}", chunk.offsets, 0)] = _StorageInfo(
+                f"__{r}_{j}.distcp", 0, size
+            )
+    return pickle.dumps(Metadata(state_dict_metadata=described, storage_data=storage))
+
+
+def _write_hf_checkpoint(
+    out: Path, step: int, rank: int, files: list[Path], metadata: bytes
+) -> None:
     """What a Trainer with FSDP ``SHARDED_STATE_DICT`` leaves on this rank's node after
     saving ``checkpoint-<step>`` with ``save_total_limit=1``: the one before is gone. Every
     step's shards hold other bytes (each 32-bit word plus ``step``), so nothing is
@@ -178,7 +217,7 @@ def _write_hf_checkpoint(out: Path, step: int, rank: int, files: list[Path]) -> 
         (np.fromfile(path, dtype=np.uint32) + np.uint32(step)).tofile(shards / f"__{rank}_{j}.distcp")
     (folder / f"rng_state_{rank}.pth").write_bytes(os.urandom(15_000))
     if rank == 0:
-        (shards / ".metadata").write_bytes(os.urandom(20_000))
+        (shards / ".metadata").write_bytes(metadata)
         (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
 
 
@@ -192,6 +231,7 @@ def run_hf(spec: dict[str, Any], steps: Steps) -> None:
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     rank, work, files = spec["rank"], Path(spec["work"]), _shard_files(spec)
+    metadata = _dcp_metadata(spec["world"], files)
     out = work / "out"
     out.mkdir(parents=True)
     try:
@@ -210,7 +250,7 @@ def run_hf(spec: dict[str, Any], steps: Steps) -> None:
         callback.on_train_begin(args, state, control)
         for i in range(spec["rounds"]):
             state.global_step = i + 1
-            _write_hf_checkpoint(out, i + 1, rank, files)
+            _write_hf_checkpoint(out, i + 1, rank, files, metadata)
 
             def save() -> None:
                 callback.on_save(args, state, control)
@@ -223,6 +263,8 @@ def run_hf(spec: dict[str, Any], steps: Steps) -> None:
             shard = resumed / "pytorch_model_fsdp_0" / f"__{rank}_0.distcp"
             assert shard.stat().st_size == files[0].stat().st_size
             assert (resumed / f"rng_state_{rank}.pth").exists()
+            others = [r for r in range(spec["world"]) if r != rank]  # each node its own share
+            assert not [r for r in others if (shard.parent / f"__{r}_0.distcp").exists()]
         callback.on_train_end(args, state, control)
     finally:
         dist.destroy_process_group()

@@ -18,8 +18,9 @@ node writing its ``--size-mb``. For 1, 2 and 4 nodes (``--writers``) it reports:
   ``TaskpointStorageReader``, against the same on one node;
 * ``hf``: ``TaskpointTrainerCallback`` on nodes without a shared disk (FSDP-sharded files
   in each node's own ``output_dir``; ``on_save`` to the commit), then
-  ``restore_last_checkpoint``, against the same on one node. Its restore brings every
-  node's files to every node, so it grows with the node count by design.
+  ``restore_last_checkpoint``, against the same on one node. Its restore brings each
+  node the shared files and its own rank's files (the shards' ``.metadata`` shows which
+  rank reads which shard file), so each link carries about one node's share.
 
 Each node is a process started with ``ip netns exec`` (imports and data made before the
 clock starts; each step starts on a go file); each round writes a fresh location. Besides
@@ -266,7 +267,7 @@ def cases(nodes: _netns.Nodes, server: Weed, scratch: Path, args: argparse.Names
             nodes_ = f"{n} node{'s' if n > 1 else ''}"
             report(f"{mode}: {nodes_} x {size} MB commit / {what}",
                    got["save"]["wall"] / base["save"]["wall"], "<= 1.3")
-            restore = "every node's whole checkpoint" if mode == "hf" else "own part"
+            restore = "its ranks' files" if mode == "hf" else "own part"
             report(f"{mode}: {nodes_} restore {restore} at once / 1 node alone",
                    got["load"]["wall"] / base["load"]["wall"], "<= 1.3")
 
