@@ -39,9 +39,9 @@ from typing import NoReturn
 from taskpoint import preemption, progress
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.distributed.torch_coordination import AnyRank
-from taskpoint.runtime.context import Preempted, TaskContext, _current
+from taskpoint.runtime.context import Preempted, TaskContext, _current, in_task
 
-__all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary", "settle_time"]
+__all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary", "record_preempted", "settle_time"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,20 @@ def settle_time() -> float:
     passed), else :data:`SETTLE_S`."""
     notice = preemption.notice()
     return SETTLE_S if notice is None else max(0.0, notice.remaining() - MARGIN_S)
+
+
+def record_preempted(checkpoint: object, message: str, *, step: int | None) -> None:
+    """Record the attempt's end as ``preempted`` (``"Preempted: <message>"``, at ``step``)
+    in ``checkpoint``, where no runner records it: outside a taskpoint task, and only when
+    ``checkpoint`` is a :class:`taskpoint.Checkpoint` (another system's checkpoint keeps
+    its own records). Called by the rank that leads the job (world rank 0) as a
+    preemption stops training; inside a task it does nothing.
+
+    Raises:
+        CheckpointStoreError: the record could not be written.
+    """
+    if not in_task() and isinstance(checkpoint, Checkpoint):
+        checkpoint.mark_ended("preempted", f"Preempted: {message}", step=step)
 
 
 class StepBoundary:
@@ -210,8 +224,8 @@ class StepBoundary:
             )
         if leader:
             log.warning("%s", message)
-            if self._context is None and isinstance(checkpoint, Checkpoint):
-                checkpoint.mark_ended("preempted", f"Preempted: {message}", step=step)
+            if self._context is None:
+                record_preempted(checkpoint, message, step=step)
         self.end(settle=False)
         raise Preempted(message) from cause
 

@@ -48,7 +48,7 @@ from typing import Any, Literal
 import taskpoint
 from taskpoint import preemption
 from taskpoint.distributed.torch_coordination import AnyRank
-from taskpoint.runtime import context
+from taskpoint.runtime import context, step_boundary
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
@@ -381,8 +381,7 @@ class Preemption:
                 "ending the attempt",
                 stop.step, outcome, stop.left(),
             )
-            if not context.in_task() and isinstance(checkpoint, taskpoint.Checkpoint):
-                checkpoint.mark_ended("preempted", f"Preempted: {message}", step=stop.step)
+            step_boundary.record_preempted(checkpoint, message, step=stop.step)
         raise taskpoint.Preempted(message) from error
 
     def failed(self, exc: BaseException, settle: Settle, step: int | None) -> None:

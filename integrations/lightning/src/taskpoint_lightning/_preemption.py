@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import taskpoint
 from taskpoint import preemption
 from taskpoint.distributed.torch_coordination import AnyRank
+from taskpoint.runtime import step_boundary
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -234,10 +235,7 @@ class Preemption:
         message = f"{notice.signal} received: stopped at step {step} ({where}); {outcome}"
         if trainer.is_global_zero:
             log.warning("%s", message)
-            if not taskpoint.runtime.context.in_task() and isinstance(
-                checkpoint, taskpoint.Checkpoint
-            ):
-                checkpoint.mark_ended("preempted", f"Preempted: {message}", step=step)
+            step_boundary.record_preempted(checkpoint, message, step=step)
         self._stopped = taskpoint.Preempted(message)
         self.close()
         raise self._stopped
