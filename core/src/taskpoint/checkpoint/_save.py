@@ -423,7 +423,7 @@ class Background:
         Raises:
             ValueError: ``TASKPOINT_GRACE_PERIOD`` is set to something other than seconds.
         """
-        _settle.hold_sigterm()  # a SIGTERM nobody handles lets the save commit first
+        preemption.hold_default_exit()  # a SIGTERM nobody handles lets the save commit first
         with self._cond:
             self._drop_queued()
             self._queued = (source, ticket)

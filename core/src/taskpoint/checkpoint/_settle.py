@@ -19,9 +19,10 @@ new futures after interpreter shutdown" and nothing committed. Where
 hook does what it can.
 
 A SIGTERM nobody handles waits the same way before it ends the process: a background
-upload starting (:func:`hold_sigterm`) installs :mod:`taskpoint.preemption`'s handler
-where the signal had none, and that handler lets the uploads in flight commit, until the
-grace period's end, before it ends the process as the default action would.
+upload starting calls :func:`taskpoint.preemption.hold_default_exit`, which installs
+taskpoint's handler where the signal had none, and that handler runs the wait registered
+here (:func:`taskpoint.preemption.wait_before_exit`), so the uploads in flight commit, until
+the grace period's end, before it ends the process as the default action would.
 
 After a preemption signal the wait ends by the grace period's end too (the kill follows
 it). An upload still running when the time is up is not waited for, and a warning says it
@@ -45,7 +46,7 @@ from typing import Protocol
 from taskpoint import preemption
 from taskpoint.checkpoint import _uploader
 
-__all__ = ["EXIT_WAIT_S", "hold_sigterm", "settle_uploads", "track", "untrack"]
+__all__ = ["EXIT_WAIT_S", "settle_uploads", "track", "untrack"]
 
 log = logging.getLogger(__name__)
 
@@ -101,37 +102,32 @@ def _settle(uploads: _Waitable, timeout: float | None) -> None:
         log.warning("an upload of an earlier attempt failed: %s: %s", type(exc).__name__, exc)
 
 
-def hold_sigterm() -> None:
-    """Called as a background upload starts: a SIGTERM with no handler of its own then
-    waits for the uploads in flight, up to the grace period's end, before it ends the
-    process (see :func:`taskpoint.preemption.hold_default_exit`); called from another
-    thread than the main one, nothing changes.
+def _exit_deadline(notice: preemption.Notice | None) -> float:
+    """When an ending process stops waiting for uploads (``time.monotonic()``):
+    :data:`EXIT_WAIT_S` from now, or the grace period's end when ``notice`` sets a sooner one."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    return deadline if notice is None else min(deadline, notice.deadline)
 
-    Raises:
-        ValueError: ``TASKPOINT_GRACE_PERIOD`` is set to something other than seconds.
-    """
-    preemption.hold_default_exit()
+
+def _settle_until(deadline: float) -> None:
+    """Wait for every tracked upload until ``deadline`` (``time.monotonic()``)."""
+    for uploads in list(_tracked):
+        _settle(uploads, max(0.0, deadline - time.monotonic()))
 
 
 def _settle_before_signal_exit(notice: preemption.Notice) -> None:
     """The preemption signal is about to end the process: wait for every tracked upload
     until the grace period's end (at most :data:`EXIT_WAIT_S` seconds in all). The upload
     process is left running: it finishes its uploads on its own."""
-    deadline = min(time.monotonic() + EXIT_WAIT_S, notice.deadline)
-    for uploads in list(_tracked):
-        _settle(uploads, max(0.0, deadline - time.monotonic()))
+    _settle_until(_exit_deadline(notice))
 
 
 def _settle_at_exit() -> None:
     """Wait for every tracked upload, then end the upload process, within
     :data:`EXIT_WAIT_S` seconds in all, and by the grace period's end after a preemption
     signal."""
-    deadline = time.monotonic() + EXIT_WAIT_S
-    notice = preemption.notice()
-    if notice is not None:
-        deadline = min(deadline, notice.deadline)
-    for uploads in list(_tracked):
-        _settle(uploads, max(0.0, deadline - time.monotonic()))
+    deadline = _exit_deadline(preemption.notice())
+    _settle_until(deadline)
     if not _uploader.close_shared(max(0.0, deadline - time.monotonic())):
         log.warning("the upload process still runs; it finishes its uploads on its own")
 

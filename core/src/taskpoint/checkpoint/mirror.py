@@ -47,7 +47,7 @@ from pathlib import Path
 from taskpoint import preemption
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint._save import Source, classify, discard, lower_priority, take_snapshot
-from taskpoint.checkpoint._settle import EXIT_WAIT_S, hold_sigterm, settle_uploads, track
+from taskpoint.checkpoint._settle import EXIT_WAIT_S, settle_uploads, track
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.distributed.coordination import Coordinator
 from taskpoint.format.history import SaveStats
@@ -137,7 +137,7 @@ class UploadThread:
             RuntimeError: the previous job has not been waited for.
             ValueError: ``TASKPOINT_GRACE_PERIOD`` is set to something other than seconds.
         """
-        hold_sigterm()  # a SIGTERM nobody handles lets the job commit before ending us
+        preemption.hold_default_exit()  # a SIGTERM nobody handles lets the job commit before ending us
         with self._lock:
             if self._thread is not None:
                 raise RuntimeError(f"{self._name}: the previous job was not waited for")
