@@ -201,6 +201,21 @@ FAILS_WITH_AN_UPLOAD_HUNG = textwrap.dedent(
 )
 
 
+def _site_env(tmp_path: Path, modules: dict[str, str], **variables: str) -> dict[str, str]:
+    """The environment of a child Python whose site folder (in ``tmp_path``) holds
+    ``modules`` (file name to source; its ``sitecustomize.py`` runs as the child starts):
+    this one's, without its ``TASKPOINT_`` settings, plus ``variables``."""
+    site = tmp_path / "site"
+    site.mkdir()
+    for name, source in modules.items():
+        (site / name).write_text(source)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), **variables
+    )
+    return env
+
+
 @pytest.mark.parametrize("how", ["exception", "sigterm"])
 def test_a_hung_upload_is_given_up_at_its_bound_and_the_checkpoint_before_it_stays(
     tmp_path: Path, how: str
@@ -214,13 +229,8 @@ def test_a_hung_upload_is_given_up_at_its_bound_and_the_checkpoint_before_it_sta
     from taskpoint.store.store import Store
 
     bound = 6.0
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(STALL_SITE)
-    (site / "stallfs.py").write_text(STALL_FS)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    env = _site_env(
+        tmp_path, {"sitecustomize.py": STALL_SITE, "stallfs.py": STALL_FS},
         STALL_FLAG=str(tmp_path / "stall"), BOUND=str(bound),
     )
     if how == "sigterm":
@@ -368,13 +378,8 @@ def _terminate_while_uploading(
 ) -> tuple[subprocess.Popen[bytes], float, str]:
     """Run :data:`TERMINATED_WHILE_UPLOADING`, send it SIGTERM once its save uploads; the
     process, seconds from the signal to its end, and its output."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SLOW_SITE)
-    (site / "slowfs.py").write_text(SLOW_FS)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKPOINT_")}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    env = _site_env(
+        tmp_path, {"sitecustomize.py": SLOW_SITE, "slowfs.py": SLOW_FS},
         SLOW_FLAG=str(tmp_path / "slow"), SLOW_S=str(slow_s), TASKPOINT_GRACE_PERIOD=str(grace),
     )
     work = tmp_path / "work"
