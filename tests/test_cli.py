@@ -448,3 +448,29 @@ def test_the_root_twice_must_agree(store: str, tmp_path: Path) -> None:
         assert code == 2, out
         assert f"ROOT {store!r} and --root {other!r} name different roots" in out
     assert len(json.loads(_invoke("ls", store, "--json")[1])["actions"]) == 3, "nothing was pruned"
+
+
+# -- show, piped ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("columns", [40, 60, 80, 100])
+def test_show_piped_breaks_a_long_url_between_segments(tmp_path: Path, columns: int) -> None:
+    """Piped (80 columns unless $COLUMNS says), the run's URL and the header break after a
+    `/`, so the run id stays whole; each line fits the width."""
+    from test_cli_show import ACTION, contract_run
+
+    root = tmp_path / "a-folder-with-a-rather-long-name" / "store"
+    url = contract_run(root)
+    result = CliRunner().invoke(
+        main, ["show", ACTION, "--root", str(root)], env={"COLUMNS": str(columns)}
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= columns
+    run_id = ACTION.partition("/")[2]
+    whole = [line for line in lines if run_id in line]
+    assert len(whole) == 2, f"the run id is cut:\n{result.output}"  # the URL and the header
+    # The URL's lines, joined, are the URL: each but the last ends at a `/`.
+    head = lines[: lines.index(whole[0]) + 1]
+    assert "".join(line.strip() for line in head) == url.removeprefix("file://")
+    assert all(line.endswith("/") for line in head[:-1])
