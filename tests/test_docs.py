@@ -206,6 +206,20 @@ def test_every_guide_python_block_is_collected() -> None:
     assert not [b for b in _all_blocks() if b.lang in ("pycon", "ipython")], "untested console blocks"
 
 
+def test_examples_import_taskpoint_as_itself() -> None:
+    """A reader copies from the examples: each names taskpoint ``taskpoint`` (they once
+    imported it ``as flyte``, which reads as if Flyte were needed)."""
+    examples = sorted((REPO / "examples").glob("*.py"))
+    assert len(examples) >= 9
+    for example in examples:
+        tree = ast.parse(example.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                renamed = [a.asname for a in node.names if a.name.startswith("taskpoint") and a.asname]
+                assert not renamed, f"{example.name} imports taskpoint as {renamed}"
+        assert "flyte." not in example.read_text(encoding="utf-8"), example.name
+
+
 def test_readme_links_resolve() -> None:
     """The README's relative links (to the guides, examples and adapters) name files that exist."""
     text = README.read_text(encoding="utf-8")
