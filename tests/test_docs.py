@@ -220,6 +220,31 @@ def test_examples_import_taskpoint_as_itself() -> None:
         assert "flyte." not in example.read_text(encoding="utf-8"), example.name
 
 
+def _section(page: Path, heading: str) -> str:
+    """The text of ``page`` under ``heading`` (a ``## `` line), up to the next one."""
+    text = page.read_text(encoding="utf-8")
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+@pytest.mark.parametrize(
+    ("page", "heading"),
+    [
+        ("README.md", "Use it"),
+        ("docs/getting-started.md", "A task that fails and resumes"),
+        *[(f"docs/frameworks/{name}.md", "Quickstart")
+          for name in ("pytorch", "lightning", "hf", "sklearn", "unsloth")],
+    ],
+)
+def test_quickstarts_say_how_a_rerun_resumes(page: str, heading: str) -> None:
+    """Where a user starts, the page says that re-running a script starts over, and how to
+    resume after losing the whole machine: a fixed run id."""
+    section = _section(REPO / page, heading)
+    assert "run_id=" in section and "TASKPOINT_RUN_ID=" in section, (page, heading)
+    assert re.search(r"whole\s+machine", section), (page, heading)
+
+
 def test_readme_links_resolve() -> None:
     """The README's relative links (to the guides, examples and adapters) name files that exist."""
     text = README.read_text(encoding="utf-8")
