@@ -463,6 +463,48 @@ def test_first_screen_example_command(tmp_path: Path, uv: str) -> None:
     )
 
 
+LINUX_311 = {
+    "python_version": "3.11", "python_full_version": "3.11.7", "sys_platform": "linux",
+    "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+    "implementation_name": "cpython", "platform_python_implementation": "CPython",
+}
+"""The platform the README's package counts are for."""
+
+
+def _locked_packages(uv: str, *options: str) -> int:
+    """How many packages ``uv sync`` with ``options`` installs on :data:`LINUX_311`, from
+    ``uv.lock`` (``uv export``, each requirement's marker evaluated)."""
+    from packaging.markers import Marker
+
+    proc = subprocess.run(
+        [uv, "export", "--frozen", "--no-hashes", "--format", "requirements-txt", *options],
+        cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    count = 0
+    for line in proc.stdout.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", "--")):
+            continue
+        marker = line.partition(";")[2].strip()
+        if not marker or Marker(marker).evaluate(environment=LINUX_311):  # type: ignore[arg-type]
+            count += 1
+    return count
+
+
+def test_first_screen_says_what_the_commands_install(uv: str) -> None:
+    """The README's install figures are the lock's: the whole workspace, the PyTorch
+    adapter alone and core alone."""
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    whole = _locked_packages(uv)
+    assert f"the whole workspace, every framework included: {whole} packages" in text
+    for package in ("taskpoint-pytorch", "taskpoint"):
+        count = _locked_packages(uv, "--package", package)
+        assert re.search(
+            rf"`uv run --package {package} python examples/\w+\.py`[^.]*? {count} packages", text
+        ), (package, count)
+
+
 @pytest.mark.slow
 def test_first_screen_pytest_command(uv: str) -> None:
     block = covered_block("test_first_screen_pytest_command")
