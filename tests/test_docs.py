@@ -131,6 +131,10 @@ COVERAGE: list[Covered] = [
             ("test_first_screen_example_command",)),
     Covered("docs/getting-started.md", "text", r"^attempt 0: starting at epoch 0 \(",
             ("test_first_screen_example_command",)),
+    Covered("docs/getting-started.md", "sh", r"^uv run taskpoint show ",
+            ("test_getting_started_show_sample",)),
+    Covered("docs/getting-started.md", "text", r"├── attempt 0 ",
+            ("test_getting_started_show_sample",)),
     Covered("docs/frameworks/unsloth.md", "python", r"from taskpoint_unsloth import",
             ("test_unsloth_quickstart",)),
     Covered("docs/object-stores.md", "python", r'taskpoint\.Checkpoint\("s3://',
@@ -428,25 +432,45 @@ def _commands(block: Block) -> list[str]:
     return [line.split("#", 1)[0].strip() for line in block.text.splitlines() if line.strip()]
 
 
+SAMPLE_HOME = "/home/me/project"
+"""Where the getting-started guide's sample output says the example ran (16 characters, as
+the temporary folder it ran in: the lines break where they would have)."""
+
+
+@pytest.fixture(scope="module")
+def first_screen_run(uv: str) -> Iterator[tuple[Path, str]]:
+    """``examples/pytorch_checkpoint.py`` run as the README's first command says, in an
+    empty folder of 16 characters (``/tmp/tp-XXXXXXXX``): that folder and what it printed."""
+    import tempfile
+
+    workdir = Path(tempfile.mkdtemp(prefix="tp-", dir="/tmp"))
+    assert len(str(workdir)) == len(SAMPLE_HOME)
+    try:
+        # As written, from the repository root. Here from an empty directory (the example
+        # writes its checkpoints under the working directory): `--project` names the
+        # repository, and `--locked` fails instead of rewriting uv.lock when it is out of date.
+        proc = subprocess.run(
+            [uv, "run", "--locked", "--project", str(REPO),
+             "python", str(REPO / "examples" / "pytorch_checkpoint.py")],
+            cwd=workdir, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stdout[-8000:]
+        yield workdir, proc.stdout
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_first_screen_example_command(tmp_path: Path, uv: str) -> None:
+def test_first_screen_example_command(first_screen_run: tuple[Path, str]) -> None:
     block = covered_block("test_first_screen_example_command", "README.md")
     assert _commands(block) == ["uv run python examples/pytorch_checkpoint.py", "uv run pytest"]
-    # As written, from the repository root. Here from an empty directory (the example writes
-    # its checkpoints under the working directory): `--project` names the repository, and
-    # `--locked` fails instead of rewriting uv.lock when it is out of date.
-    proc = subprocess.run(
-        [uv, "run", "--locked", "--project", str(REPO),
-         "python", str(REPO / "examples" / "pytorch_checkpoint.py")],
-        cwd=tmp_path, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    assert re.findall(r"^attempt (\d): starting at epoch (\d+)", proc.stdout, re.MULTILINE) == [
+    stdout = first_screen_run[1]
+    assert re.findall(r"^attempt (\d): starting at epoch (\d+)", stdout, re.MULTILINE) == [
         ("0", "0"), ("1", "3"), ("2", "6"), ("3", "9")
     ]
-    assert "resumed from the checkpoint" in proc.stdout
-    assert "identical: True" in proc.stdout
+    assert "resumed from the checkpoint" in stdout
+    assert "identical: True" in stdout
     # The getting-started guide shows the same commands, and this run's output, line for
     # line (the run id and the two predictions aside).
     guide = "docs/getting-started.md"
@@ -458,8 +482,56 @@ def test_first_screen_example_command(tmp_path: Path, uv: str) -> None:
         text = re.sub(r"(run:\s+)\S+", r"\1X", text)
         return [line.rstrip() for line in text.splitlines() if line.strip()]
 
-    assert normal(shown.text) == normal(proc.stdout), (
-        f"{guide}'s sample output is not what the example prints:\n{proc.stdout}"
+    assert normal(shown.text) == normal(stdout), (
+        f"{guide}'s sample output is not what the example prints:\n{stdout}"
+    )
+
+
+RUN_ID = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{6}")
+
+
+def _same_show(text: str) -> str:
+    """``taskpoint show``'s output without what differs between two runs of the example
+    (run id, dates, times, durations, host, pid, temporary names, sizes) and without the line breaks and the tree's
+    lines, which move with the widths of those."""
+    text = RUN_ID.sub("RUN", text)
+    text = re.sub(r"\d{4}-\d{2}-\d{2}", "DATE", text)
+    text = re.sub(r"\d{2}:\d{2}:\d{2}", "TIME", text)
+    text = re.sub(r"\+?-?(\d+(\.\d+)?(ms|s)|\d+m\d{2}s|\d+h\d{2}m)\b", "DURATION", text)
+    text = re.sub(r"\S+ pid \d+", "HOST pid PID", text)
+    text = re.sub(r"\b(taskpoint-\w+-)[a-z0-9_]{8}\b", r"\1TEMP", text)  # a temporary folder
+    text = re.sub(r"\b\d+(\.\d+)? (B|KiB|MiB|GiB)\b", "SIZE", text)  # pickles vary a little
+    return re.sub(r"[\s│├└─·]+", "", text)
+
+
+@pytest.mark.slow
+def test_getting_started_show_sample(first_screen_run: tuple[Path, str]) -> None:
+    """The getting-started guide's ``taskpoint show`` sample is what the command prints, piped
+    (100 columns), after the guide's first command: the same lines, times and run id aside.
+    ``TASKPOINT_UPDATE_DOCS=1`` writes this run's output in its place."""
+    workdir, _ = first_screen_run
+    exe = Path(sys.executable).with_name("taskpoint")
+    guide = DOCS / "getting-started.md"
+    commands = _commands(covered_block("test_getting_started_show_sample", lang="sh"))
+    assert commands[0] == "uv run taskpoint ls"
+    (page_run,) = RUN_ID.findall(commands[1])
+    (action,) = [p.name for p in (workdir / ".taskpoint" / "checkpoints").iterdir()]
+    (real_run,) = [p.name for p in (workdir / ".taskpoint" / "checkpoints" / action).iterdir()]
+    assert commands[1] == f"uv run taskpoint show {action}/{page_run}"
+    proc = subprocess.run(
+        [str(exe), "show", f"{action}/{real_run}"], cwd=workdir,
+        env=_child_env(COLUMNS="100", TZ="UTC"), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    printed = proc.stdout.replace(str(workdir), SAMPLE_HOME).replace(real_run, page_run)
+    shown = covered_block("test_getting_started_show_sample", lang="text")
+    if os.environ.get("TASKPOINT_UPDATE_DOCS") == "1":
+        page = guide.read_text(encoding="utf-8")
+        guide.write_text(page.replace(shown.text, printed, 1), encoding="utf-8")
+        shown = covered_block("test_getting_started_show_sample", lang="text")
+    assert _same_show(shown.text) == _same_show(printed), (
+        f"{guide}'s taskpoint show sample is out of date: rerun this test with "
+        f"TASKPOINT_UPDATE_DOCS=1. It prints:\n{printed}"
     )
 
 
