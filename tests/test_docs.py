@@ -1025,3 +1025,53 @@ def test_docs_site_loads_nothing_from_the_network() -> None:
     for page in guide_pages():
         assert not [b for b in page_blocks(page) if b.lang == "mermaid"], f"{page}: a Mermaid block"
         assert not re.search(r"<(script|iframe|link)\b", page.read_text(encoding="utf-8")), page
+
+
+# -- the built site -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built_site(uv: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The docs site, built as CONTRIBUTING.md says (its own environment, ``--strict``)."""
+    site = tmp_path_factory.mktemp("site")
+    proc = subprocess.run(
+        [uv, "run", "--frozen", "--only-group", "docs", "mkdocs", "build", "--strict",
+         "--site-dir", str(site)],
+        cwd=REPO, env=_child_env(UV_PROJECT_ENVIRONMENT=".venv-docs", NO_MKDOCS_2_WARNING="1"),
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return site
+
+
+def _chromium() -> str | None:
+    return next((found for name in ("chromium", "chromium-browser", "google-chrome")
+                 if (found := shutil.which(name))), None)
+
+
+@pytest.mark.slow
+def test_site_search_works_from_disk(built_site: Path) -> None:
+    """The README says to open ``site/index.html`` from disk. There the search index must be
+    a script (the ``offline`` plugin) and the search worker run without a web worker (our
+    ``iframe-worker.js``; Material's own shim comes from a CDN); no page loads a script from
+    the network. Where Chromium is installed, a search on the page opened from file://
+    finds pages."""
+    index = (built_site / "search" / "search_index.js").read_text(encoding="utf-8")
+    assert index.startswith("var __index = {"), "the search index is not inlined as a script"
+    assert '"location":"getting-started.html' in index, "links work from disk (no directory URLs)"
+    for page in built_site.rglob("*.html"):
+        text = page.read_text(encoding="utf-8")
+        assert not re.search(r"<script[^>]+src=\"(https?:)?//", text), f"{page} loads a script"
+        if page.name == "index.html" and page.parent == built_site:
+            assert '<script src="assets/javascripts/iframe-worker.js"' in text
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("the search was checked as files only: no Chromium to open the site with")
+    proc = subprocess.run(
+        [browser, "--headless=new", "--no-sandbox", "--disable-gpu",
+         "--virtual-time-budget=20000", "--dump-dom",
+         f"{(built_site / 'index.html').as_uri()}?q=preemption"],
+        capture_output=True, text=True, timeout=180,
+    )
+    found = re.search(r'md-search-result__meta">(\d+) matching documents?<', proc.stdout)
+    assert found and int(found.group(1)) > 0, f"no search results from file://:\n{proc.stderr[-3000:]}"
