@@ -1075,3 +1075,57 @@ def test_site_search_works_from_disk(built_site: Path) -> None:
     )
     found = re.search(r'md-search-result__meta">(\d+) matching documents?<', proc.stdout)
     assert found and int(found.group(1)) > 0, f"no search results from file://:\n{proc.stderr[-3000:]}"
+
+
+def test_api_reference_names_no_private_base_or_dunder(built_site: Path) -> None:
+    """The API pages show what a user calls: no ``Bases:`` naming a class from a private
+    module (``Checkpoint`` is made of ``Loading``, ``Records`` ... in ``_``-modules), and no
+    ``__dunder__`` member in the text or the table of contents."""
+    pages = sorted((built_site / "api").glob("*.html"))
+    assert len(pages) >= 6
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        for bases in re.findall(r"Bases: (.*?)</p>", text, re.DOTALL):
+            private = re.findall(r'title="\s*(?:\w+ \()?([\w.]*\._\w[\w.]*)', bases)
+            assert not private, f"{page.name} names private bases {private}"
+        dunders = re.findall(r'id="((?:taskpoint\w*\.)[\w.]*\.__\w+__)"', text)
+        assert not dunders, f"{page.name} documents {dunders}"
+    checkpoint = (built_site / "api" / "taskpoint.html").read_text(encoding="utf-8")
+    for inherited in ("save_sync", "load_sync", "prune", "mark_started"):
+        assert f'id="taskpoint.Checkpoint.{inherited}"' in checkpoint, "inherited methods stay"
+
+
+FITS = """<script>
+addEventListener("load", () => {
+  const page = document.querySelector(".md-content__inner");
+  const wide = [...page.querySelectorAll("table")]
+    .filter((table) => table.scrollWidth > page.clientWidth)
+    .map((table) => table.rows[0].cells.length + " columns, " + table.scrollWidth + "px");
+  document.body.setAttribute("data-page-width", String(page.clientWidth));
+  document.body.setAttribute("data-too-wide", JSON.stringify(wide));
+});
+</script></body>"""
+"""Measures, in the browser, each table of a page against the page's text column."""
+
+
+@pytest.mark.slow
+def test_benchmark_tables_fit_the_page(built_site: Path) -> None:
+    """Every table of the benchmarks page fits the text column of a 1280-pixel-wide window
+    (the first one has ten columns)."""
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("needs Chromium to lay the page out")
+    page = built_site / "benchmarks.html"
+    probe = built_site / "benchmarks-probe.html"
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", FITS, 1), encoding="utf-8")
+    proc = subprocess.run(
+        [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,1000",
+         "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+        capture_output=True, text=True, timeout=180,
+    )
+    width = re.search(r'data-page-width="(\d+)"', proc.stdout)
+    found = re.search(r'data-too-wide="([^"]*)"', proc.stdout)
+    assert width and found, f"the page did not load:\n{proc.stderr[-3000:]}"
+    assert json.loads(html.unescape(found.group(1))) == [], (
+        f"tables wider than the {width.group(1)}px column: {html.unescape(found.group(1))}"
+    )
