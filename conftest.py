@@ -12,7 +12,10 @@ of them at a time.
 ``TASKPOINT_TEST_STORES`` (comma-separated kinds: ``file``, ``memory``, ``s3``,
 ``seaweedfs``, ``azure``, ``gcs``) narrows the list for a quick local run, e.g.
 ``TASKPOINT_TEST_STORES=file,memory`` or ``TASKPOINT_TEST_STORES=seaweedfs``. With ``CI=true`` a server that cannot start
-fails the run; elsewhere its tests are skipped with the reason.
+fails the run; elsewhere its tests are skipped with the reason. Azurite, the one server that
+is not a Python dependency, is installed with npm into ``.ci/node`` the first time a test
+needs it (once, whatever the number of workers); without npm the Azure tests say how to get
+it.
 """
 
 from __future__ import annotations

