@@ -1,0 +1,371 @@
+"""How often to save: every N seconds of training, or an interval chosen from the job's costs.
+
+A framework counts saves in steps or epochs; what a failure costs is counted in time. A
+:class:`SaveInterval` answers "is a save due now?" at each step boundary, by one of two
+rules:
+
+- a fixed time: ``SaveInterval(600)`` saves once 600 s of training have passed since the
+  last save took its state (the work a failure can lose);
+- ``SaveInterval("auto")``: the interval follows Young and Daly's first-order optimum,
+  ``sqrt(2 x C x M)``, from the cost ``C`` of a save as training sees it (seconds the step
+  waited on the save, plus the seconds the upload running beside training took from the
+  steps it overlapped) and the run's mean time ``M`` between failures that lose work, read
+  from the run's own history (:func:`mean_time_between_failures`). Until the run has
+  failed, ``M`` leans on a prior (:data:`MTBF_PRIOR_S`, ``TASKPOINT_MTBF_PRIOR_S`` or the
+  argument). The result is kept within two bounds: saves take at most ``max_overhead`` of
+  training time (2% by default), and the interval never exceeds ``max_interval_s``, which
+  wins where the two disagree (a failure that loses an hour costs more than a save).
+
+Each new measurement (a committed save's cost, a failure in the history) recomputes the
+interval; :attr:`SaveInterval.choice` says what was chosen and from what, and every change
+is logged at INFO. A failure that a preemption save covered (a SIGTERM with its grace
+period, the save committed) loses no work and does not count towards ``M``: with a
+preemption warning, the interval only matters for the failures that come without one.
+
+The clock is :func:`time.monotonic` unless given; under several ranks each rank holds a
+:class:`SaveInterval` and the adapter takes rank 0's :meth:`SaveInterval.due` for all
+(one collective), so every rank saves at the same step.
+
+Example::
+
+    interval = SaveInterval("auto", history=checkpoint.attempts())
+    for step in range(start, steps):
+        train_step(step)
+        interval.step_done()
+        if interval.due():
+            stats = checkpoint.save_sync(state)     # or a background save
+            interval.saved(blocked_s=stats.blocked_s, upload_s=stats.upload_s)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from taskpoint.format.history import AttemptRecord
+
+__all__ = [
+    "ENV_MTBF_PRIOR",
+    "MAX_INTERVAL_S",
+    "MAX_OVERHEAD",
+    "MTBF_PRIOR_S",
+    "IntervalChoice",
+    "SaveInterval",
+    "mean_time_between_failures",
+    "young_daly",
+]
+
+log = logging.getLogger(__name__)
+
+MTBF_PRIOR_S = 4 * 3600.0
+"""The mean time between failures (seconds) assumed for a run with no history: four
+hours, between on-demand machines (days) and spot instances in a busy zone (an hour or
+less). It weighs as one failure: after ``T`` seconds of failure-free training the estimate
+is ``MTBF_PRIOR_S + T``; after ``n`` failures in ``T`` seconds, ``(MTBF_PRIOR_S + T) / (1 + n)``."""
+ENV_MTBF_PRIOR = "TASKPOINT_MTBF_PRIOR_S"
+"""The environment variable that sets the prior, in seconds (a platform's figure: a spot
+fleet's mean time to reclaim, a cluster's mean time between node losses)."""
+MAX_OVERHEAD = 0.02
+"""The largest share of training time that automatic saves may cost (2%)."""
+MAX_INTERVAL_S = 3600.0
+"""The longest automatic interval, in seconds (one hour)."""
+
+_LOSSES = frozenset({"failed", "crashed", "died"})
+_EWMA = 0.2  # weight of the newest sample in the running step-time and cost estimates
+
+
+def young_daly(cost_s: float, mtbf_s: float) -> float:
+    """Young and Daly's first-order optimal interval between saves, in seconds:
+    ``sqrt(2 x cost_s x mtbf_s)``; 0 for a save that costs nothing.
+
+    Raises:
+        ValueError: either argument is negative or not finite.
+    """
+    for name, value in (("cost_s", cost_s), ("mtbf_s", mtbf_s)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number of seconds >= 0; got {value!r}")
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def _lost_work(record: AttemptRecord, current: int | None) -> bool:
+    """Whether the attempt ended in a failure that lost work (the current one has not ended)."""
+    if record.attempt == current:
+        return False
+    if record.outcome == "preempted":
+        return record.preemption_save != "committed"
+    return record.outcome is None or record.outcome in _LOSSES
+
+
+def mean_time_between_failures(
+    history: Sequence[AttemptRecord],
+    *,
+    prior_s: float = MTBF_PRIOR_S,
+    now: float | None = None,
+    current: int | None = None,
+) -> tuple[float, int, float]:
+    """The run's mean time between failures that lose work, from its attempt records.
+
+    Each attempt counts from its claim to its end record; one without an end record (a
+    process killed outright, a node lost) to the next attempt's claim, and the
+    ``current`` one to ``now``. A failure loses work when the attempt failed, crashed or
+    died, or was preempted without a committed preemption save. The prior weighs as one
+    failure after ``prior_s`` seconds (the mean of a Gamma posterior on the failure rate),
+    so a new run gets ``prior_s`` and a long failure-free run drifts above it.
+
+    Args:
+        history: the run's attempt records (:meth:`taskpoint.Checkpoint.attempts`), in
+            any order.
+        prior_s: the prior mean time between failures, in seconds.
+        now: Unix time for the ``current`` attempt's end (default: now).
+        current: the attempt now running, if it is in ``history``.
+
+    Returns:
+        ``(mtbf_s, failures, observed_s)``: the estimate in seconds, the failures counted
+        and the seconds of attempts observed.
+
+    Raises:
+        ValueError: ``prior_s`` is not a positive finite number.
+    """
+    if not (math.isfinite(prior_s) and prior_s > 0):
+        raise ValueError(f"prior_s must be a positive number of seconds; got {prior_s!r}")
+    now = time.time() if now is None else now
+    records = sorted(history, key=lambda r: r.attempt)
+    observed, failures = 0.0, 0
+    for index, record in enumerate(records):
+        if record.started is None:
+            continue
+        end = record.ended
+        if end is None and record.attempt == current:
+            end = now
+        if end is None:
+            later = [r.started for r in records[index + 1 :] if r.started is not None]
+            end = later[0] if later else None
+        if end is not None and end > record.started:
+            observed += end - record.started
+        failures += _lost_work(record, current)
+    return (prior_s + observed) / (1 + failures), failures, observed
+
+
+def _prior_from(env: Mapping[str, str], default: float = MTBF_PRIOR_S) -> float:
+    """The prior mean time between failures: ``TASKPOINT_MTBF_PRIOR_S`` when set, else
+    ``default``.
+
+    Raises:
+        ValueError: the variable is set to something other than a positive number.
+    """
+    raw = env.get(ENV_MTBF_PRIOR, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{ENV_MTBF_PRIOR} must be a positive number of seconds (e.g. 3600 for a spot "
+            f"fleet that loses a machine an hour); got {raw!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class IntervalChoice:
+    """The interval a :class:`SaveInterval` uses now, and what it was chosen from.
+
+    Attributes:
+        interval_s: seconds of training between saves.
+        rule: ``"fixed"``, ``"young-daly"``, ``"overhead"`` (raised to keep saves within
+            ``max_overhead``), ``"max-interval"`` (capped) or ``"first-save"`` (no save
+            cost measured yet: the first save is due at once).
+        save_cost_s: the measured cost of one save as training sees it (``None``: none
+            measured yet).
+        mtbf_s: the mean time between failures used (``None`` for a fixed interval).
+        failures: failures that lost work in the run's history.
+        observed_s: seconds of the run's history the estimate saw.
+    """
+
+    interval_s: float
+    rule: str
+    save_cost_s: float | None = None
+    mtbf_s: float | None = None
+    failures: int = 0
+    observed_s: float = 0.0
+
+    def describe(self) -> str:
+        """One line for logs and ``taskpoint show``."""
+        if self.rule == "fixed":
+            return f"every {self.interval_s:g} s (fixed)"
+        cost = "unmeasured" if self.save_cost_s is None else f"{self.save_cost_s:.3g} s"
+        mtbf = f"{self.mtbf_s:.0f} s" if self.mtbf_s is not None else "unknown"
+        return (
+            f"every {self.interval_s:.1f} s ({self.rule}: save cost {cost}, mean time between "
+            f"failures {mtbf} from {self.failures} failure(s) in {self.observed_s:.0f} s)"
+        )
+
+
+class SaveInterval:
+    """Decides at each step boundary whether a save is due, by training time.
+
+    Args:
+        every: seconds of training between saves (a positive number), or ``"auto"``.
+        history: the run's attempt records, for ``"auto"`` (updated with
+            :meth:`failures_seen`).
+        current: the running attempt's number, when ``history`` includes it.
+        mtbf_prior_s: the prior mean time between failures, seconds (``None``:
+            ``TASKPOINT_MTBF_PRIOR_S``, else :data:`MTBF_PRIOR_S`).
+        max_overhead: the largest share of training time automatic saves may cost, in (0, 1).
+        max_interval_s: the longest automatic interval, seconds.
+        clock: seconds, monotonic (:func:`time.monotonic`); tests pass a fake one.
+
+    Raises:
+        ValueError: an argument is out of range, or ``TASKPOINT_MTBF_PRIOR_S`` is unusable.
+    """
+
+    def __init__(
+        self,
+        every: float | Literal["auto"],
+        *,
+        history: Sequence[AttemptRecord] = (),
+        current: int | None = None,
+        mtbf_prior_s: float | None = None,
+        max_overhead: float = MAX_OVERHEAD,
+        max_interval_s: float = MAX_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if every != "auto" and (
+            isinstance(every, bool)
+            or not isinstance(every, (int, float))
+            or not math.isfinite(every)
+            or every <= 0
+        ):
+            raise ValueError(
+                f'every must be a positive number of seconds or "auto"; got {every!r}'
+            )
+        if not (isinstance(max_overhead, (int, float)) and 0 < max_overhead < 1):
+            raise ValueError(f"max_overhead must be a fraction in (0, 1); got {max_overhead!r}")
+        if not (isinstance(max_interval_s, (int, float)) and 0 < max_interval_s < math.inf):
+            raise ValueError(
+                f"max_interval_s must be a positive number of seconds; got {max_interval_s!r}"
+            )
+        self._auto = every == "auto"
+        self._fixed = 0.0 if every == "auto" else float(every)
+        self._prior = _prior_from(os.environ) if mtbf_prior_s is None else float(mtbf_prior_s)
+        if not (math.isfinite(self._prior) and self._prior > 0):
+            raise ValueError(f"mtbf_prior_s must be a positive number; got {mtbf_prior_s!r}")
+        self._max_overhead = float(max_overhead)
+        self._max_interval = float(max_interval_s)
+        self._clock = clock
+        self._history: Sequence[AttemptRecord] = tuple(history)
+        self._current = current
+        self._since = clock()  # when the last save took its state, or the start
+        self._last_step: float | None = None
+        self._step_s: float | None = None  # running mean of a step with no upload beside it
+        self._uploading_until: float | None = None
+        self._taken = 0.0  # seconds the running upload has taken from steps so far
+        self._blocked: float | None = None
+        self._cost: float | None = None
+        self._choice = self._choose()
+
+    def __repr__(self) -> str:
+        return f"SaveInterval({self._choice.describe()})"
+
+    @property
+    def choice(self) -> IntervalChoice:
+        """The interval now in force and its inputs."""
+        return self._choice
+
+    @property
+    def save_cost_s(self) -> float | None:
+        """The running estimate of one save's cost to training, seconds (``None``: no save
+        measured yet)."""
+        return self._cost
+
+    def step_done(self) -> None:
+        """A training step finished: time it. Steps that ran beside an upload count what
+        they took beyond a plain step towards that save's cost."""
+        now = self._clock()
+        if self._last_step is not None:
+            took = now - self._last_step
+            if self._uploading_until is not None and self._last_step < self._uploading_until:
+                if self._step_s is not None:
+                    self._taken += max(0.0, took - self._step_s)
+            else:
+                self._step_s = took if self._step_s is None else _mix(self._step_s, took)
+        if self._uploading_until is not None and now >= self._uploading_until:
+            self._finish_cost()
+        self._last_step = now
+
+    def due(self) -> bool:
+        """Whether a save is due now: the interval has passed since the last save (or the
+        start). The first automatic save, whose cost is not known yet, is due at once."""
+        return self._clock() - self._since >= self._choice.interval_s
+
+    def saved(self, *, blocked_s: float, upload_s: float = 0.0) -> None:
+        """A save committed (blocking) or was handed to the background: restart the
+        interval and measure its cost.
+
+        Args:
+            blocked_s: seconds training waited for the save call.
+            upload_s: seconds its upload runs beside training (0 for a blocking save);
+                the steps in that window count what they lose towards the cost.
+
+        Raises:
+            ValueError: a duration is negative or not finite.
+        """
+        for name, value in (("blocked_s", blocked_s), ("upload_s", upload_s)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0; got {value!r}")
+        now = self._clock()
+        if self._uploading_until is not None:
+            self._finish_cost()
+        self._since = now
+        self._last_step = now
+        self._blocked = blocked_s
+        if upload_s > 0:
+            self._uploading_until, self._taken = now + upload_s, 0.0
+        else:
+            self._finish_cost()
+
+    def failures_seen(self, history: Sequence[AttemptRecord], current: int | None = None) -> None:
+        """The run's history changed (a new attempt began): recompute the interval."""
+        self._history, self._current = tuple(history), current
+        self._update()
+
+    def _finish_cost(self) -> None:
+        if self._blocked is None:
+            return
+        cost = self._blocked + self._taken
+        self._cost = cost if self._cost is None else _mix(self._cost, cost)
+        self._blocked, self._uploading_until, self._taken = None, None, 0.0
+        self._update()
+
+    def _update(self) -> None:
+        choice = self._choose()
+        if choice != self._choice and self._auto:
+            log.info("save interval: %s", choice.describe())
+        self._choice = choice
+
+    def _choose(self) -> IntervalChoice:
+        if not self._auto:
+            return IntervalChoice(self._fixed, "fixed")
+        mtbf, failures, observed = mean_time_between_failures(
+            self._history, prior_s=self._prior, current=self._current
+        )
+        if self._cost is None:
+            return IntervalChoice(0.0, "first-save", None, mtbf, failures, observed)
+        interval, rule = young_daly(self._cost, mtbf), "young-daly"
+        floor = self._cost / self._max_overhead
+        if interval < floor:
+            interval, rule = floor, "overhead"
+        if interval > self._max_interval:
+            interval, rule = self._max_interval, "max-interval"
+        return IntervalChoice(interval, rule, self._cost, mtbf, failures, observed)
+
+
+def _mix(old: float, new: float) -> float:
+    return (1 - _EWMA) * old + _EWMA * new

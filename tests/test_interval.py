@@ -1,0 +1,183 @@
+"""Save intervals by training time, fixed or chosen from the run's costs and failures."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from taskpoint.format.history import AttemptRecord, claim_attempt, read_attempts, record_end
+from taskpoint.runtime.interval import (
+    MTBF_PRIOR_S,
+    SaveInterval,
+    mean_time_between_failures,
+    young_daly,
+)
+from taskpoint.store.store import Store
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _train(interval: SaveInterval, clock: FakeClock, steps: int, step_s: float) -> None:
+    for _ in range(steps):
+        clock.advance(step_s)
+        interval.step_done()
+
+
+def test_young_daly_is_the_square_root_of_twice_cost_times_mtbf() -> None:
+    assert young_daly(2.0, 3600.0) == pytest.approx(120.0)
+    assert young_daly(0.0, 3600.0) == 0.0
+    with pytest.raises(ValueError, match="cost_s"):
+        young_daly(-1.0, 10.0)
+
+
+def test_a_fixed_interval_is_due_once_its_seconds_of_training_passed() -> None:
+    clock = FakeClock()
+    interval = SaveInterval(30, clock=clock)
+    _train(interval, clock, 2, 10.0)
+    assert not interval.due()
+    _train(interval, clock, 1, 10.0)
+    assert interval.due()
+    interval.saved(blocked_s=0.5)
+    assert not interval.due()
+    assert interval.choice.rule == "fixed"
+    assert interval.choice.interval_s == 30
+
+
+@pytest.mark.parametrize("every", [0, -5, math.inf, math.nan, "hourly", True])
+def test_a_bad_interval_says_what_is_accepted(every: object) -> None:
+    with pytest.raises(ValueError, match='positive number of seconds or "auto"'):
+        SaveInterval(every)  # type: ignore[arg-type]
+
+
+def test_the_prior_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TASKPOINT_MTBF_PRIOR_S", "900")
+    clock = FakeClock()
+    interval = SaveInterval("auto", clock=clock)
+    interval.saved(blocked_s=2.0)
+    assert interval.choice.mtbf_s == 900
+    monkeypatch.setenv("TASKPOINT_MTBF_PRIOR_S", "soon")
+    with pytest.raises(ValueError, match="TASKPOINT_MTBF_PRIOR_S must be a positive number"):
+        SaveInterval("auto")
+
+
+def test_a_new_run_saves_first_then_follows_young_daly_on_the_prior() -> None:
+    clock = FakeClock()
+    interval = SaveInterval("auto", mtbf_prior_s=3600.0, clock=clock)
+    assert interval.due(), "the first save is due at once: it measures the cost"
+    interval.saved(blocked_s=2.0)
+    choice = interval.choice
+    assert choice.rule == "young-daly"
+    assert choice.mtbf_s == 3600.0 and choice.failures == 0
+    assert choice.interval_s == pytest.approx(120.0)
+    _train(interval, clock, 11, 10.0)
+    assert not interval.due()
+    _train(interval, clock, 1, 10.0)
+    assert interval.due()
+    assert "young-daly" in choice.describe() and "2 s" in choice.describe()
+
+
+def test_the_interval_rises_when_saves_get_cheaper_and_falls_when_dearer() -> None:
+    clock = FakeClock()
+    interval = SaveInterval("auto", mtbf_prior_s=36_000.0, clock=clock)
+    interval.saved(blocked_s=8.0)
+    dear = interval.choice.interval_s
+    for _ in range(20):
+        _train(interval, clock, 3, 1.0)
+        interval.saved(blocked_s=0.5)
+    cheap = interval.choice.interval_s
+    assert cheap < dear
+    for _ in range(20):
+        _train(interval, clock, 3, 1.0)
+        interval.saved(blocked_s=20.0)
+    assert interval.choice.interval_s > cheap
+
+
+def test_an_upload_beside_training_counts_what_it_takes_from_the_steps() -> None:
+    clock = FakeClock()
+    interval = SaveInterval("auto", mtbf_prior_s=36_000.0, clock=clock)
+    _train(interval, clock, 5, 1.0)  # a plain step takes 1 s
+    interval.saved(blocked_s=0.1, upload_s=4.0)
+    _train(interval, clock, 2, 1.5)  # beside the upload each step takes 0.5 s more
+    _train(interval, clock, 3, 1.0)  # after it, plain steps again: the cost is final
+    assert interval.save_cost_s == pytest.approx(0.1 + 2 * 0.5)
+
+
+def test_saves_stay_within_the_overhead_bound_and_the_longest_interval() -> None:
+    clock = FakeClock()
+    cheap_failures = SaveInterval("auto", mtbf_prior_s=60.0, max_overhead=0.02, clock=clock)
+    cheap_failures.saved(blocked_s=1.0)
+    # Young/Daly says sqrt(2 x 1 x 60) ~ 11 s: 9% of training in saves; raised to 50 s.
+    assert cheap_failures.choice.rule == "overhead"
+    assert cheap_failures.choice.interval_s == pytest.approx(50.0)
+    rare = SaveInterval("auto", mtbf_prior_s=1e9, max_interval_s=600.0, clock=clock)
+    rare.saved(blocked_s=1.0)
+    assert rare.choice.rule == "max-interval"
+    assert rare.choice.interval_s == 600.0
+
+
+def _history(tmp_path: Path, lives: list[tuple[float, str | None, str | None]]) -> list[AttemptRecord]:
+    """Attempt records written to a real store: (seconds it ran, outcome, preemption save)."""
+    store = Store(tmp_path.as_uri())
+    for number, (_, outcome, saved) in enumerate(lives):
+        assert claim_attempt(store, number) == number
+        if outcome is not None:
+            record_end(store, number, outcome, preemption_save=saved)  # type: ignore[arg-type]
+    records = read_attempts(store)
+    # Give the records the durations of the lives (the claims above took microseconds).
+    start, shifted = 0.0, []
+    for record, (ran, outcome, _) in zip(records, lives, strict=True):
+        ended = start + ran if outcome is not None else None
+        shifted.append(AttemptRecord(**{**record.__dict__, "started": start, "ended": ended}))
+        start += ran
+    return shifted
+
+
+def test_the_mean_time_between_failures_counts_the_failures_that_lose_work(tmp_path: Path) -> None:
+    records = _history(
+        tmp_path,
+        [
+            (100.0, "crashed", None),
+            (200.0, None, None),  # no end record: killed outright, until the next claim
+            (300.0, "preempted", "committed"),  # a warned failure with its save: no loss
+            (400.0, "preempted", "missed"),
+            (500.0, "failed", None),
+        ],
+    )
+    mtbf, failures, observed = mean_time_between_failures(records, prior_s=1000.0)
+    assert failures == 4
+    assert observed == pytest.approx(1500.0)
+    assert mtbf == pytest.approx((1000.0 + 1500.0) / 5)
+
+
+def test_the_interval_falls_as_failures_come_more_often_and_rises_as_they_get_rarer(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    interval = SaveInterval("auto", mtbf_prior_s=MTBF_PRIOR_S, clock=clock)
+    interval.saved(blocked_s=1.0)
+    prior_only = interval.choice.interval_s
+    interval.failures_seen(_history(tmp_path / "stormy", [(60.0, "crashed", None)] * 10))
+    assert interval.choice.failures == 10
+    assert interval.choice.interval_s < prior_only
+    interval.failures_seen(_history(tmp_path / "calm", [(100_000.0, "crashed", None)]))
+    assert interval.choice.interval_s > prior_only
+
+
+def test_the_current_attempt_is_running_not_failed(tmp_path: Path) -> None:
+    records = _history(tmp_path, [(100.0, "crashed", None), (50.0, None, None)])
+    mtbf, failures, observed = mean_time_between_failures(
+        records, prior_s=1000.0, current=1, now=records[1].started + 400.0  # type: ignore[operator]
+    )
+    assert failures == 1
+    assert observed == pytest.approx(500.0)
+    assert mtbf == pytest.approx(750.0)
