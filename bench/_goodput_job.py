@@ -27,9 +27,11 @@ What it does is timed from inside and appended, one JSON object a line, to ``BEN
 (flushed at once, so a SIGKILL loses nothing written before it)::
 
     {"ev": "main", "t"}                        the interpreter runs this file
-    {"ev": "restore", "t0", "t1", "step"}      the restore (step 0: nothing to restore)
+    {"ev": "restore", "t0", "t1", "step"}      the restore (step 0: nothing to restore),
+                                               from loading the checkpoint library
+                                               (taskpoint, or boto3 and its client)
     {"ev": "step", "s", "t0", "t1"}            step s (1-based) computed; no t1 when it died
-    {"ev": "save", "s", "t0", "t1", "upload_s", "preempt"}
+    {"ev": "save", "s", "t0", "t1", "upload_s", "preempt", "saved"}
                                                training blocked in a save call (every
                                                save_sync call on the taskpoint side); a
                                                plain save's upload part; written first
@@ -140,6 +142,7 @@ class _Steps:
 def run_taskpoint(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
                   total: int, every: int) -> int:
     """The guide's loop under the environment contract; returns the step reached."""
+    t0 = time.time()  # the restore counts from loading the checkpoint library, as plain's
     import taskpoint
     from taskpoint_pytorch import TaskpointState
 
@@ -147,7 +150,6 @@ def run_taskpoint(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
     assert context is not None and context.checkpoint is not None, "TASKPOINT_ACTION unset"
     ckpt = context.checkpoint
     state = TaskpointState(model, opt, blocking=False)
-    t0 = time.time()
     resume = state.restore_sync(ckpt)
     start = resume.step if resume else 0
     log.write(ev="restore", t0=t0, t1=time.time(), step=start)
@@ -157,17 +159,18 @@ def run_taskpoint(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
         t0 = time.time()
         log.write(ev="save", s=step, t0=t0)
         try:
-            state.save_sync(ckpt, step=step, every=every)
+            saved = state.save_sync(ckpt, step=step, every=every)
         except BaseException:  # a Preempted after the preemption save, or a store error
-            log.write(ev="save", s=step, t0=t0, t1=time.time(), preempt=True)
+            log.write(ev="save", s=step, t0=t0, t1=time.time(), preempt=True, saved=True)
             raise
-        log.write(ev="save", s=step, t0=t0, t1=time.time(), preempt=False)
+        log.write(ev="save", s=step, t0=t0, t1=time.time(), preempt=False, saved=saved)
     t0 = time.time()
     log.write(ev="save", s=step, t0=t0)
     if step % every:
         state.save_sync(ckpt, step=step)
     state.wait()
-    log.write(ev="save", s=step, t0=t0, t1=time.time(), preempt=False)
+    log.write(ev="save", s=step, t0=t0, t1=time.time(), preempt=False,
+              saved=bool(step % every))
     return step
 
 
@@ -175,6 +178,7 @@ def run_plain(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
               total: int, every: int) -> int:
     """``torch.save`` every ``every`` steps and a blocking upload of ``latest.pt``; returns
     the step reached, or exits 143 after a SIGTERM's save."""
+    t0 = time.time()  # the restore counts from loading the S3 client, as taskpoint's
     import boto3
     from botocore.exceptions import ClientError
 
@@ -197,9 +201,9 @@ def run_plain(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
         tu = time.time()
         s3.upload_file(str(local), bucket, key)
         t1 = time.time()
-        log.write(ev="save", s=step, t0=t0, t1=t1, upload_s=t1 - tu, preempt=preempt)
+        log.write(ev="save", s=step, t0=t0, t1=t1, upload_s=t1 - tu, preempt=preempt,
+                  saved=True)
 
-    t0 = time.time()
     start = 0
     try:
         s3.download_file(bucket, key, str(local))

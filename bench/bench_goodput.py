@@ -1,7 +1,7 @@
 """Goodput benchmark for issue #33: a job that keeps failing, restarted as an orchestrator
 would, checkpointed by taskpoint and the plain way, side by side in one run.
 
-Run: uv run python bench/bench_goodput.py [--size-mb 200] [--steps 240] [--step-s 0.25]
+Run: uv run python bench/bench_goodput.py [--size-mb 200] [--steps 160] [--step-s 0.25]
         [--failures 4] [--seed 0] [--regimes a,b] [--grace 30] [--restart-delay 1]
         [--json PATH]
 
@@ -62,12 +62,16 @@ exit):
 - goodput = uninterrupted / wall;
 - badput by cause: ``blocked`` (time training spent inside save calls: the plain
   ``torch.save`` plus upload; taskpoint's ``save_sync``, including a preemption save and the
-  final ``wait``), ``restore`` (the restore calls), ``recomputed`` (compute of the steps a
+  final ``wait``), ``restore`` (from importing the checkpoint library, taskpoint or boto3,
+  to the state restored: taskpoint imports its S3 client at its first store call, so both
+  sides count the same work), ``recomputed`` (compute of the steps a
   failure threw away: done in a life beyond the step the next life resumed at, including the
   step in progress), ``restart`` (from a life's death to the next life's restore: the
   restart delay, the process start, the imports, building the state, and a dying life's
-  exit), and ``other``, what is left of ``wall - uninterrupted`` (steps slowed by background
-  work, a startup slower than the reference's; negative when this run's steps ran faster);
+  exit), and ``other``, what is left of ``wall - uninterrupted``, itself split into the
+  first life's start against the reference's, the kept steps' compute against the
+  reference's (slowed by background work or by load; negative when they ran faster), and
+  the rest (which stays near 0 when the parts above account for the run);
 - steps lost per failure: the last step a life completed minus the step the next resumed at.
 
 Targets, each a ratio from this one run: (a) taskpoint's checkpoint badput (blocked +
@@ -275,6 +279,7 @@ class LifeView:
     steps: dict[int, tuple[float, float | None]]  # s -> (t0, t1)
     saves: list[tuple[float, float | None, float | None]]  # t0, t1, upload_s
     reached: int  # last step completed
+    saved: int  # saves made (a save call that saved, a preemption save tried)
     end: float | None
     sha256: str | None
 
@@ -284,6 +289,7 @@ def view(life: Life) -> LifeView:
     its death (the kill, else its last logged moment)."""
     steps: dict[int, tuple[float, float | None]] = {}
     saves: dict[float, tuple[float, float | None, float | None]] = {}
+    saved: set[float] = set()
     restore = end = sha = None
     last = life.spawn
     for e in life.events:
@@ -294,6 +300,8 @@ def view(life: Life) -> LifeView:
             steps[e["s"]] = (e["t0"], e.get("t1"))
         elif e["ev"] == "save":
             saves[e["t0"]] = (e["t0"], e.get("t1"), e.get("upload_s"))
+            if e.get("saved"):
+                saved.add(e["t0"])
         elif e["ev"] == "restore":
             restore = (e["t0"], e["t1"], int(e["step"]))
         elif e["ev"] == "end":
@@ -305,11 +313,26 @@ def view(life: Life) -> LifeView:
         death = max(last, life.grace_killed or life.signalled or last)
     done = [s for s, (_, t1) in steps.items() if t1 is not None]
     reached = max(done) if done else (restore[2] if restore else 0)
-    return LifeView(life.spawn, death, restore, steps, list(saves.values()), reached, end, sha)
+    return LifeView(life.spawn, death, restore, steps, list(saves.values()), reached,
+                    len(saved), end, sha)
 
 
-def account(side: Side, uninterrupted_s: float) -> dict[str, Any]:
-    """Goodput and badput by cause of ``side``'s finished run (see the module docstring)."""
+def _startup(v: LifeView) -> float:
+    """From the process's start to its restore (imports, building the state)."""
+    return (v.restore[0] if v.restore else v.death) - v.spawn
+
+
+def _compute(v: LifeView, upto: int | None = None) -> float:
+    """Compute time of ``v``'s completed steps (up to step ``upto``)."""
+    return sum(t1 - t0 for s, (t0, t1) in v.steps.items()
+               if t1 is not None and (upto is None or s <= upto))
+
+
+def account(side: Side, reference: LifeView) -> dict[str, Any]:
+    """Goodput and badput by cause of ``side``'s finished run (see the module docstring),
+    against the uninterrupted ``reference`` run."""
+    assert reference.end is not None, "the reference run did not finish"
+    uninterrupted_s = reference.end - reference.spawn
     views = [view(life) for life in side.lives]
     last = views[-1]
     assert last.end is not None, "the run did not finish"
@@ -334,6 +357,13 @@ def account(side: Side, uninterrupted_s: float) -> dict[str, Any]:
     badput = {"blocked": blocked, "restore": restore, "recomputed": recomputed,
               "restart": restart}
     badput["other"] = wall - uninterrupted_s - sum(badput.values())
+    # What "other" holds: the first start against the reference's, the kept steps' compute
+    # against the reference's (slowed by background work, or by load), and the rest.
+    kept = sum(_compute(v, next((w.restore[2] for w in views[i + 1:] if w.restore), 0))
+               for i, v in enumerate(views[:-1])) + _compute(last)
+    other = {"first_start": _startup(views[0]) - _startup(reference),
+             "slower_steps": kept - _compute(reference)}
+    other["rest"] = badput["other"] - sum(other.values())
     lost_by_life = {row["life"]: row for row in per_life}
     failures = [{"index": f.index, "kind": f.kind, "step": f.step, "life": life,
                  "steps_lost": lost_by_life[life]["steps_lost"],
@@ -341,12 +371,41 @@ def account(side: Side, uninterrupted_s: float) -> dict[str, Any]:
                 for f, life in side.fired]
     return {
         "side": side.name, "every": side.every, "wall_s": wall, "lives": len(views),
-        "goodput": uninterrupted_s / wall, "badput_s": badput,
+        "goodput": uninterrupted_s / wall, "badput_s": badput, "other_s": other,
         "checkpoint_badput_s": blocked + restore + recomputed,
-        "saves": sum(1 for v in views for _, t1, _ in v.saves if t1 is not None),
+        "saves": sum(v.saved for v in views),
         "upload_s": statistics.median(uploads) if uploads else None,
         "sha256": last.sha256, "failures": failures, "lives_detail": per_life,
     }
+
+
+def from_records(url: str, options: dict[str, Any], step_s: float) -> dict[str, Any]:
+    """What the run's own records in the store say (:mod:`taskpoint.inspect.goodput`, as
+    ``taskpoint show`` would), for comparison with what the job measured."""
+    import taskpoint
+    from taskpoint.format.history import read_attempts
+    from taskpoint.inspect.goodput import goodput
+    from taskpoint.store.store import Store
+
+    history = read_attempts(Store(url, options))
+    manifests = taskpoint.Checkpoint(url, storage_options=options).committed()
+    figures = goodput(history, manifests, step_s=step_s)
+    return {"attempts": len(figures.attempts), "wall_s": figures.wall_s,
+            "goodput": figures.goodput, "badput_s": dict(figures.badput_s),
+            "steps_lost": figures.steps_lost, "missing": list(figures.missing)}
+
+
+def _print_records(r: dict[str, Any]) -> None:
+    def sec(value: float | None) -> str:
+        return "?" if value is None else f"{value:.1f} s"
+
+    b = r["badput_s"]
+    note(f"{'':<9} its records say: {r['attempts']} attempts, wall {sec(r['wall_s'])}, "
+         f"goodput {'?' if r['goodput'] is None else format(r['goodput'], '.3f')}; blocked "
+         f"{sec(b['blocked'])}, restore {sec(b['restore'])}, recomputed "
+         f"{sec(b['recomputed'])}, restart {sec(b['restart'])}")
+    for line in r["missing"]:
+        note(f"{'':<11} ({line})")
 
 
 def step_seconds(reference: Side) -> float:
@@ -365,7 +424,11 @@ def _print_side(r: dict[str, Any], reference_sha: str | None) -> None:
          f"{r['lives']}  saves {r['saves']}  final weights {exact}")
     note(f"{'':<9} badput: blocked {b['blocked']:6.1f} s  restore {b['restore']:5.1f} s  "
          f"recomputed {b['recomputed']:5.1f} s  restart {b['restart']:5.1f} s  "
-         f"other {b['other']:+5.1f} s  (checkpoint badput {r['checkpoint_badput_s']:.1f} s)")
+         f"other {b['other']:+5.1f} s")
+    o = r["other_s"]
+    note(f"{'':<9} checkpoint badput {r['checkpoint_badput_s']:.1f} s; other = first start "
+         f"{o['first_start']:+.1f} s, slower steps {o['slower_steps']:+.1f} s, "
+         f"rest {o['rest']:+.1f} s")
     for f in r["failures"]:
         note(f"{'':<9} failure {f['index']}: {f['kind']:<9} at step {f['step']:>4}: "
              f"{f['steps_lost']:>3} steps lost, {f['recomputed_s']:5.1f} s recomputed")
@@ -401,7 +464,7 @@ def _stop(signum: int, frame: object) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=float, default=200, help="state size (MiB)")
-    parser.add_argument("--steps", type=int, default=240, help="training steps")
+    parser.add_argument("--steps", type=int, default=160, help="training steps")
     parser.add_argument("--step-s", type=float, default=0.25, help="compute per step (s)")
     parser.add_argument("--failures", type=int, default=4, help="failures per run")
     parser.add_argument("--seed", type=int, default=0, help="seeds the schedule and the job")
@@ -494,8 +557,12 @@ def main() -> None:
                         env["TASKPOINT_SAVE_ON_PREEMPTION"] = "1"
                 run = run_side(Side(name, every), env, folder / regime / name, failures,
                                args.grace, args.restart_delay, ideal_limit)
-                out[name] = account(run, uninterrupted)
+                out[name] = account(run, ref)
                 _print_side(out[name], ref.sha256)
+                if name == "taskpoint":
+                    out[name]["records"] = from_records(
+                        f"s3://bench/{prefix}/{regime}/train/goodput", server.options, step)
+                    _print_records(out[name]["records"])
             results["regimes"][regime] = {"every": every, **out}
             if {"plain", "taskpoint"} <= out.keys():
                 checks = _summary(regime, out["taskpoint"], out["plain"], ref.sha256,
