@@ -77,7 +77,7 @@ exit):
 Targets, each a ratio from this one run: (a) taskpoint's checkpoint badput (blocked +
 restore + recomputed) at most a third of plain's, and its goodput above plain's; (b)
 taskpoint's goodput not below plain's, and each SIGKILL recomputes at most one upload's
-worth of steps (``ceil(U / step)``, ``U`` the median upload of the plain run) more than
+worth of steps (``ceil(U / step)``, ``U`` the plain run's median upload) more than
 plain's; in both, every resume exact (the final weights equal the uninterrupted run's) and
 every SIGTERM loses 0 steps. The load average is printed at the start and the end: run it
 on an otherwise idle machine. Nothing here is a test.
@@ -182,7 +182,6 @@ def _run_life(index: int, env: dict[str, str], node: Path, log: Path, err: Path,
         )
         life = Life(index, time.time(), failure)
         _LIVE.add(proc.pid)
-        signal_now = threading.Event()
         to_send = failure.kind if failure is not None and failure.kind != "exception" else None
 
         def read() -> None:
@@ -196,7 +195,6 @@ def _run_life(index: int, env: dict[str, str], node: Path, log: Path, err: Path,
                         proc.send_signal(signal.SIGTERM)  # the main process, as the kubelet
                     else:
                         os.killpg(proc.pid, signal.SIGKILL)  # the node goes
-                    signal_now.set()
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
@@ -435,7 +433,10 @@ def _print_side(r: dict[str, Any], reference_sha: str | None) -> None:
 
 
 def _summary(regime: str, tp: dict[str, Any], plain: dict[str, Any], reference_sha: str | None,
-             upload_steps: int) -> list[tuple[str, bool]]:
+             step_s: float, upload_s: float) -> list[tuple[str, bool]]:
+    """The regime's target checks, as (label, passed); ``upload_s`` is the calibration's,
+    used where the plain run recorded no upload."""
+    upload_steps = math.ceil((plain["upload_s"] or upload_s) / step_s)
     checks: list[tuple[str, bool]] = []
     if regime == "a":
         ratio = tp["checkpoint_badput_s"] / max(plain["checkpoint_badput_s"], 1e-9)
@@ -451,9 +452,11 @@ def _summary(regime: str, tp: dict[str, Any], plain: dict[str, Any], reference_s
         worst = max(extra, default=0)
         checks.append((f"SIGKILL lost <= plain's + {upload_steps} (worst +{worst})",
                        worst <= upload_steps))
-    checks.append(("exact", tp["sha256"] == reference_sha))
+    checks.append(("final weights exact", tp["sha256"] == reference_sha))
     sigterm = [f["steps_lost"] for f in tp["failures"] if f["kind"] == "sigterm"]
-    checks.append((f"SIGTERM lost {sum(sigterm)}", sum(sigterm) == 0))
+    plain_sigterm = sum(f["steps_lost"] for f in plain["failures"] if f["kind"] == "sigterm")
+    checks.append((f"SIGTERM lost {sum(sigterm)} steps (plain {plain_sigterm})",
+                   sum(sigterm) == 0))
     return checks
 
 
@@ -497,12 +500,13 @@ def main() -> None:
                                "load_start": load_start}
     try:
         server = s3_server()
-        endpoint = server.options["client_kwargs"]["endpoint_url"]
+        options: dict[str, Any] = server.options
+        endpoint = options["client_kwargs"]["endpoint_url"]
         prefix = uuid.uuid4().hex[:8]
         base = {
             **os.environ,
-            "AWS_ACCESS_KEY_ID": server.options["key"],
-            "AWS_SECRET_ACCESS_KEY": server.options["secret"],
+            "AWS_ACCESS_KEY_ID": options["key"],
+            "AWS_SECRET_ACCESS_KEY": options["secret"],
             "AWS_ENDPOINT_URL_S3": endpoint, "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_EC2_METADATA_DISABLED": "true",
             "BENCH_SIZE_MB": str(args.size_mb), "BENCH_STEP_S": str(args.step_s),
@@ -561,12 +565,12 @@ def main() -> None:
                 _print_side(out[name], ref.sha256)
                 if name == "taskpoint":
                     out[name]["records"] = from_records(
-                        f"s3://bench/{prefix}/{regime}/train/goodput", server.options, step)
+                        f"s3://bench/{prefix}/{regime}/train/goodput", options, step)
                     _print_records(out[name]["records"])
             results["regimes"][regime] = {"every": every, **out}
             if {"plain", "taskpoint"} <= out.keys():
-                checks = _summary(regime, out["taskpoint"], out["plain"], ref.sha256,
-                                  upload_steps)
+                checks = _summary(regime, out["taskpoint"], out["plain"], ref.sha256, step,
+                                  upload_s)
                 for label, ok in checks:
                     note(f"({regime}) {label:<70} {'PASS' if ok else 'MISS'}")
                 summaries.append(
