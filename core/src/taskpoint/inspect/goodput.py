@@ -20,13 +20,13 @@ it leaves ``None`` and says why in :attr:`RunGoodput.missing`.
 
 Example::
 
-    from taskpoint.format.history import read_attempts
     from taskpoint.inspect.goodput import goodput
     from taskpoint.inspect.inventory import find_action
 
     info = find_action("s3://bucket/jobs", "train/train-42")
-    cost = goodput(info.history, info.checkpoints)
-    print(cost.goodput, cost.badput_s)
+    if info is not None:
+        cost = goodput(info.history, info.checkpoints)
+        print(cost.goodput, cost.badput_s, cost.missing)
 """
 
 from __future__ import annotations
