@@ -3,7 +3,7 @@
 ``core/src/taskpoint/`` is cut into layers along the data flow (CONTRIBUTING.md, "Layout
 and habits"); a module imports only from its own layer and the layers below it::
 
-    faces         taskpoint, taskpoint.cli, and the old paths kept as re-exports
+    faces         taskpoint, taskpoint.cli
     inspect       what a checkpoint root holds, drawn for people
     runtime       tasks, attempts, process isolation, ctx(), step boundaries
     checkpoint    Checkpoint: the save and load paths, background uploads, folder mirrors
@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
+import pytest
 import taskpoint
 
 PACKAGE = Path(taskpoint.__file__).parent
@@ -39,16 +41,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("taskpoint", "taskpoint.cli"),
 ]
 """Bottom to top; an entry holds a module, or a package with every module in it."""
-
-OLD_PATHS = {
-    "taskpoint.coordination": "taskpoint.distributed.coordination",
-    "taskpoint.mirror": "taskpoint.checkpoint.mirror",
-    "taskpoint.nodes": "taskpoint.distributed.nodes",
-    "taskpoint.step_boundary": "taskpoint.runtime.step_boundary",
-    "taskpoint.torch_coordination": "taskpoint.distributed.torch_coordination",
-}
-"""Documented paths of modules that moved into a package, kept as re-exports (faces)."""
-
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -99,8 +91,6 @@ def import_graph() -> dict[str, set[str]]:
 
 def layer_of(module: str) -> int | None:
     """The index in :data:`LAYERS` of ``module``'s layer, or None where it has none."""
-    if module in OLD_PATHS:
-        return len(LAYERS) - 1
     for index, entries in enumerate(LAYERS):
         if any(module == e or (e != "taskpoint" and module.startswith(e + ".")) for e in entries):
             return index
@@ -173,18 +163,47 @@ def test_imports_go_down_the_layers() -> None:
     assert upward == [], "imports of a higher layer:\n" + "\n".join(upward)
 
 
-def test_the_old_paths_only_re_export_their_new_home() -> None:
-    graph = import_graph()
-    for old, new in OLD_PATHS.items():
-        docstring, *imports, names = ast.parse(_paths()[old].read_text(encoding="utf-8")).body
-        assert isinstance(docstring, ast.Expr) and new in ast.literal_eval(docstring.value), old
-        assert imports and all(
-            isinstance(i, ast.ImportFrom) and i.module == new for i in imports
-        ), f"{old} imports only from {new}"
-        assert isinstance(names, ast.Assign) and ast.unparse(names.targets[0]) == "__all__", old
-        shim, home = importlib.import_module(old), importlib.import_module(new)
-        assert set(home.__all__) <= set(shim.__all__), f"{old} re-exports what {new} lists"
-        for name in shim.__all__:
-            assert getattr(shim, name) is getattr(home, name), f"{old}.{name}"
-        importers = sorted(m for m, deps in graph.items() if old in deps)
-        assert importers == [], f"{importers} import {old}; import {new} instead"
+
+MOVED = (
+    "taskpoint.coordination", "taskpoint.mirror", "taskpoint.nodes",
+    "taskpoint.step_boundary", "taskpoint.torch_coordination", "taskpoint_pytorch._coordination",
+)
+"""Modules that only re-exported a module's new home, removed: none is left behind."""
+_DOTTED = re.compile(r"(?<![\w./-])(taskpoint(?:_[a-z]+)?(?:\.[A-Za-z_]\w*)+)")
+
+
+def test_no_module_only_re_exports_another() -> None:
+    for old in MOVED:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+
+
+def _resolves(dotted: str) -> bool | None:
+    """Whether ``dotted`` names a module or an attribute of one; ``None`` where its
+    distribution cannot be imported here (an adapter whose framework is missing)."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:end]))
+        except ImportError:
+            continue
+        for name in parts[end:]:
+            if not hasattr(found, name):
+                return False
+            found = getattr(found, name)
+        return True
+    return None
+
+
+def test_every_dotted_path_the_sources_name_exists() -> None:
+    """A docstring or message naming ``taskpoint.x.y`` (an error's hint, say) names
+    something importable, in core and in every adapter whose framework is installed."""
+    roots = [PACKAGE.parent, *sorted((PACKAGE.parents[2] / "integrations").glob("*/src"))]
+    wrong = sorted(
+        f"{path.relative_to(PACKAGE.parents[2])}: {match.group(1)}"
+        for root in roots
+        for path in root.rglob("*.py")
+        for match in _DOTTED.finditer(path.read_text(encoding="utf-8"))
+        if _resolves(match.group(1)) is False
+    )
+    assert wrong == [], "names of nothing:\n" + "\n".join(wrong)

@@ -14,8 +14,8 @@ writer's save at once, however slowly each process started), calls
 ``Checkpoint(url).save_part_sync``, and writes ``{"ok": true}`` or ``{"error": "<type>:
 <message>", "ranks": [...], "committed": ...}`` to ``out``, with the save's seconds.
 
-The save's gathers are numbered from 0 (the protocol makes four: the greeting, the
-numbers, the parts, the outcome). ``"timeouts": {"<round>": seconds}`` gives a round its own
+The save's rounds are numbered from 0 (the protocol makes four: the greeting, the
+numbers (a broadcast), the parts, the outcome (a broadcast)). ``"timeouts": {"<round>": seconds}`` gives a round its own
 timeout (the others wait ``timeout``); ``"die_before_round"``/``"die_after_round"``: n
 makes the process SIGKILL itself just before it enters round n, or just after round n
 returned (every rank's value in hand); ``"await": {"<round>": [ranks]}``: before round n,
@@ -66,6 +66,19 @@ class Scripted(taskpoint.Coordinator):
         return self._inner.world_size
 
     def all_gather(self, value: Any, *, timeout: float | None = None) -> list[Any]:
+        number = self._enter()
+        gathered = self._inner.all_gather(value, timeout=self._timeouts.get(number, timeout))
+        self._leave(number)
+        return gathered
+
+    def broadcast(self, value: Any, *, timeout: float | None = None) -> Any:
+        number = self._enter()
+        sent = self._inner.broadcast(value, timeout=self._timeouts.get(number, timeout))
+        self._leave(number)
+        return sent
+
+    def _enter(self) -> int:
+        """Number the round this rank is entering; die or wait there as the spec says."""
         number = self._round
         self._round += 1
         if number == self._die_before:
@@ -76,11 +89,11 @@ class Scripted(taskpoint.Coordinator):
             while not self._store.exists(key):
                 assert time.monotonic() < deadline, f"rank {other} never entered round {number}"
                 time.sleep(0.05)
-        gathered = self._inner.all_gather(value, timeout=self._timeouts.get(number, timeout))
+        return number
+
+    def _leave(self, number: int) -> None:
         if number == self._die_after:
             os.kill(os.getpid(), signal.SIGKILL)
-        return gathered
-
 
 def main() -> None:
     spec = json.loads(sys.argv[1])

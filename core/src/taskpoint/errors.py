@@ -153,8 +153,9 @@ class CheckpointCoordinationError(CheckpointError):
     rank of a distributed restore that failed on one of them.
 
     Usually nothing was committed. But a rank may vanish after the committing rank has
-    gathered its part: the commit then stands, and the surviving ranks raise this error
-    with ``committed`` set, since the group can no longer work together.
+    gathered its part: the commit then stands, and a rank that did not hear so from the
+    committing rank (which vanished itself after committing, say) raises this error with
+    ``committed`` set, since the group can no longer work together.
 
     Attributes:
         ranks: the writers (ranks) the error is about: those missing, in conflict, or

@@ -58,8 +58,12 @@ class MultiWriter:
 
         Every rank returns once the commit is done, or raises. A path two ranks write must
         hold the same content in both (a shared ``.metadata``, say). A rank that vanishes
-        after rank 0 gathered its part does not undo the commit: every surviving rank
-        raises, with the error's ``committed`` naming the committed manifest.
+        after rank 0 gathered its part does not undo the commit: rank 0 broadcasts the
+        outcome, and a :class:`taskpoint.StoreCoordinator`'s broadcast waits for rank 0
+        alone, so the others return. A rank that misses the outcome (rank 0 vanished
+        after committing, or the coordinator's broadcast waits for every rank) raises,
+        with the error's ``committed`` naming the manifest if a fresh listing of the
+        store shows it.
 
         Args:
             path: this rank's local directory.
@@ -80,8 +84,8 @@ class MultiWriter:
                 with different content, another rank failed, or a rank did not arrive
                 within the coordinator's timeout (naming it). Its ``committed`` is the
                 manifest's URL if the checkpoint was committed all the same (a rank
-                vanished after its part was gathered), else ``None``: nothing this rank
-                saw was committed.
+                vanished after its part was gathered and this rank missed the outcome),
+                else ``None``: nothing this rank saw was committed.
             NotADirectoryError: ``path`` is not a directory (on this rank; the others raise
                 ``CheckpointCoordinationError`` naming it).
             CheckpointUnsafeError: the directory holds a special file or a link leaving it.
@@ -103,8 +107,17 @@ class MultiWriter:
             lambda: self.upload_part(root, step=step, noticed=noticed),
             coordinator,
             self._store.url,
-            lambda key: self._store.url_of(key) if self._store.exists(key) else None,
+            self._find_manifest,
         )
+
+    def _find_manifest(self, key: str) -> str | None:
+        """The URL of the manifest at ``key`` if a fresh listing of its folder shows it.
+
+        Never a cached answer: an object store's filesystem keeps the listing it made before
+        another process committed (s3fs's directory cache), which would deny the commit.
+        """
+        folder, _, name = key.rpartition("/")
+        return self._store.url_of(key) if name in self._store.list(folder) else None
 
     async def save_part(
         self, path: str | os.PathLike[str], *, coordinator: Coordinator

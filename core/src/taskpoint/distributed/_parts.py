@@ -19,9 +19,11 @@ rank when the coordinator's timeout runs out:
    in the store with its size, writes the manifest (the one commit), and broadcasts the
    outcome. Until that write nothing can load the checkpoint; a rank killed before it
    leaves at most unreferenced objects, which a later collection frees. A rank that
-   vanishes after rank 0 gathered its part does not stop the commit: the survivors miss
-   it in the outcome round and raise, saying the checkpoint was committed (rank 0 knows;
-   another rank looks for the manifest in the store) and naming the vanished rank.
+   vanishes after rank 0 gathered its part does not stop the commit, and the others still
+   hear the outcome: the broadcast waits for rank 0 alone where the coordinator can (a
+   :class:`~taskpoint.StoreCoordinator`). A rank that cannot hear it (rank 0 vanished,
+   or the coordinator's broadcast waits for every rank) looks for the manifest with a
+   fresh listing of the store and raises, saying whether the checkpoint was committed.
 """
 
 from __future__ import annotations
@@ -283,7 +285,8 @@ def save_part(
         coordinator: the ranks writing this checkpoint.
         url: the checkpoint's URL, which every rank must name.
         find: the URL of the manifest at a key (relative to ``url``) if it is in the
-            store, else ``None``: how a rank that missed the outcome learns it.
+            store, else ``None``: how a rank that missed the outcome learns it. It must
+            ask the store afresh, never a cached listing.
 
     Returns:
         The commit's stats on rank 0; ``None`` on the other ranks.
@@ -292,7 +295,8 @@ def save_part(
         CheckpointCoordinationError: the ranks disagree, one failed (this rank raises its
             own error instead), a path conflicts, or a rank did not arrive in time. Its
             ``committed`` is the manifest's URL when the checkpoint was committed all the
-            same (a rank vanished after rank 0 had gathered its part).
+            same (rank 0 vanished after committing, or, with a coordinator whose broadcast
+            waits for every rank, another rank vanished after rank 0 had its part).
         CheckpointStoreError: the store failed.
     """
     rank = coordinator.rank
@@ -391,11 +395,15 @@ def _unheard(
     (``known``: the store was read; ``committed``: the manifest's URL, if written)."""
     missing = error.ranks
     if committed is not None:
+        vanished = (
+            "rank 0 vanished after committing, before reporting it" if 0 in missing
+            else f"rank(s) {missing or 'unknown'} vanished after their parts were gathered, "
+            "before hearing the outcome"
+        )
         return CheckpointCoordinationError(
             f"rank {rank}: the checkpoint WAS committed ({committed}; it loads), but "
-            f"rank(s) {missing or 'unknown'} vanished after their parts were gathered, "
-            f"before hearing the outcome ({error}); the commit stands, the job's ranks can "
-            "no longer work together",
+            f"{vanished} ({error}); the commit stands, the job's ranks can no longer work "
+            "together",
             ranks=missing, committed=committed,
         )
     if known and missing and 0 not in missing:  # rank 0 reported: it had given up
@@ -409,10 +417,13 @@ def _unheard(
         f"that manifest was not in the store when rank {rank} looked" if known
         else f"rank {rank} could not look for it in the store"
     )
+    unheard = (
+        "rank 0 never reported the outcome" if 0 in missing
+        else f"rank(s) {missing or 'unknown'} did not hear the outcome"
+    )
     return CheckpointCoordinationError(
-        f"rank {rank}: rank(s) {missing or 'unknown'} did not hear the outcome, and this "
-        f"rank does not know whether rank 0 committed {manifest} ({error}); {looked}; a "
-        "rank 0 still running may commit it yet",
+        f"rank {rank}: {unheard}, and this rank does not know whether rank 0 committed "
+        f"{manifest} ({error}); {looked}; a rank 0 still running may commit it yet",
         ranks=missing,
     )
 

@@ -2,7 +2,8 @@
 
 A checkpoint written by several processes (:meth:`taskpoint.Checkpoint.save_part_sync`)
 needs only three things from the processes' group: each one's rank, the world size, and an
-all-gather of small JSON values with a timeout (a broadcast from rank 0 is derived from it).
+all-gather of small JSON values with a timeout, and a broadcast from rank 0 (derived from
+the all-gather unless an implementation has a better one).
 :class:`Coordinator` is that protocol. Under ``torch.distributed``,
 ``taskpoint.distributed.torch_coordination.TorchCoordinator`` (re-exported by ``taskpoint_pytorch``)
 implements it on the process group, and ``TorchrunCoordinator`` through torchrun's store
@@ -22,9 +23,11 @@ Example (each of 4 processes, started by any launcher)::
 
 :class:`StoreCoordinator` writes, for round ``n`` of a session, one record per rank at
 ``coordination/<session>/<n:06d>/<rank:06d>.json`` (``{"format", "rank", "world_size",
-"value"}``) and lists that folder until every rank's record is there. Records are JSON,
-never pickles, so a shared store cannot make a reader run code. Rank 0 removes round
-``n - 1`` once round ``n`` is complete (every rank has read it by then).
+"value"}``) and lists that folder afresh (never trusting a cached listing) until every
+rank's record is there. A broadcast's round holds rank 0's record alone, and the other
+ranks wait for that one only, so a rank that died delays no one. Records are JSON, never
+pickles, so a shared store cannot make a reader run code. Once every rank has entered an
+all-gather's round, rank 0 removes the rounds before it (every rank has read them by then).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from taskpoint.errors import CheckpointCoordinationError, CheckpointError
@@ -94,8 +97,14 @@ class Coordinator(abc.ABC):
     def broadcast(self, value: Any, *, timeout: float | None = None) -> Any:
         """Rank 0's ``value`` on every rank (the others' ``value`` is ignored).
 
+        This base implementation is an :meth:`all_gather`, which waits for every rank;
+        an implementation that can should wait for rank 0 alone (as
+        :class:`StoreCoordinator` does), so a vanished rank does not keep rank 0's value
+        from the others.
+
         Raises:
-            CheckpointCoordinationError: as :meth:`all_gather`.
+            CheckpointCoordinationError: rank 0 (or, in this base implementation, any
+                rank) did not arrive within the timeout.
         """
         return self.all_gather(value if self.rank == 0 else None, timeout=timeout)[0]
 
@@ -241,6 +250,7 @@ class StoreCoordinator(RankedCoordinator):
         self._session = session
         self._store = Store(url, storage_options, retry)
         self._round = 0
+        self._removed = 0
 
     def __repr__(self) -> str:
         return (
@@ -253,9 +263,38 @@ class StoreCoordinator(RankedCoordinator):
 
     def all_gather(self, value: Any, *, timeout: float | None = None) -> list[Any]:
         limit = self._timeout if timeout is None else check_timeout(timeout)
+        number = self._next_round()
+        self._write(number, value)
+        values = self._wait(number, {self._rank: value}, range(self._world), limit)
+        if self._rank == 0:
+            self._remove_before(number)
+        return [values[r] for r in range(self._world)]
+
+    def broadcast(self, value: Any, *, timeout: float | None = None) -> Any:
+        """Rank 0's ``value`` on every rank, waiting for rank 0 alone.
+
+        Rank 0 writes its record and returns at once; every other rank writes nothing and
+        waits only for rank 0's record, so a rank that died meanwhile delays no one (an
+        all-gather would wait for it, time out, and lose rank 0's value too).
+
+        Raises:
+            CheckpointCoordinationError: rank 0's record did not arrive within the timeout.
+            TypeError: on rank 0, ``value`` is not a JSON value.
+        """
+        limit = self._timeout if timeout is None else check_timeout(timeout)
+        number = self._next_round()
+        if self._rank == 0:
+            self._write(number, value)
+            return value
+        return self._wait(number, {}, (0,), limit)[0]
+
+    def _next_round(self) -> int:
         number = self._round
         self._round += 1
-        folder = self._folder(number)
+        return number
+
+    def _write(self, number: int, value: Any) -> None:
+        """Store this rank's record of round ``number``."""
         try:
             record = json.dumps(
                 {"format": FORMAT_VERSION, "rank": self._rank, "world_size": self._world,
@@ -264,8 +303,20 @@ class StoreCoordinator(RankedCoordinator):
             ).encode()
         except (TypeError, ValueError) as exc:
             raise TypeError(f"StoreCoordinator gathers JSON values only: {exc}") from exc
-        self._store.write_atomic(f"{folder}/{self._rank:06d}.json", record)
-        values: dict[int, Any] = {self._rank: value}
+        self._store.write_atomic(f"{self._folder(number)}/{self._rank:06d}.json", record)
+
+    def _wait(
+        self, number: int, values: dict[int, Any], needed: Iterable[int], limit: float
+    ) -> dict[int, Any]:
+        """``values`` completed with the records of the ``needed`` ranks in round ``number``,
+        listing its folder afresh (:meth:`Store.list`, never a cached listing) until they
+        are all there.
+
+        Raises:
+            CheckpointCoordinationError: they were not all there after ``limit`` seconds.
+        """
+        folder = self._folder(number)
+        wanted = set(needed)
         deadline = time.monotonic() + limit
         while True:
             for name in self._store.list(folder):
@@ -273,23 +324,31 @@ class StoreCoordinator(RankedCoordinator):
                 if match is None or int(match.group(1)) in values:
                     continue
                 self._take(folder, name, values)
-            if len(values) == self._world:
-                break
+            missing = sorted(wanted - values.keys())
+            if not missing:
+                return values
             if time.monotonic() >= deadline:
-                missing = [r for r in range(self._world) if r not in values]
+                who = (
+                    "rank 0 never broadcast its value" if wanted == {0}
+                    else f"rank(s) {missing} of {self._world} never arrived"
+                )
                 raise CheckpointCoordinationError(
                     f"rank {self._rank} waited {limit:g}s at {self._store.url_of(folder)} "
-                    f"and rank(s) {missing} of {self._world} never arrived (they failed, "
-                    "hang, or use another session or URL)",
+                    f"and {who} (they failed, hang, or use another session or URL)",
                     ranks=missing,
                 )
             time.sleep(self._poll)
-        if self._rank == 0 and number > 0:
+
+    def _remove_before(self, number: int) -> None:
+        """Rank 0, once every rank has entered round ``number``: remove the earlier rounds'
+        records, which every rank has read by then (a broadcast's round is complete when
+        its root has written it, so it goes with the next all-gather's)."""
+        for earlier in range(self._removed, number):
             try:
-                self._store.remove_tree(self._folder(number - 1))
+                self._store.remove_tree(self._folder(earlier))
             except CheckpointError as exc:  # a leftover only costs a few bytes
-                log.debug("could not remove %s: %s", self._folder(number - 1), exc)
-        return [values[r] for r in range(self._world)]
+                log.debug("could not remove %s: %s", self._folder(earlier), exc)
+        self._removed = max(self._removed, number)
 
     def _take(self, folder: str, name: str, values: dict[int, Any]) -> None:
         key = f"{folder}/{name}"

@@ -117,7 +117,7 @@ class TorchCoordinator(RankedCoordinator):
         if not _grouped(dist):
             raise RuntimeError(
                 "TorchCoordinator needs an initialised torch.distributed process group; "
-                "without one, use taskpoint.torch_coordination.TorchrunCoordinator (under "
+                "without one, use taskpoint.distributed.torch_coordination.TorchrunCoordinator (under "
                 "torchrun) or taskpoint.StoreCoordinator"
             )
         self._rank = int(dist.get_rank())

@@ -13,13 +13,13 @@ from typing import Any
 
 import taskpoint
 from taskpoint import CheckpointLike
+from taskpoint import distributed as _distributed
 from taskpoint.checkpoint.mirror import FolderMirror, MirrorStats, combined_metrics, unshare
 from taskpoint.distributed import nodes
 from taskpoint.distributed.torch_coordination import TorchCoordinator
 from transformers import TrainerControl, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from taskpoint_hf import _distributed
 from taskpoint_hf.resume import TRAINER_STATE, _scan, _step
 
 __all__ = ["OutputMirror", "marks"]

@@ -36,10 +36,11 @@ from typing import Any
 
 import taskpoint
 from taskpoint import CheckpointLike
+from taskpoint import distributed as _distributed
 from taskpoint.distributed.coordination import check_timeout
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from taskpoint_hf import _distributed, _hooks
+from taskpoint_hf import _hooks
 from taskpoint_hf._mirror import OutputMirror, marks, written_dir
 from taskpoint_hf._preemption import Preemption
 from taskpoint_hf.resume import _step

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from taskpoint import CheckpointError, CheckpointLike, TaskpointWarning
+from taskpoint import distributed as _distributed
 from taskpoint.checkpoint.mirror import settle_uploads
 from taskpoint.distributed import nodes
 from taskpoint.distributed.torch_coordination import TorchCoordinator
 
-from taskpoint_hf import _distributed, _selection
+from taskpoint_hf import _selection
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments

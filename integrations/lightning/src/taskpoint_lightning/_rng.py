@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from taskpoint import TaskpointWarning
+from taskpoint.distributed import all_gather_object, is_distributed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -84,12 +85,6 @@ def _native(stored: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 def capture_rng(*, include_cuda: bool, mid_epoch: bool) -> dict[str, Any]:
     """Every rank's random state, gathered on every rank.
 
@@ -106,14 +101,11 @@ def capture_rng(*, include_cuda: bool, mid_epoch: bool) -> dict[str, Any]:
         ``{"format", "mid_epoch", "ranks"}``, ``ranks`` indexed by global rank.
     """
     local = _storable(_collect_rng_states(include_cuda=include_cuda))
-    _, world_size = _world()
     ranks: list[Any] = [local]
-    if world_size > 1:
+    if is_distributed():
         # Gathered as bytes: pickling a tensor calls torch.save, and a rank that is not
         # writing the checkpoint must not save anything (Lightning's own tests count it).
-        gathered: list[Any] = [None] * world_size
-        torch.distributed.all_gather_object(gathered, _to_wire(local))
-        ranks = [_from_wire(state) for state in gathered]
+        ranks = [_from_wire(state) for state in all_gather_object(_to_wire(local))]
     return {"format": RNG_FORMAT, "mid_epoch": bool(mid_epoch), "ranks": ranks}
 
 

@@ -13,10 +13,9 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 from taskpoint import CheckpointLike, Coordinator, latest_checkpoint
 from taskpoint.checkpoint.mirror import settle_uploads
-from taskpoint.distributed import nodes
+from taskpoint.distributed import current_ranks, nodes
 from taskpoint.distributed.coordination import check_timeout
 from taskpoint.distributed.torch_coordination import torch_job_coordinator
 
@@ -35,8 +34,9 @@ def filled_by_resume(dirpath: str | os.PathLike[str]) -> bool:
 
 def _is_global_zero() -> bool:
     """Whether this process is global rank zero, before or after a process group exists."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == 0
+    ranks = current_ranks()
+    if ranks.grouped:
+        return ranks.rank == 0
     for name in _RANK_VARIABLES:
         if name in os.environ:
             return int(os.environ[name]) == 0

@@ -59,7 +59,8 @@ from taskpoint_pytorch._compat import SUPPORTED_TORCH, check_torch_version
 
 check_torch_version()
 
-from taskpoint_pytorch._coordination import TorchCoordinator  # noqa: E402
+from taskpoint.distributed.torch_coordination import TorchCoordinator  # noqa: E402
+
 from taskpoint_pytorch._dcp import TaskpointStorageReader, TaskpointStorageWriter  # noqa: E402
 from taskpoint_pytorch._errors import (  # noqa: E402
     StateError,

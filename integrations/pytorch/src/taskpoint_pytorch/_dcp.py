@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import taskpoint
-import torch.distributed as dist
 from taskpoint import CheckpointCoordinationError
+from taskpoint.distributed import rank_and_size
 from taskpoint.distributed.coordination import check_agreement
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -78,10 +78,6 @@ def _check_checkpoint(checkpoint: object) -> taskpoint.Checkpoint:
             f"committed to); got {type(checkpoint).__name__}"
         )
     return checkpoint
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class _StagingWriter(FileSystemWriter):
@@ -197,7 +193,7 @@ class TaskpointStorageWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         inner, _ = self._ready()
         plan = inner.prepare_local_plan(plan)
-        hello = _Hello(self._checkpoint.url, _world_size(), plan.storage_data)
+        hello = _Hello(self._checkpoint.url, rank_and_size()[1], plan.storage_data)
         return dataclasses.replace(plan, storage_data=hello)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -458,7 +454,7 @@ class TaskpointStorageReader(StorageReader):
             log.info(
                 "rank %s fetched .metadata and %d of the %d shard files (%d bytes of shards) "
                 "of %s for its load plan in %.2fs",
-                kwargs.get("rank", _rank()), len(files),
+                kwargs.get("rank", rank_and_size()[0]), len(files),
                 len({info.relative_path for info in inner.storage_data.values()}),
                 sum((path / f).stat().st_size for f in files), url, time.monotonic() - started,
             )
@@ -469,6 +465,3 @@ class TaskpointStorageReader(StorageReader):
         finally:
             self._finish()
         return done
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from taskpoint.distributed import rank_and_size
 from torch import nn
 
-from taskpoint_pytorch._distributed import rank_and_size
 from taskpoint_pytorch._errors import StateLayoutError, StateMismatchError
 
 __all__ = [

@@ -27,9 +27,8 @@ from types import TracebackType
 
 from taskpoint import preemption, progress
 from taskpoint.checkpoint.mirror import UploadThread
+from taskpoint.distributed import broadcast_from_zero, rank_and_size
 from taskpoint.runtime.step_boundary import StepBoundary
-
-from taskpoint_pytorch._distributed import broadcast_from_zero, rank_and_size
 
 __all__ = ["Preemption", "Turn"]
 

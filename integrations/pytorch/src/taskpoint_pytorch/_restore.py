@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 from taskpoint import CheckpointLike
+from taskpoint.distributed import gather_or_raise, rank_and_size
 
-from taskpoint_pytorch._agreement import gather_or_raise, settle_every_rank
+from taskpoint_pytorch._agreement import settle_every_rank
 from taskpoint_pytorch._arguments import check_checkpoint
 from taskpoint_pytorch._components import Components
-from taskpoint_pytorch._distributed import rank_and_size
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import read_bundle
 from taskpoint_pytorch._preemption import Preemption
@@ -86,7 +86,7 @@ class BundleRestorer:
         """
         rank, world = rank_and_size()
         summary = None if bundle is None else (bundle["save_id"], bundle["epoch"], bundle["step"])
-        summaries = gather_or_raise(summary, error, "restore the state")
+        summaries = gather_or_raise(summary, error, "restore the state", failure=StateError)
         if any(s != summaries[0] for s in summaries):
             found = ", ".join(
                 f"rank {r}: " + ("nothing" if s is None else f"save {s[0]} (epoch {s[1]}, step {s[2]})")

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from taskpoint import Checkpoint, CheckpointLike
 from taskpoint.checkpoint.mirror import UploadThread
+from taskpoint.distributed import broadcast_from_zero, describe_error, rank_and_size
 from taskpoint.format.manifest import TREE_FORMAT
 
-from taskpoint_pytorch._agreement import agree_to_save, describe_error
+from taskpoint_pytorch._agreement import agree_to_save
 from taskpoint_pytorch._arguments import check_checkpoint
 from taskpoint_pytorch._components import Components
-from taskpoint_pytorch._distributed import broadcast_from_zero, rank_and_size
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import STATE_FILE
 from taskpoint_pytorch._safety import check_weights_only

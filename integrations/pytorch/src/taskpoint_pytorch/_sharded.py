@@ -26,6 +26,14 @@ from typing import Any
 
 import taskpoint
 import torch
+from taskpoint.distributed import (
+    all_gather_object,
+    broadcast_from_zero,
+    describe_error,
+    gather_or_raise,
+    raise_first_failure,
+    rank_and_size,
+)
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -41,17 +49,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from taskpoint_pytorch._agreement import (
-    agree_to_save,
-    describe_error,
-    gather_or_raise,
-    raise_first_failure,
-    settle_every_rank,
-)
+from taskpoint_pytorch._agreement import agree_to_save, settle_every_rank
 from taskpoint_pytorch._arguments import check_sharded_checkpoint
 from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._dcp import TaskpointStorageReader, TaskpointStorageWriter
-from taskpoint_pytorch._distributed import all_gather, broadcast_from_zero, rank_and_size
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import check_layout
 from taskpoint_pytorch._preemption import Preemption
@@ -223,8 +224,8 @@ class ShardedState:
                 check_weights_only(value, key)
         except Exception as exc:
             local_error = exc
-        failures = all_gather(describe_error(local_error))
-        raise_first_failure(local_error, failures, "save the state")
+        failures = all_gather_object(describe_error(local_error))
+        raise_first_failure(local_error, failures, "save the state", failure=StateError)
         assert isinstance(checkpoint, taskpoint.Checkpoint)
         save_sharded(checkpoint, self._components.unwrapped_models(), self._components.optimizers, rest)
         if rank == 0:
@@ -254,7 +255,7 @@ class ShardedState:
             newest = committed[0].key if committed else None
         except Exception as exc:
             error = exc
-        seen = gather_or_raise(newest, error, "restore the state")
+        seen = gather_or_raise(newest, error, "restore the state", failure=StateError)
         if any(n is None for n in seen) and any(n is not None for n in seen):
             found = ", ".join(f"rank {r}: {n or 'nothing'}" for r, n in enumerate(seen))
             raise StateError(
