@@ -28,7 +28,7 @@ The clock is :func:`time.monotonic` unless given; under several ranks each rank 
 
 Example::
 
-    interval = SaveInterval("auto", history=checkpoint.attempts())
+    interval = SaveInterval("auto", history=read_attempts(store))
     for step in range(start, steps):
         train_step(step)
         interval.step_done()
@@ -118,7 +118,7 @@ def mean_time_between_failures(
     so a new run gets ``prior_s`` and a long failure-free run drifts above it.
 
     Args:
-        history: the run's attempt records (:meth:`taskpoint.Checkpoint.attempts`), in
+        history: the run's attempt records (:func:`taskpoint.format.history.read_attempts`), in
             any order.
         prior_s: the prior mean time between failures, in seconds.
         now: Unix time for the ``current`` attempt's end (default: now).
