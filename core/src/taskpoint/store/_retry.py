@@ -44,8 +44,8 @@ class RetryPolicy:
     silent (cut, black-holed) costs one stall timeout per try, never an unbounded wait,
     while a large transfer on a slow but working link, which keeps moving bytes, is never
     cut. So a call whose store cannot be reached at all fails, with
-    :class:`~taskpoint.CheckpointStoreError`, within :meth:`budget` seconds (about 2.6
-    minutes by default), and an outage shorter than that is carried through.
+    :class:`~taskpoint.CheckpointStoreError`, within :meth:`budget` seconds (153 s by
+    default), and an outage shorter than that is carried through.
 
     Calls on the local disk and on ``memory://`` have no stall timeout.
 
