@@ -36,8 +36,13 @@ RATE_MBIT = 20.0
 """The node's link, each way: 2.5 MB/s, so that a save of several MB is still under way
 when the link is cut."""
 MiB = 2**20
-RETRY: dict[str, float] = {"attempts": 4, "initial": 0.5, "maximum": 1.0, "stall_timeout": 2.0}
-BUDGET_S = taskpoint.RetryPolicy(**RETRY).budget()  # type: ignore[arg-type]
+POLICY = taskpoint.RetryPolicy(attempts=4, initial=0.5, maximum=1.0, stall_timeout=2.0)
+"""The writer's retry policy: a small budget, so that each test takes seconds."""
+RETRY = {
+    "attempts": POLICY.attempts, "initial": POLICY.initial, "maximum": POLICY.maximum,
+    "stall_timeout": POLICY.stall_timeout,
+}
+BUDGET_S = POLICY.budget()
 """4 tries of 2 s without progress, waits of 0.5, 1 and 1 s between them: 10.5 s."""
 MARGIN_S = 10.0
 """What a loaded machine may add to the budget: process start-up is not in it."""
