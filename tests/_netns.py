@@ -251,6 +251,25 @@ class Nodes:
         self._processes.append(process)
         return process
 
+    def cut(self, node: int) -> None:
+        """Silence node ``node``'s link until :meth:`restore`: its end on the bridge goes
+        down, so every packet either way vanishes with no error, as when a switch or a
+        cable upstream fails. Both ends' neighbour entries are pinned first, so neither
+        side learns of the cut from a failed address resolution either: a connection
+        waits, as on a routed network, rather than failing fast."""
+        inside = ("ip", "netns", "exec", self._names[node])
+        node_mac = _run(*inside, "cat", f"/sys/class/net/{NODE_IFNAME}/address").stdout.strip()
+        host_mac = Path(f"/sys/class/net/{self._bridge}/address").read_text().strip()
+        _run(*inside, "ip", "neigh", "replace", self.host, "lladdr", host_mac, "dev",
+             NODE_IFNAME, "nud", "permanent")
+        _run("ip", "neigh", "replace", self._addresses[node], "lladdr", node_mac, "dev",
+             self._bridge, "nud", "permanent")
+        _run("ip", "link", "set", self._links[node], "down")
+
+    def restore(self, node: int) -> None:
+        """Bring node ``node``'s link back after :meth:`cut`."""
+        _run("ip", "link", "set", self._links[node], "up")
+
     def link_bytes(self, node: int) -> tuple[int, int]:
         """``(sent, received)``: bytes node ``node``'s link carried each way so far (the
         filters' counters)."""

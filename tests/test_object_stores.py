@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,6 +165,43 @@ def test_persistent_fault_raises_store_error_naming_url_and_cause(
 
     proxy.clear()
     assert read(through(proxy, kind, url).load_sync()) == b"committed"
+
+
+# A store that takes the request and never answers (as behind a silent network): the
+# clients' own timeouts do not cover the wait for "100 Continue" or for a full socket
+# buffer, so only taskpoint's stall timeout ends it. The proxy hangs far longer than the
+# budget allows, and the clients keep their default settings.
+SILENT = RetryPolicy(attempts=2, initial=0.1, maximum=0.1, stall_timeout=1.0)
+SILENT_MARGIN_S = 8.0
+
+
+@pytest.mark.parametrize("size", [1024, 11 * MiB], ids=["one-put", "multipart"])
+def test_a_store_that_never_answers_fails_within_the_retry_budget(
+    server: _servers.ObjectServer, kind: str, url: str, size: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TASKPOINT_PART_SIZE", str(5 * MiB))
+    allowed = SILENT.budget() + SILENT_MARGIN_S
+    with _servers.FaultProxy(server, hang=60) as proxy:
+        ckpt = Checkpoint(url, storage_options=proxy.storage_options(), retry=SILENT)
+        ckpt.save_sync(b"committed")
+
+        proxy.inject("timeout", times=10_000, **uploads(kind))
+        started = time.monotonic()
+        with pytest.raises(CheckpointStoreError, match=r"after 2 tries over .* s") as saving:
+            ckpt.save_sync(os.urandom(size))
+        assert time.monotonic() - started < allowed, saving.value
+        assert "no bytes moved for 1 s" in str(saving.value)
+
+        proxy.clear()
+        proxy.inject("timeout", times=10_000, **downloads(kind))
+        started = time.monotonic()
+        with pytest.raises(CheckpointStoreError, match="no bytes moved"):
+            Checkpoint(url, storage_options=proxy.storage_options(), retry=SILENT).load_sync()
+        assert time.monotonic() - started < allowed
+
+        proxy.clear()
+        assert read(ckpt.load_sync()) == b"committed"
 
 
 def test_an_unreachable_store_is_an_error_not_no_checkpoint(

@@ -146,3 +146,32 @@ def test_a_transaction_another_thread_holds_never_captures_a_save(tmp_path: Path
     assert not errors, errors
     restored = Checkpoint(url).load_sync()
     assert restored is not None and restored.read_bytes() == b"x" * 3_000_000
+
+
+def test_stall_timeout_comes_from_the_environment_and_sets_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TASKPOINT_STALL_TIMEOUT", raising=False)
+    assert RetryPolicy().stall_timeout == 30.0
+    # 5 tries of 30 s without progress, and the waits of 0.2, 0.4, 0.8 and 1.6 s between them
+    assert RetryPolicy().budget() == pytest.approx(153.0)
+    monkeypatch.setenv("TASKPOINT_STALL_TIMEOUT", "2.5")
+    assert RetryPolicy().stall_timeout == 2.5
+    assert RetryPolicy(stall_timeout=7).stall_timeout == 7.0  # the argument wins
+    assert RetryPolicy(attempts=2, initial=1, stall_timeout=3).budget() == pytest.approx(7.0)
+    assert RetryPolicy(stall_timeout=3) != RetryPolicy(stall_timeout=4)
+
+
+@pytest.mark.parametrize("raw", ["soon", "0", "-1", "inf", "nan"])
+def test_a_bad_stall_timeout_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
+    monkeypatch.setenv("TASKPOINT_STALL_TIMEOUT", raw)
+    with pytest.raises(ValueError, match=rf"TASKPOINT_STALL_TIMEOUT must be a positive number of seconds; got '{raw}'"):
+        Checkpoint("memory://stall/bad")
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("inf")])
+def test_a_bad_stall_timeout_argument_is_refused(value: float) -> None:
+    with pytest.raises(ValueError, match="stall_timeout must be a positive number of seconds"):
+        RetryPolicy(stall_timeout=value)

@@ -41,7 +41,7 @@ def create_new(at: Location, name: str, data: bytes) -> bool:
             at.fs.pipe_file(path, data)
             return True
     try:
-        at.fs.pipe_file(path, data, mode="create")
+        at.call("pipe_file", path, data, mode="create")
     except FileExistsError:
         return False
     except Exception as exc:

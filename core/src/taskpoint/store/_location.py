@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -21,11 +21,15 @@ from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import known_implementations
 
 from taskpoint.errors import CheckpointStoreError
+from taskpoint.store import _watchdog
 from taskpoint.store import transfer as _transfer
 from taskpoint.store._retry import RetryPolicy
+from taskpoint.store._watchdog import Progress
 from taskpoint.store.transfer import Transfer
 
 __all__ = ["Location", "check_location"]
+
+T = TypeVar("T")
 
 _BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 """Protocols whose stores are buckets or containers of an object store."""
@@ -163,6 +167,35 @@ class Location:
         """Whether the store is a bucket (or container) of S3, GCS or Azure Blob."""
         return bool(self.protocols & _BUCKET_PROTOCOLS)
 
+    @property
+    def is_async(self) -> bool:
+        """Whether the filesystem runs its calls on an event loop (S3, GCS, Azure, HTTP):
+        those calls are watched for stalls (see :meth:`call`)."""
+        fs = self.fs
+        return bool(getattr(fs, "async_impl", False)) and getattr(fs, "loop", None) is not None
+
+    @property
+    def stall_timeout(self) -> float:
+        """Seconds a try may go without moving a byte (the retry policy's)."""
+        return self._retry.stall_timeout
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``fs.<method>(*args, **kwargs)``, abandoned with
+        :class:`~taskpoint.store._watchdog.Stalled` after the stall timeout on an
+        asynchronous filesystem (where it moves no bytes it can report, the timeout bounds
+        the whole call); on the local disk and ``memory://``, a plain call."""
+        fs = self.fs
+        coroutine = getattr(fs, f"_{method}", None)
+        if not self.is_async or coroutine is None:
+            return getattr(fs, method)(*args, **kwargs)
+        return self.watched(lambda progress: coroutine(*args, **kwargs))
+
+    def watched(self, start: Callable[[Progress], Coroutine[Any, Any, T]]) -> T:
+        """Run ``start(progress)`` on the asynchronous filesystem's event loop, abandoning
+        it once ``progress`` has not ticked for the stall timeout (see
+        :func:`taskpoint.store._watchdog.run`)."""
+        return _watchdog.run(self.fs.loop, start, self._retry.stall_timeout)
+
     def path(self, name: str) -> str:
         """The filesystem's path of ``name`` (of the location itself when ``name`` is empty)."""
         fs = self.fs
@@ -182,7 +215,7 @@ class Location:
         try:
             with contextlib.suppress(Exception):
                 self.fs.invalidate_cache(bucket)
-            exists = bool(self.fs.exists(bucket))
+            exists = bool(self.call("exists", bucket))
         except Exception:  # cannot tell: let the original error speak
             return
         if exists:

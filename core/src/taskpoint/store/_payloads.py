@@ -16,26 +16,51 @@ from typing import Any
 from taskpoint.store import transfer as _transfer
 from taskpoint.store._location import Location
 
-__all__ = ["abort_interrupted_uploads", "download", "put", "read_memory", "upload_spool"]
+__all__ = [
+    "abort_interrupted_uploads",
+    "download",
+    "put",
+    "read",
+    "read_memory",
+    "upload_spool",
+    "write_bytes",
+]
 
 
 def upload_spool(at: Location, spool: _transfer.Spool, name: str) -> None:
     """Upload a finished ``spool`` to ``name``: in one PUT when it stayed in memory, from
     its temporary file as :func:`put` otherwise."""
     if spool.path is None:
-        _lost_upload_is_transient(at, lambda: at.fs.pipe_file(at.path(name), spool.data))
+        _lost_upload_is_transient(at, lambda: write_bytes(at, name, spool.data))
     else:
         put(at, spool.path, name)
+
+
+def write_bytes(at: Location, name: str, data: bytes) -> None:
+    """Write ``data`` to ``name`` in one PUT (``pipe_file``), watched for stalls on an
+    asynchronous filesystem."""
+    path = at.path(name)
+    if at.is_async:
+        at.watched(lambda progress: _transfer.put_bytes(at.fs, at.protocols, path, data, progress))
+    else:
+        at.fs.pipe_file(path, data)
 
 
 def put(at: Location, local: str, name: str) -> None:
     """Upload the local file ``local`` to ``name``, in parallel parts where the backend can."""
     path = at.path(name)
-    _lost_upload_is_transient(
-        at,
-        lambda: _transfer.put(at.fs, at.protocols, at.transfer, local, path),
-        local,
-    )
+
+    def upload() -> None:
+        if at.is_async:
+            at.watched(
+                lambda progress: _transfer.put(
+                    at.fs, at.protocols, at.transfer, local, path, progress
+                )
+            )
+        else:
+            _transfer.put_sync(at.fs, at.protocols, at.transfer, local, path)
+
+    _lost_upload_is_transient(at, upload, local)
     at.invalidate(name)
 
 
@@ -66,7 +91,9 @@ def abort_interrupted_uploads(at: Location, name: str, *, everything: bool = Fal
     else:
         folder, _, last = name.rpartition("/")
     prefix = at.path(folder).rstrip("/") + "/"
-    _transfer.abort_interrupted_uploads(at.fs, at.protocols, prefix, last, at.url_of(folder))
+    _transfer.abort_interrupted_uploads(
+        at.fs, at.protocols, prefix, last, at.url_of(folder), at.stall_timeout
+    )
 
 
 def download(at: Location, name: str, local: str) -> None:
@@ -76,7 +103,24 @@ def download(at: Location, name: str, local: str) -> None:
         with open(local, "wb") as fh:
             fh.write(read_memory(at, name))
         return
-    _transfer.get(at.fs, at.protocols, at.transfer, at.path(name), local)
+    path = at.path(name)
+    if at.is_async:
+        at.watched(
+            lambda progress: _transfer.get(at.fs, at.protocols, at.transfer, path, local, progress)
+        )
+    else:
+        _transfer.get_sync(at.fs, at.protocols, at.transfer, path, local)
+
+
+def read(at: Location, name: str, start: int | None = None, end: int | None = None) -> bytes:
+    """Bytes ``start`` to ``end`` (exclusive) of ``name``, all of it by default; fewer
+    where the object is shorter. Raises FileNotFoundError when ``name`` does not exist."""
+    path = at.path(name)
+    if at.is_async:
+        return at.watched(
+            lambda progress: _transfer.read(at.fs, at.protocols, path, start, end, progress)
+        )
+    return bytes(at.fs.cat_file(path, start=start, end=end))
 
 
 def read_memory(at: Location, name: str) -> bytes:

@@ -1,15 +1,20 @@
 """Repeating a store call through transient failures, and naming what finally failed.
 
-:class:`RetryPolicy` says how often to try and how long to wait between tries; :func:`run`
-runs one store operation under it. Transient failures (:func:`taskpoint.store._faults.is_transient`)
-are retried with exponential backoff, each with a WARNING; a permanent failure, or the last
-transient one, becomes :class:`~taskpoint.CheckpointStoreError` naming the URL and the
-number of tries. ``FileNotFoundError`` and taskpoint's own errors pass through unchanged.
+:class:`RetryPolicy` says how often to try, how long to wait between tries, and how long a
+try may go without moving a byte before it is abandoned (its stall timeout, applied by
+:mod:`taskpoint.store._watchdog`); :func:`run` runs one store operation under it. Transient
+failures (:func:`taskpoint.store._faults.is_transient`, an abandoned try among them) are
+retried with exponential backoff, each with a WARNING; a permanent failure, or the last
+transient one, becomes :class:`~taskpoint.CheckpointStoreError` naming the URL, the number
+of tries and how long they took. ``FileNotFoundError`` and taskpoint's own errors pass
+through unchanged.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -17,7 +22,12 @@ from typing import TypeVar
 from taskpoint.errors import CheckpointError, CheckpointStoreError
 from taskpoint.store._faults import is_denied, is_transient
 
-__all__ = ["RetryPolicy", "run"]
+__all__ = ["STALL_TIMEOUT_ENV", "RetryPolicy", "run"]
+
+STALL_TIMEOUT_ENV = "TASKPOINT_STALL_TIMEOUT"
+"""The environment variable that sets :attr:`RetryPolicy.stall_timeout`'s default."""
+
+_DEFAULT_STALL_S = 30.0
 
 log = logging.getLogger("taskpoint.store")
 """The store's logger: its retries are reported under the name they always had."""
@@ -26,23 +36,60 @@ T = TypeVar("T")
 
 
 class RetryPolicy:
-    """How store calls retry transient failures.
+    """How store calls retry transient failures, and when a silent try is given up.
+
+    A store call is tried up to ``attempts`` times. Each try on a network store (S3, GCS,
+    Azure, any asynchronous fsspec backend) is abandoned once it has moved no bytes for
+    ``stall_timeout`` seconds, which counts as a transient failure: a link that goes
+    silent (cut, black-holed) costs one stall timeout per try, never an unbounded wait,
+    while a large transfer on a slow but working link, which keeps moving bytes, is never
+    cut. So a call whose store cannot be reached at all fails, with
+    :class:`~taskpoint.CheckpointStoreError`, within :meth:`budget` seconds (153 s by
+    default), and an outage shorter than that is carried through.
+
+    Calls on the local disk and on ``memory://`` have no stall timeout.
 
     Args:
         attempts: total tries per call (1 disables retrying).
         initial: seconds to wait before the first retry; doubles each retry.
         maximum: the longest wait between tries, in seconds.
+        stall_timeout: seconds a try may go without moving a byte before it is abandoned
+            (and retried); by default ``$TASKPOINT_STALL_TIMEOUT``, else 30. A call that
+            moves few bytes (a listing, a manifest) is so limited to this long per try.
+
+    Raises:
+        ValueError: ``attempts`` is below 1, a wait is negative, or ``stall_timeout`` (or
+            ``$TASKPOINT_STALL_TIMEOUT``) is not a positive number of seconds.
     """
 
-    def __init__(self, attempts: int = 5, initial: float = 0.2, maximum: float = 5.0) -> None:
+    def __init__(
+        self,
+        attempts: int = 5,
+        initial: float = 0.2,
+        maximum: float = 5.0,
+        stall_timeout: float | None = None,
+    ) -> None:
         if attempts < 1:
             raise ValueError(f"attempts must be at least 1; got {attempts!r}")
+        if initial < 0 or maximum < 0:
+            raise ValueError(
+                f"waits between tries cannot be negative; got initial={initial!r}, "
+                f"maximum={maximum!r}"
+            )
+        if stall_timeout is None:
+            stall_timeout = _stall_from_env()
+        elif not (isinstance(stall_timeout, (int, float)) and math.isfinite(stall_timeout)
+                  and stall_timeout > 0):
+            raise ValueError(
+                f"stall_timeout must be a positive number of seconds; got {stall_timeout!r}"
+            )
         self.attempts = attempts
         self.initial = initial
         self.maximum = maximum
+        self.stall_timeout = float(stall_timeout)
 
-    def _key(self) -> tuple[int, float, float]:
-        return (self.attempts, self.initial, self.maximum)
+    def _key(self) -> tuple[int, float, float, float]:
+        return (self.attempts, self.initial, self.maximum, self.stall_timeout)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RetryPolicy):
@@ -55,12 +102,35 @@ class RetryPolicy:
     def __repr__(self) -> str:
         return (
             f"RetryPolicy(attempts={self.attempts!r}, initial={self.initial!r}, "
-            f"maximum={self.maximum!r})"
+            f"maximum={self.maximum!r}, stall_timeout={self.stall_timeout!r})"
         )
+
+    def budget(self) -> float:
+        """The longest, in seconds, a store call spends on a store that moves no bytes at
+        all before it raises: every try abandoned after :attr:`stall_timeout`, plus the
+        waits between tries. (A try that moves bytes and then stalls lasts longer by the
+        time it was moving them.)"""
+        waits = sum(self.delay(retry) for retry in range(self.attempts - 1))
+        return self.attempts * self.stall_timeout + waits
 
     def delay(self, retry: int) -> float:
         """Seconds to wait before retry number ``retry`` (0-based)."""
         return float(min(self.maximum, self.initial * (2**retry)))
+
+
+def _stall_from_env() -> float:
+    raw = os.environ.get(STALL_TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return _DEFAULT_STALL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{STALL_TIMEOUT_ENV} must be a positive number of seconds; got {raw!r}"
+        )
+    return value
 
 
 def run(
@@ -85,6 +155,7 @@ def run(
         CheckpointError: raised by ``fn``, passed on unchanged.
         CheckpointStoreError: ``fn`` failed permanently, or transiently on every try.
     """
+    started = time.monotonic()
     for retry in range(policy.attempts):
         try:
             return fn()
@@ -96,7 +167,10 @@ def run(
         except Exception as exc:
             last = retry == policy.attempts - 1
             if not is_transient(exc) or last:
-                tries = f" after {retry + 1} tries" if retry else ""
+                took = time.monotonic() - started
+                tries = f" after {retry + 1} tries over {took:.1f} s" if retry else (
+                    f" after {took:.1f} s" if took >= 1 else ""
+                )
                 hint = (
                     " (the store refused the credentials or the permission: check "
                     "storage_options or the credentials in the environment)"

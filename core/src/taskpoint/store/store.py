@@ -143,7 +143,7 @@ class Store:
             try:
                 # detail=False: no per-entry stat, so an entry vanishing mid-listing (a
                 # concurrent prune) cannot make the whole prefix look missing.
-                entries = self.fs.ls(self._at.path(prefix), detail=False)
+                entries = self._at.call("ls", self._at.path(prefix), detail=False)
             except FileNotFoundError as exc:
                 self._at.check_bucket(exc)
                 return []
@@ -161,7 +161,7 @@ class Store:
         def run() -> dict[str, int]:
             self._at.invalidate(prefix)
             try:
-                entries = self.fs.ls(self._at.path(prefix), detail=True)
+                entries = self._at.call("ls", self._at.path(prefix), detail=True)
             except FileNotFoundError as exc:
                 self._at.check_bucket(exc)
                 return {}
@@ -179,7 +179,7 @@ class Store:
         Raises:
             CheckpointStoreError: the store failed.
         """
-        return bool(self._call("inspect", name, lambda: self.fs.exists(self._at.path(name))))
+        return bool(self._call("inspect", name, lambda: self._at.call("exists", self._at.path(name))))
 
     def is_dir(self, name: str) -> bool:
         """Whether ``name`` is a directory (or, on object stores, a non-empty prefix).
@@ -187,19 +187,17 @@ class Store:
         Raises:
             CheckpointStoreError: the store failed.
         """
-        return bool(self._call("inspect", name, lambda: self.fs.isdir(self._at.path(name))))
+        return bool(self._call("inspect", name, lambda: self._at.call("isdir", self._at.path(name))))
 
     def read_bytes(self, name: str) -> bytes:
         """The whole object ``name``. Raises FileNotFoundError when it does not exist."""
-        return self._call("read", name, lambda: bytes(self.fs.cat_file(self._at.path(name))))
+        return self._call("read", name, lambda: _payloads.read(self._at, name))
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes ``start`` to ``end`` (exclusive) of the object ``name``: one ranged GET on
         object stores. Fewer bytes come back where the object is shorter. Raises
         FileNotFoundError when it does not exist."""
-        return self._call(
-            "read", name, lambda: bytes(self.fs.cat_file(self._at.path(name), start=start, end=end))
-        )
+        return self._call("read", name, lambda: _payloads.read(self._at, name, start, end))
 
     def local_path(self, name: str) -> str | None:
         """The operating system's path of ``name`` when the store is the local disk, so a
@@ -219,7 +217,7 @@ class Store:
             path = self._at.path(name)
             if not self.is_local:
                 whole = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
-                self.fs.pipe_file(path, whole)
+                _payloads.write_bytes(self._at, name, whole)
                 return
             _local_files.replace(path, parts)
 
@@ -335,8 +333,8 @@ class Store:
         def run() -> None:
             path = self._at.path(name)
             with contextlib.suppress(FileNotFoundError):
-                if self.fs.exists(path):
-                    self.fs.rm(path, recursive=True)
+                if self._at.call("exists", path):
+                    self._at.call("rm", path, recursive=True)
             self._at.invalidate(name)
 
         self._call("delete", name, run)
@@ -348,7 +346,7 @@ class Store:
 
         def run() -> None:
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(self._at.path(name))
+                self._at.call("rm_file", self._at.path(name))
 
         self._call("delete", name, run)
 

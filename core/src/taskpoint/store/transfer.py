@@ -8,8 +8,12 @@ which stay in :mod:`taskpoint.store.store`:
 - :class:`Spool`: a payload is written to memory (up to one part) or a temporary file
   first, so a transient failure uploads the spool again rather than re-running the
   producer.
-- :func:`put` / :func:`get`: one upload or download through the backend's multipart (S3),
-  resumable (GCS) or block (Azure) transfer, sized by :func:`part_options`.
+- :func:`put` / :func:`get` (and :func:`put_bytes`, :func:`read`): one upload or download
+  through a multipart (S3, run here part by part), resumable (GCS) or block (Azure)
+  transfer, sized by :func:`part_options`, ticking a
+  :class:`~taskpoint.store._watchdog.Progress` as bytes move so that a silent network
+  abandons it rather than hanging; :func:`put_sync` / :func:`get_sync` for filesystems
+  without an event loop.
 - :func:`abort_interrupted_uploads`: unfinished multipart uploads (S3) and uncommitted
   blocks (Azure) left by interrupted saves are aborted, so they are neither billed nor
   visible. GCS resumable sessions cannot be listed; they expire within a week.
@@ -19,17 +23,21 @@ which stay in :mod:`taskpoint.store.store`:
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import contextlib
 import io
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from fsspec.callbacks import Callback
+
 from taskpoint.store._streams import WriteView
+from taskpoint.store._watchdog import Progress, Stalled, bounded
 
 __all__ = [
     "LostUpload",
@@ -37,8 +45,12 @@ __all__ = [
     "Transfer",
     "abort_interrupted_uploads",
     "get",
+    "get_sync",
     "part_options",
     "put",
+    "put_bytes",
+    "put_sync",
+    "read",
     "tune_backend",
 ]
 
@@ -135,22 +147,91 @@ def part_options(
     return {}
 
 
-def put(fs: Any, protocols: set[str], transfer: Transfer, local: str, path: str) -> None:
-    """Upload the local file ``local`` to ``path`` on ``fs``, in parallel parts when large.
+def put_sync(fs: Any, protocols: set[str], transfer: Transfer, local: str, path: str) -> None:
+    """Upload the local file ``local`` to ``path`` on a filesystem with no event loop (the
+    local disk), through its own ``put_file``.
 
     No retrying and no error translation: the store's caller does both.
     """
     fs.put_file(local, path, **part_options(protocols, transfer, os.path.getsize(local)))
 
 
-def get(fs: Any, protocols: set[str], transfer: Transfer, path: str, local: str) -> None:
-    """Download ``path`` on ``fs`` to the local file ``local``, in ranged parts where the
-    backend can (GCS downloads take no part keywords).
+def get_sync(fs: Any, protocols: set[str], transfer: Transfer, path: str, local: str) -> None:
+    """Download ``path`` to the local file ``local`` from a filesystem with no event loop.
 
     No retrying and no error translation: the store's caller does both.
     """
     options = {} if protocols & _GCS else part_options(protocols, transfer)
     fs.get_file(path, local, **options)
+
+
+async def put(
+    fs: Any, protocols: set[str], transfer: Transfer, local: str, path: str, progress: Progress
+) -> None:
+    """Upload the local file ``local`` to ``path`` on the asynchronous filesystem ``fs``, in
+    parallel parts when large, ticking ``progress`` as bytes leave.
+
+    On S3 taskpoint runs the multipart upload itself, so that each part is watched: a part
+    that moves no bytes for the stall timeout fails the upload
+    (:class:`~taskpoint.store._watchdog.Stalled`), its sibling parts are cancelled and the
+    upload is aborted in the background. GCS and Azure go through the backend's
+    ``put_file``, whose progress comes per chunk or block.
+
+    No retrying and no error translation: the store's caller does both.
+    """
+    size = os.path.getsize(local)
+    if protocols & _S3:
+        await _s3_put(fs, transfer, local, path, size, progress)
+        return
+    options = part_options(protocols, transfer, size)
+    await bounded(fs._put_file(local, path, callback=_Ticking(progress), **options), progress)
+
+
+async def put_bytes(fs: Any, protocols: set[str], path: str, data: bytes, progress: Progress) -> None:
+    """Write ``data`` to ``path`` on the asynchronous filesystem ``fs`` in one PUT."""
+    if protocols & _S3:
+        bucket, key, _ = fs.split_path(path)
+        await _s3_put_object(fs, bucket, key, data, progress)
+        return
+    await bounded(fs._pipe_file(path, data), progress)
+
+
+async def get(
+    fs: Any, protocols: set[str], transfer: Transfer, path: str, local: str, progress: Progress
+) -> None:
+    """Download ``path`` on the asynchronous filesystem ``fs`` to the local file ``local``,
+    in ranged parts where the backend can, ticking ``progress`` as bytes arrive.
+
+    On S3 taskpoint reads the ranges itself, each watched as an upload's parts are; GCS
+    downloads take no part keywords. Raises FileNotFoundError when ``path`` is missing.
+    No retrying and no error translation: the store's caller does both.
+    """
+    if protocols & _S3:
+        await _s3_get(fs, transfer, path, local, progress)
+        return
+    options = {} if protocols & _GCS else part_options(protocols, transfer)
+    await bounded(fs._get_file(path, local, callback=_Ticking(progress), **options), progress)
+
+
+async def read(
+    fs: Any, protocols: set[str], path: str, start: int | None, end: int | None,
+    progress: Progress,
+) -> bytes:
+    """Bytes ``start`` to ``end`` (exclusive; ``None``: from the start, to the end) of
+    ``path`` on the asynchronous filesystem ``fs``, ticking ``progress`` as they arrive on
+    S3. Raises FileNotFoundError when ``path`` is missing."""
+    if not protocols & _S3:
+        return bytes(await bounded(fs._cat_file(path, start=start, end=end), progress))
+    if end is not None and end <= (start or 0):
+        return b""
+    bucket, key, _ = fs.split_path(path)
+    got = bytearray()
+
+    def keep(offset: int, chunk: bytes) -> None:
+        got.extend(chunk)
+
+    await _s3_get_range(fs, bucket, key, start or 0, end, keep, progress)
+    return bytes(got)
 
 
 def tune_backend(
@@ -198,7 +279,8 @@ def _backoff(delay: Callable[[int], float]) -> Callable[[dict[str, Any]], float]
 
 
 def abort_interrupted_uploads(
-    fs: Any, protocols: set[str], prefix: str, last: str | None, where: str
+    fs: Any, protocols: set[str], prefix: str, last: str | None, where: str,
+    limit: float | None = None,
 ) -> None:
     """Abort unfinished multipart uploads under ``prefix`` whose names sort at or before
     ``last``.
@@ -214,12 +296,14 @@ def abort_interrupted_uploads(
         prefix: the folder's path on ``fs``, ending in ``/``.
         last: the newest name (relative to ``prefix``) whose uploads may be aborted.
         where: the folder's URL, for messages.
+        limit: the most seconds each request may take (the listing, each abort), so that
+            a silent network cannot hold a save that has committed; ``None``: no limit.
     """
     try:
         if protocols & _S3:
-            aborted = _abort_s3_uploads(fs, prefix, last)
+            aborted = _abort_s3_uploads(fs, prefix, last, limit)
         elif protocols & _AZURE:
-            aborted = _abort_azure_blocks(fs, prefix, last)
+            aborted = _abort_azure_blocks(fs, prefix, last, limit)
         else:
             return  # GCS: resumable sessions cannot be listed; they expire in a week
     except Exception as exc:
@@ -236,21 +320,29 @@ def _stale(rest: str, last: str | None) -> bool:
     return last is None or ("/" not in rest and rest <= last)
 
 
-def _abort_s3_uploads(fs: Any, prefix: str, last: str | None) -> builtins.list[str]:
+def _abort_s3_uploads(
+    fs: Any, prefix: str, last: str | None, limit: float | None
+) -> builtins.list[str]:
     bucket, _, key_prefix = prefix.partition("/")
-    listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key_prefix)
+    # call_s3 is fsspec's blocking twin: its timeout cancels the request when it runs out.
+    listing = fs.call_s3(
+        "list_multipart_uploads", Bucket=bucket, Prefix=key_prefix, timeout=limit
+    )
     aborted = []
     for upload in listing.get("Uploads", []):
         key = upload["Key"]
         if _stale(key[len(key_prefix):], last):
             fs.call_s3(
-                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"]
+                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"],
+                timeout=limit,
             )
             aborted.append(f"{bucket}/{key}")
     return aborted
 
 
-def _abort_azure_blocks(fs: Any, prefix: str, last: str | None) -> builtins.list[str]:
+def _abort_azure_blocks(
+    fs: Any, prefix: str, last: str | None, limit: float | None
+) -> builtins.list[str]:
     from fsspec.asyn import sync
 
     container, _, blob_prefix = prefix.partition("/")
@@ -276,7 +368,8 @@ def _abort_azure_blocks(fs: Any, prefix: str, last: str | None) -> builtins.list
                 aborted.append(f"{container}/{blob}")
         return aborted
 
-    return builtins.list(sync(fs.loop, run))
+    # All of it within ``limit`` per blob found (at least one), as the S3 clean-up.
+    return builtins.list(sync(fs.loop, run, timeout=limit))
 
 
 class LostUpload(ConnectionError):
@@ -334,3 +427,205 @@ class Spool(WriteView):
 
     def flush(self) -> None:
         """Nothing to do: :meth:`Store.write_stream` finishes the spool."""
+
+
+_READ_CHUNK = 256 * 2**10
+"""Bytes read from a download's body at a time: each read ticks the progress."""
+_COMPLETE_S_PER_PART = 0.01
+"""Extra seconds S3 may take to complete a multipart upload, per part: it assembles the
+object before it answers, moving no bytes meanwhile."""
+
+
+class _Ticking(Callback):  # type: ignore[misc]
+    """An fsspec callback that ticks a progress whenever the backend reports bytes."""
+
+    def __init__(self, progress: Progress) -> None:
+        super().__init__()
+        self._progress = progress
+
+    def call(self, *args: Any, **kwargs: Any) -> None:
+        self._progress.tick()
+
+
+class _Body(io.RawIOBase):
+    """A request body over ``data`` whose every read ticks ``progress``: the HTTP client
+    reads it a chunk at a time as the socket takes the bytes, so reads stop when the
+    network stops taking them."""
+
+    def __init__(self, data: bytes, progress: Progress) -> None:
+        super().__init__()
+        self._data = io.BytesIO(data)
+        self._progress = progress
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._progress.tick()
+        return self._data.readinto(buffer)
+
+    def read(self, size: int | None = -1) -> bytes:
+        self._progress.tick()
+        return self._data.read(size)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._data.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._data.tell()
+
+
+async def _s3_send(fs: Any, method: str, data: bytes, progress: Progress, **kwargs: Any) -> Any:
+    """One S3 request carrying ``data`` as its body, watched through ``progress``.
+
+    Made on s3fs's client but without s3fs's own retries (``_call_s3``), which would hand
+    botocore the body already read to its end: the store's retry loop repeats the request
+    with a fresh body instead. A ``ClientError`` is translated as s3fs translates it (a
+    lost upload becomes ``FileNotFoundError``).
+    """
+    from s3fs.errors import translate_boto_error  # type: ignore[import-untyped]
+
+    await fs.set_session()
+    client = await fs.get_s3(kwargs.get("Bucket"))
+    call = getattr(client, method)
+    merge = getattr(fs, "_get_s3_method_kwargs", None)  # options such as SSE, RequestPayer
+    options = merge(call, **kwargs) if merge is not None else kwargs
+    try:
+        return await bounded(call(**options, Body=_Body(data, progress)), progress)
+    except Exception as exc:
+        translated = translate_boto_error(exc)
+        if translated is exc:
+            raise
+        raise translated from exc
+
+
+async def _s3_put_object(
+    fs: Any, bucket: str, key: str, data: bytes, progress: Progress
+) -> None:
+    await _s3_send(fs, "put_object", data, progress.child(), Bucket=bucket, Key=key)
+
+
+async def _s3_put(
+    fs: Any, transfer: Transfer, local: str, path: str, size: int, progress: Progress
+) -> None:
+    """A multipart upload of ``local``, parts ``transfer.concurrency`` at a time, each
+    watched; one PUT when it would have fewer than two parts (as s3fs does)."""
+    bucket, key, _ = fs.split_path(path)
+    part_size = transfer.s3_part_size(size)
+    if size < 2 * part_size:
+        with open(local, "rb") as fh:
+            data = fh.read()
+        await _s3_put_object(fs, bucket, key, data, progress)
+        return
+    started = await bounded(
+        fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key), progress.child()
+    )
+    upload = started["UploadId"]
+    count = -(-size // part_size)
+    gate = asyncio.Semaphore(transfer.concurrency)
+
+    async def send(number: int) -> dict[str, Any]:
+        async with gate:
+            start = (number - 1) * part_size
+            with open(local, "rb") as fh:
+                fh.seek(start)
+                data = fh.read(min(part_size, size - start))
+            answer = await _s3_send(
+                fs, "upload_part", data, progress.child(), Bucket=bucket, Key=key,
+                UploadId=upload, PartNumber=number,
+            )
+            return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    try:
+        parts = await _all_or_none([send(number) for number in range(1, count + 1)])
+        finishing = Progress(progress.stall + count * _COMPLETE_S_PER_PART, progress)
+        await bounded(
+            fs._call_s3(
+                "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+                MultipartUpload={"Parts": parts},
+            ),
+            finishing,
+        )
+    except Stalled:
+        # The network is silent: an abort would stall as long again. The next successful
+        # save's clean-up (abort_interrupted_uploads) aborts this upload.
+        raise
+    except Exception:
+        with contextlib.suppress(Exception):
+            await bounded(
+                fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload),
+                Progress(progress.stall),
+            )
+        raise
+
+
+async def _all_or_none(steps: Sequence[Awaitable[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Run ``steps`` together and return their results in order; when one fails (or this
+    is cancelled), the others are cancelled, and waited for, before the failure goes on."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+        raise
+
+
+async def _s3_get(fs: Any, transfer: Transfer, path: str, local: str, progress: Progress) -> None:
+    """Download ``path`` to ``local`` in ranges of a part each, ``transfer.concurrency`` at
+    a time, each watched."""
+    bucket, key, _ = fs.split_path(path)
+    head = await bounded(fs._call_s3("head_object", Bucket=bucket, Key=key), progress.child())
+    size = int(head["ContentLength"])
+    part_size = transfer.s3_part_size(size)
+    gate = asyncio.Semaphore(transfer.concurrency)
+    fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+
+        def write(offset: int, chunk: bytes) -> None:
+            os.pwrite(fd, chunk, offset)
+
+        async def fetch(start: int) -> dict[str, Any]:
+            async with gate:
+                end = min(size, start + part_size)
+                got = await _s3_get_range(fs, bucket, key, start, end, write, progress)
+                if got != end - start:
+                    raise ConnectionError(
+                        f"the store sent {got} of bytes {start}-{end} of {path}: it changed "
+                        "or the connection broke"
+                    )
+                return {}
+
+        await _all_or_none([fetch(start) for start in range(0, size, part_size)])
+    finally:
+        os.close(fd)
+
+
+async def _s3_get_range(
+    fs: Any, bucket: str, key: str, start: int, end: int | None,
+    write: Callable[[int, bytes], None], progress: Progress,
+) -> int:
+    """GET bytes ``start`` to ``end`` (exclusive; ``None``: to the object's end) of
+    ``key``, handing each chunk to ``write(offset, chunk)`` as it arrives; the number of
+    bytes received. The request and every read of the body are watched."""
+    mine = progress.child()
+    ranged = {} if start == 0 and end is None else {
+        "Range": f"bytes={start}-{'' if end is None else end - 1}"
+    }
+    answer = await bounded(fs._call_s3("get_object", Bucket=bucket, Key=key, **ranged), mine)
+    mine.tick()
+    offset = start
+    async with answer["Body"] as body:
+        while True:
+            chunk = await bounded(body.read(_READ_CHUNK), mine)
+            if not chunk:
+                break
+            mine.tick()
+            write(offset, chunk)
+            offset += len(chunk)
+    return offset - start
