@@ -9,6 +9,7 @@ from taskpoint.checkpoint.mirror import (
     settle_uploads,
     track,
     unshare,
+    uploads_in_flight,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "settle_uploads",
     "track",
     "unshare",
+    "uploads_in_flight",
 ]
