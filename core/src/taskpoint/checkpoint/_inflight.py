@@ -93,7 +93,8 @@ def _own_folder() -> Path | None:
     user's alone (another user could forge markers in it)."""
     where = folder()
     try:
-        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        where.parent.mkdir(mode=0o700, exist_ok=True)  # the temporary folder exists
+        where.mkdir(mode=0o700, exist_ok=True)
         info = where.parent.lstat()
     except OSError as exc:
         log.debug("no upload markers: %s: %s", type(exc).__name__, exc)
