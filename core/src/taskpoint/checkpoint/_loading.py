@@ -13,6 +13,7 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
+from taskpoint.checkpoint import _inflight
 from taskpoint.checkpoint._load import Loader
 from taskpoint.checkpoint._save import Saves
 from taskpoint.format import history
@@ -72,6 +73,12 @@ class Loading:
         A checkpoint that fails its checksum or cannot be read back is skipped, with a
         :class:`~taskpoint.TaskpointWarning` naming it, for the next newest.
 
+        Uploads to this location still in flight from another process on this machine (the
+        upload process of an attempt that died, which goes on to commit its save) are
+        waited for first, at most the grace period (``TASKPOINT_GRACE_PERIOD``, default
+        30 s), so a retry restores the save its predecessor was committing; an upload
+        process that has died is not waited for.
+
         Raises:
             CheckpointCorruptError: checkpoints exist but none is intact.
             CheckpointFormatError: the newest manifest comes from a newer format.
@@ -84,11 +91,14 @@ class Loading:
                 is never taken instead.
             ValueError: ``part`` is not a rank; ``paths`` is a string, not a collection,
                 or holds a path that is not a relative one inside the tree (empty,
-                absolute, or with ``.`` or ``..`` components).
+                absolute, or with ``.`` or ``..`` components); ``TASKPOINT_GRACE_PERIOD``
+                is set to something other than seconds.
         """
         if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
             raise ValueError(f"part must be a rank (an int of at least 0) or None; got {part!r}")
         wanted = None if paths is None else check_paths(paths)
+        # An earlier attempt's upload process may be about to commit a newer checkpoint.
+        _inflight.wait(self._store.url, _inflight.wait_bound())
         self._saves.prepare()  # a job loads before it trains: its saves follow
         found = self._loader.load(None if into is None else Path(os.fspath(into)), part, wanted)
         if found is None:

@@ -44,7 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
-from taskpoint.checkpoint import _uploader
+from taskpoint.checkpoint import _inflight, _uploader
 from taskpoint.checkpoint._load import Loader
 from taskpoint.checkpoint._loading import Loading
 from taskpoint.checkpoint._multiwriter import MultiWriter
@@ -361,7 +361,8 @@ def commit_request(request: _uploader.Request) -> tuple[SaveStats, tuple[str, st
     """
     checkpoint = Checkpoint(**request.options, attempt=request.attempt)
     checkpoint._catalog.intact |= request.intact
-    return checkpoint._saves.saver.commit(request.source, request.attempt, request.seq)
+    with _inflight.hold(checkpoint.url):  # a retry on this machine waits for it
+        return checkpoint._saves.saver.commit(request.source, request.attempt, request.seq)
 
 
 def latest_checkpoint(

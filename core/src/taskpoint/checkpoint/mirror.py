@@ -46,6 +46,7 @@ from pathlib import Path
 
 from taskpoint import preemption
 from taskpoint._types import CheckpointLike
+from taskpoint.checkpoint import _inflight
 from taskpoint.checkpoint._save import Source, classify, discard, lower_priority, take_snapshot
 from taskpoint.checkpoint._settle import EXIT_WAIT_S, settle_uploads, track
 from taskpoint.checkpoint.checkpoint import Checkpoint
@@ -55,13 +56,26 @@ from taskpoint.progress import current_step
 
 __all__ = [
     "EXIT_WAIT_S", "FolderMirror", "MirrorStats", "UploadThread", "combined_metrics",
-    "settle_uploads", "track", "unshare",
+    "settle_uploads", "track", "unshare", "uploads_in_flight",
 ]
 
 log = logging.getLogger(__name__)
 
 PREFIX = "taskpoint/"
 """The prefix of every metric name the adapters log."""
+
+
+def uploads_in_flight(url: str | None = None) -> bool:
+    """Whether a process on this machine is still committing a save to ``url`` (``None``:
+    to any location): the upload process of an attempt that died goes on to commit the
+    save it was given.
+
+    :meth:`taskpoint.Checkpoint.load_sync` waits for such uploads first, at most the grace
+    period; one still running after that may yet commit a checkpoint newer than the one
+    restored, so a restore keeps the local files of such a checkpoint rather than delete
+    them.
+    """
+    return bool(_inflight.in_flight(url))
 
 
 def unshare(path: str | os.PathLike[str], *, copy: bool = True) -> int:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Union
 
 from taskpoint import CheckpointError, CheckpointLike, TaskpointWarning
 from taskpoint import distributed as _distributed
-from taskpoint.checkpoint.mirror import settle_uploads
+from taskpoint.checkpoint.mirror import settle_uploads, uploads_in_flight
 from taskpoint.distributed import nodes
 from taskpoint.distributed.torch_coordination import TorchCoordinator
 
@@ -184,7 +184,12 @@ def restore_last_checkpoint(
     ``save_total_limit`` rotation (which orders by modification time) keeps the newest.
 
     Uploads this process still runs (a failed attempt's, retried in the same process) are
-    waited for first, so the newest checkpoint is found.
+    waited for first, so the newest checkpoint is found; so are those an earlier process
+    on this machine still runs (the upload process of an attempt that was killed), at most
+    the grace period (``TASKPOINT_GRACE_PERIOD``, default 30 s; see
+    :meth:`taskpoint.Checkpoint.load_sync`). A complete ``checkpoint-N`` newer than the one
+    restored that such an upload, still running after that, may yet commit is kept in
+    ``output_dir`` (with a :class:`~taskpoint.TaskpointWarning`), never removed.
 
     In a distributed job the ranks first find out which of them share ``output_dir`` (a
     token file each), and the first rank of each disk restores into it, while the others
@@ -301,6 +306,28 @@ def _resumed(folder: Path, step: int | None, ranks: _distributed.Ranks) -> Path 
     return path
 
 
+def _still_committing(
+    checkpoint: CheckpointLike, stale: _Scan, names: set[str], restored: _Scan
+) -> set[Path]:
+    """The complete local ``checkpoint-N`` directories newer than the newest restored that
+    an upload still in flight on this machine may yet commit (an earlier attempt's upload
+    process outlives it): a restore keeps them, with a warning, rather than delete what
+    may become the newest checkpoint."""
+    floor = _step(restored.complete[-1]) if restored.complete else -1
+    newer = [p for p in stale.complete if p.name not in names and _step(p) > floor]
+    if not newer:
+        return set()
+    url = getattr(checkpoint, "url", None)
+    if not uploads_in_flight(url if isinstance(url, str) else None):
+        return set()
+    for path in newer:
+        _warn(
+            f"keeping {path}, which is not part of the checkpoint being restored: an upload "
+            "of an earlier attempt still in flight on this machine may yet commit it"
+        )
+    return set(newer)
+
+
 def _restore(
     checkpoint: CheckpointLike,
     folder: Path,
@@ -330,7 +357,10 @@ def _restore(
         shutil.rmtree(leftover, ignore_errors=True)
     stale = _scan(folder)
     names = {path.name for path in scan.complete}
+    kept = _still_committing(checkpoint, stale, names, scan)
     for path in [*stale.complete, *(p for p, _ in stale.incomplete)]:
+        if path in kept:
+            continue
         if path.name not in names:
             log.warning("removing %s: it is not part of the checkpoint being restored", path)
         shutil.rmtree(path)
