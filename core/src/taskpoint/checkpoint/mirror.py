@@ -627,6 +627,9 @@ class FolderMirror:
 
     def _upload(self, record: _Save, source: Source) -> None:
         started = time.monotonic()
+        with self._cond:  # the saves this one replaced while it waited
+            record.coalesced += self._dropped
+            self._dropped = 0
         try:
             assert source.path is not None
             self._checkpoint.save_sync(source.path)
@@ -634,8 +637,6 @@ class FolderMirror:
             discard(source)
         with self._cond:
             record.upload_s = time.monotonic() - started
-            record.coalesced += self._dropped
-            self._dropped = 0
             if not self._reports_commits:
                 record.committed = True
                 if record in self._flight:
