@@ -311,7 +311,7 @@ def test_when_busy_wait_blocks_a_save_until_the_upload_in_flight_commits(
     assert Checkpoint(slow_url).when_busy == "wait"
     assert Checkpoint(slow_url, when_busy="coalesce").when_busy == "coalesce"
     monkeypatch.setenv("TASKPOINT_WHEN_BUSY", "sometimes")
-    with pytest.raises(ValueError, match="TASKPOINT_WHEN_BUSY must be \"coalesce\".*'sometimes'"):
+    with pytest.raises(ValueError, match=r"TASKPOINT_WHEN_BUSY must be .coalesce.*'sometimes'"):
         Checkpoint(slow_url)
     with pytest.raises(ValueError, match="when_busy must be"):
         Checkpoint(slow_url, when_busy="block")  # type: ignore[arg-type]
