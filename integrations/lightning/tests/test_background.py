@@ -93,11 +93,15 @@ def figures(tmp_path: Path) -> list[dict[str, float]]:
     ]
 
 
-def test_a_mirror_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when_busy", ["coalesce", "wait"])
+def test_a_mirror_during_an_upload_waits_behind_it_then_both_commit_in_order(
+    tmp_path: Path, when_busy: str
+) -> None:
     gate = Gate()
     # Format 1: one payload per save, so the figures can be checked against its file.
     checkpoint = taskpoint.Checkpoint(
-        f"file://{tmp_path / 'store'}", keep=5, progress=gate, store_format=1
+        f"file://{tmp_path / 'store'}", keep=5, progress=gate, store_format=1,
+        when_busy=when_busy,  # type: ignore[arg-type]
     )
     commits: list[taskpoint.SaveStats] = []
     checkpoint.on_commit(commits.append)
@@ -106,7 +110,7 @@ def test_a_mirror_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_pa
         return len(checkpoint.committed())
 
     def open_soon() -> int:
-        gate.open_in(1.0)
+        gate.open_in(3.0)
         return committed()
 
     at = At(batch_end_2=gate.close, batch_end_3=committed, batch_end_4=open_soon)
@@ -116,7 +120,7 @@ def test_a_mirror_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_pa
     fit(mc, tmp_path, at, max_steps=4)
 
     # Step 3 trained while step 2's mirror was held at the gate, and step 4's mirror
-    # waited for it: both committed, in order.
+    # waited behind it (or, with when_busy="wait", for it): both committed, in order.
     assert gate.held.is_set()
     assert at.seen == {"batch_end_2": None, "batch_end_3": 0, "batch_end_4": 0}
     assert [(s.attempt, s.seq) for s in commits] == [(0, 0), (0, 1)]
@@ -130,7 +134,10 @@ def test_a_mirror_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_pa
     assert first["taskpoint/uploaded_bytes"] == first["taskpoint/stored_bytes"] == commits[0].size
     payload = next((tmp_path / "store" / "checkpoints").glob("000000-000000000-*.payload"))
     assert payload.stat().st_size == commits[0].size
-    assert second["taskpoint/blocked_s"] >= 0.5  # it waited for the first upload
+    if when_busy == "wait":
+        assert second["taskpoint/blocked_s"] >= 2.0  # it waited for the first upload
+    else:
+        assert second["taskpoint/blocked_s"] < 1.5  # it never waited for the first upload
     assert second["taskpoint/stored_bytes"] == commits[1].size
 
 
