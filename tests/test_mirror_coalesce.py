@@ -128,3 +128,21 @@ def test_a_mirror_of_another_checkpoint_coalesces_on_its_own_thread(tmp_path: Pa
     assert [(s.step, s.coalesced) for s in stats] == [(1, 0), (4, 2)]
     assert isinstance(stats[0], MirrorStats)
     assert not list(tmp_path.glob(".taskpoint-snapshot-*")), "replaced snapshots are removed"
+
+
+def test_a_preemption_save_drops_the_mirror_waiting_and_goes_first(
+    gated_url: str, tmp_path: Path
+) -> None:
+    checkpoint = Checkpoint(gated_url, keep=5)
+    mirror = FolderMirror(checkpoint)
+    folder = tmp_path / "out"
+    mirror.save(_write(folder, 1), step=1)
+    assert GatedMemoryFileSystem.held.wait(timeout=30)
+    mirror.save(_write(folder, 2), step=2)  # waits behind the upload
+    assert mirror.drop_waiting() and not mirror.drop_waiting()
+    mirror.save(_write(folder, 3), step=3)  # the preemption save: next after the upload
+    GatedMemoryFileSystem.gate.set()
+    assert mirror.wait()
+    assert [(s.step, s.coalesced) for s in mirror.take_stats()] == [(1, 0), (3, 1)]
+    restored = Checkpoint(gated_url).load_sync()
+    assert restored is not None and (restored / "step.txt").read_text() == "3"

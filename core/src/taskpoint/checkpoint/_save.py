@@ -491,6 +491,14 @@ class Background:
                 self._drop_queued()
                 self._cond.notify_all()
 
+    def drop_pending(self) -> bool:
+        """Drop the pending save (coalesced): a save that goes first replaces it. Returns
+        whether there was one."""
+        with self._cond:
+            dropped = self._drop_queued()
+            self._cond.notify_all()
+            return dropped
+
     def note_coalesced(self, count: int = 1) -> None:
         """Count ``count`` saves replaced elsewhere (an adapter's upload thread) before
         they reached this checkpoint; the next save to commit reports them."""
@@ -770,6 +778,12 @@ class Saves:
             self._background_upload = "thread"
             return False
         return True
+
+    def drop_waiting(self) -> bool:
+        """Drop the background save waiting behind the upload in flight (it is coalesced,
+        counted by the next commit): a preemption save about to be made goes first.
+        Returns whether one was waiting."""
+        return self._background.drop_pending()
 
     def note_coalesced(self, count: int = 1) -> None:
         """Count ``count`` background saves an adapter replaced before they reached this

@@ -548,6 +548,19 @@ class FolderMirror:
                     self._flight.remove(pending[0])
             raise
 
+    def drop_waiting(self) -> bool:
+        """Drop the save waiting behind the upload in flight, if any: it is coalesced
+        (counted by the next commit's figures) and never uploaded. For a preemption save
+        about to be made of the same folder, newer, which goes first instead; the upload
+        in flight goes on.
+
+        Returns:
+            Whether a save was waiting.
+        """
+        if isinstance(self._checkpoint, Checkpoint):
+            return self._checkpoint._saves.drop_waiting()
+        return self._worker.drop_pending()  # its on_drop removes the record
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the uploads in flight (and the one waiting) have committed.
 
