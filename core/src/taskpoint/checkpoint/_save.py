@@ -492,10 +492,11 @@ class Background:
                 self._cond.notify_all()
 
     def drop_pending(self) -> bool:
-        """Drop the pending save (coalesced): a save that goes first replaces it. Returns
-        whether there was one."""
+        """Drop the save pending behind the one running (coalesced): a save that goes first
+        replaces it. A save queued while none runs is about to start, and is kept. Returns
+        whether one was dropped."""
         with self._cond:
-            dropped = self._drop_queued()
+            dropped = self._running and self._drop_queued()
             self._cond.notify_all()
             return dropped
 

@@ -220,9 +220,12 @@ class UploadThread:
             return self._running or self._pending is not None
 
     def drop_pending(self) -> bool:
-        """Drop the pending job, if any (its ``on_drop`` is called): a save that goes first
-        (a preemption save) replaces it. Returns whether one was dropped."""
+        """Drop the job pending behind the running one, if any (its ``on_drop`` is called):
+        a save that goes first (a preemption save) replaces it. Returns whether one was
+        dropped."""
         with self._cond:
+            if not self._running:
+                return False  # a job pending while none runs is about to start
             dropped, self._pending = self._pending, None
             if dropped is not None:
                 self.coalesced += 1
