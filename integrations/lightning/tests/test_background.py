@@ -228,11 +228,14 @@ def test_another_checkpoint_type_mirrors_from_the_adapters_thread(tmp_path: Path
         ckpt, dirpath=tmp_path / "ckpts", every_n_train_steps=2, blocking=False
     )
     fit(mc, tmp_path, max_steps=6)
-    assert threads == ["taskpoint-mirror-upload"] * 3
+    # A mirror asked for while one uploads (a loaded machine) waits behind it and may be
+    # replaced by the next: every one is uploaded or counted as coalesced.
+    assert 2 <= len(threads) <= 3 and set(threads) == {"taskpoint-mirror-upload"}
     rows = figures(tmp_path)
-    assert len(rows) == 3
+    assert len(rows) == len(threads)
+    assert len(rows) + sum(row.get("taskpoint/coalesced", 0) for row in rows) == 3
     for row in rows:  # no on_commit: the adapter's own timings, no byte counts
-        assert set(row) == {"taskpoint/blocked_s", "taskpoint/upload_s"}
+        assert set(row) - {"taskpoint/coalesced"} == {"taskpoint/blocked_s", "taskpoint/upload_s"}
 
 
 def test_blocking_keeps_the_synchronous_mirror(tmp_path: Path) -> None:
@@ -296,7 +299,9 @@ def test_sigterm_during_an_upload_ends_the_run_after_it(tmp_path: Path) -> None:
     restored = taskpoint.Checkpoint(store).load_sync()
     assert restored is not None
     newest = torch.load(restored / "last.ckpt", weights_only=False)["global_step"]
-    assert newest in (6, 9)  # step 6's upload, and step 9's if it began before the stop
+    # Step 6's upload, then the newest mirror asked for before the stop: training no
+    # longer waits for an upload, so it may have gone on past step 9 meanwhile.
+    assert newest >= 6 and newest % 3 == 0
 
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
