@@ -3,8 +3,8 @@ r"""``FolderMirror``: upload a finished local folder without stopping training f
 For the framework adapters (``taskpoint_hf``, ``taskpoint_lightning``), whose frameworks
 write a checkpoint folder and then never rewrite a finished checkpoint in it, only delete
 old ones. Once the folder is complete the adapter calls :meth:`FolderMirror.save`, which
-waits for the previous upload only if it is still running (raising its error), takes a
-snapshot later writes cannot change, starts uploading it and returns::
+raises an earlier upload's error, takes a snapshot later writes cannot change, starts
+uploading it (or, while an upload runs, leaves it waiting behind that one) and returns::
 
     mirror = FolderMirror(checkpoint)          # any CheckpointLike
     mirror.save(output_dir, step=step)         # in the framework's save hook
@@ -18,8 +18,11 @@ On a :class:`~taskpoint.Checkpoint` the snapshot and upload are
 ``save_sync(folder, background=True, snapshot="link")``'s (on another object with a
 ``wait`` method, ``save_sync(folder, background=True)``'s); on another checkpoint object
 (Flyte's) the mirror takes the same snapshot and calls ``save_sync`` from its own upload
-thread. ``blocking=True`` uploads in :meth:`FolderMirror.save` itself. At most one upload is in flight, and none is
-ever queued behind it, so every save is uploaded, in order.
+thread. ``blocking=True`` uploads in :meth:`FolderMirror.save` itself. At most one upload is in
+flight and at most one save waits behind it; a newer save replaces the one waiting (it is
+coalesced, and counted in :attr:`MirrorStats.coalesced`), unless the checkpoint's
+``when_busy`` is ``"wait"``: then each save waits for the upload before it, and every one
+is uploaded, in order.
 
 Every mirror (and whatever else an adapter passes to :func:`track`, and every
 checkpoint's background saves) is known to :func:`settle_uploads`, which the adapters'
