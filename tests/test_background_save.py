@@ -229,3 +229,99 @@ def test_link_snapshot_copies_small_files_so_rewriting_them_in_place_is_harmless
     restored = Checkpoint(ckpt.url).load_sync(into=tmp_path / "restored")
     assert restored is not None
     assert (restored / "README.md").read_text() == "model card, first version\n"
+
+
+def _until_uploading(ckpt: Checkpoint) -> None:
+    """Until ``ckpt``'s first background save is running (not merely queued)."""
+    deadline = time.monotonic() + 30
+    while not ckpt._saves._background._running:
+        assert time.monotonic() < deadline, "the upload never started"
+        time.sleep(0.001)
+
+
+def test_the_newest_of_saves_coalesced_behind_an_upload_commits_and_is_counted(
+    slow_url: str,
+) -> None:
+    SlowMemoryFileSystem.delay = 1.0
+    ckpt = Checkpoint(slow_url, keep=10)
+    stats: list[taskpoint.SaveStats] = []
+    ckpt.on_commit(stats.append)
+    ckpt.save_sync(b"0", background=True)
+    _until_uploading(ckpt)
+    for i in range(1, 5):
+        started = time.monotonic()
+        ckpt.save_sync(str(i).encode(), background=True)
+        assert time.monotonic() - started < 0.5, "a save during an upload never waits for it"
+    ckpt.wait()
+    assert [s.coalesced for s in stats] == [0, 3]  # 1, 2 and 3 never uploaded
+    newest, first = ckpt.committed()
+    assert (newest.stats or {}).get("coalesced") == 3 and "coalesced" not in (first.stats or {})
+    assert Checkpoint(slow_url).load_sync().read_bytes() == b"4"  # type: ignore[union-attr]
+
+
+def test_a_blocking_save_replaces_the_waiting_one_and_reports_it(slow_url: str) -> None:
+    SlowMemoryFileSystem.delay = 0.5
+    ckpt = Checkpoint(slow_url, keep=10)
+    stats: list[taskpoint.SaveStats] = []
+    ckpt.on_commit(stats.append)
+    ckpt.save_sync(b"running", background=True)
+    _until_uploading(ckpt)
+    ckpt.save_sync(b"waiting", background=True)
+    ckpt.save_sync(b"preemption save")  # goes first: after the upload in flight, alone
+    ckpt.wait()
+    assert [(s.background, s.coalesced) for s in stats] == [(True, 0), (False, 1)]
+    assert Checkpoint(slow_url).load_sync().read_bytes() == b"preemption save"  # type: ignore[union-attr]
+
+
+def test_a_background_preemption_save_replaces_the_waiting_one(slow_url: str) -> None:
+    SlowMemoryFileSystem.delay = 0.5
+    ckpt = Checkpoint(slow_url, keep=10)
+    stats: list[taskpoint.SaveStats] = []
+    ckpt.on_commit(stats.append)
+    ckpt.save_sync(b"running", background=True)
+    _until_uploading(ckpt)
+    ckpt.save_sync(b"waiting", background=True)
+    taskpoint.preemption.relay(60.0)
+    try:
+        ckpt.save_sync(b"after the signal", background=True)
+        ckpt.wait()
+    finally:
+        taskpoint.preemption.reset()
+    assert [s.coalesced for s in stats] == [0, 1]
+    newest = ckpt.committed()[0]
+    assert newest.preemption and Checkpoint(slow_url).load_sync().read_bytes() == b"after the signal"  # type: ignore[union-attr]
+
+
+def test_when_busy_wait_blocks_a_save_until_the_upload_in_flight_commits(
+    slow_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    SlowMemoryFileSystem.delay = 0.5
+    ckpt = Checkpoint(slow_url, keep=10, when_busy="wait")
+    assert ckpt.when_busy == "wait"
+    stats: list[taskpoint.SaveStats] = []
+    ckpt.on_commit(stats.append)
+    for i in range(3):
+        started = time.monotonic()
+        ckpt.save_sync(str(i).encode(), background=True)
+        if i:
+            assert time.monotonic() - started >= 0.3, "it waited for the upload in flight"
+    ckpt.wait()
+    assert [(s.seq, s.coalesced) for s in stats] == [(0, 0), (1, 0), (2, 0)]  # every one
+    monkeypatch.setenv("TASKPOINT_WHEN_BUSY", "wait")
+    assert Checkpoint(slow_url).when_busy == "wait"
+    assert Checkpoint(slow_url, when_busy="coalesce").when_busy == "coalesce"
+    monkeypatch.setenv("TASKPOINT_WHEN_BUSY", "sometimes")
+    with pytest.raises(ValueError, match=r"TASKPOINT_WHEN_BUSY must be .coalesce.*'sometimes'"):
+        Checkpoint(slow_url)
+    with pytest.raises(ValueError, match="when_busy must be"):
+        Checkpoint(slow_url, when_busy="block")  # type: ignore[arg-type]
+
+
+def test_a_bad_upload_priority_is_refused_at_the_call(
+    slow_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TASKPOINT_UPLOAD_NICE", "high")
+    ckpt = Checkpoint(slow_url)
+    with pytest.raises(ValueError, match="TASKPOINT_UPLOAD_NICE must be an int from 0"):
+        ckpt.save_sync(b"x", background=True)
+    ckpt.save_sync(b"x")  # a blocking save is never niced

@@ -191,9 +191,23 @@ def test_show_json_keeps_the_old_fields_and_adds_the_history(tmp_path: Path, utc
     ]
     saved = [e for e in data["timeline"] if e["event"] == "checkpoint"]
     assert saved[0]["stats"] == {"save_s": 0.25, "upload_s": 0.2, "uploaded": 3, "reused": 0,
-                                 "blocked_s": 0.01, "background": True}
+                                 "blocked_s": 0.01, "background": True, "coalesced": 0}
     assert all(e["verified"] is True for e in saved)
     assert json.loads(json.dumps(data)) == data
+
+
+def test_show_says_how_many_waiting_saves_a_save_replaced(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store/job.step/r1"
+    checkpoint = Checkpoint(url, attempt=0, keep=2)
+    checkpoint.save_sync(b"x")
+    checkpoint._saves.note_coalesced(2)  # two saves replaced while they waited
+    checkpoint.save_sync(b"y")
+    code, out = _invoke("show", "job.step/r1", "--root", str(tmp_path / "store"))
+    assert code == 0
+    assert out.count("replaced 2 waiting saves (coalesced)") == 1, out
+    code, out = _invoke("show", "job.step/r1", "--root", str(tmp_path / "store"), "--json")
+    saved = [e for e in json.loads(out)["timeline"] if e["event"] == "checkpoint"]
+    assert sorted(e["stats"]["coalesced"] for e in saved) == [0, 2]
 
 
 def test_show_marks_the_newest_attempt_of_an_unfinished_run(tmp_path: Path) -> None:

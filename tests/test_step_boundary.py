@@ -234,3 +234,40 @@ def test_a_preemption_save_uploads_only_the_chunks_that_changed(
     uploaded = preemption_save.stats["uploaded"]
     assert changed <= uploaded <= changed + 2 * 4 * CHUNK_AVG, uploaded
     assert preemption_save.stats["reused"] >= size - changed - 2 * 4 * CHUNK_AVG
+
+
+def test_a_fresh_process_estimates_its_first_preemption_save_from_bytes_and_link(
+    tmp_path: Path,
+) -> None:
+    from taskpoint import Checkpoint, preemption
+    from taskpoint.runtime import step_boundary
+    from taskpoint.runtime.step_boundary import StepBoundary, estimate_save_s
+
+    earlier = Checkpoint(tmp_path / "store")
+    (tmp_path / "state.bin").write_bytes(os.urandom(8 << 20))
+    earlier.save_sync(tmp_path / "state.bin")  # an earlier process's save, with its stats
+    (manifest,) = earlier.committed()
+    assert manifest.stats is not None
+    rate = manifest.stats["uploaded"] / manifest.stats["upload_s"]
+
+    never_saved = Checkpoint(tmp_path / "store")  # what a fresh process holds
+    assert estimate_save_s(never_saved, 100 << 20) == pytest.approx(
+        step_boundary.SAVE_OVERHEAD_S + (100 << 20) / step_boundary.ASSUMED_RATE
+    )  # knowing nothing of the link, a documented rate
+    assert estimate_save_s(never_saved, None) is None
+    assert never_saved.load_sync() is not None  # it restored: it knows what that save cost
+    assert estimate_save_s(never_saved, 100 << 20) == pytest.approx(
+        step_boundary.SAVE_OVERHEAD_S + (100 << 20) / rate
+    )
+
+    boundary = StepBoundary()
+    preemption.relay(5.0)  # a grace period of 5 s
+    try:
+        budget = boundary.budget()
+        too_big = int((budget + 5) * rate)  # would take about 5 s longer than is left
+        assert not boundary.fits(None, size=too_big, checkpoint=never_saved)
+        assert boundary.fits(None, size=1 << 10, checkpoint=never_saved)
+        assert boundary.fits(None)  # nothing known at all: tried while time is left
+        assert not boundary.fits(budget + 1.0)  # a timed save is judged by its time
+    finally:
+        preemption.reset()

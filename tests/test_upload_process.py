@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import taskpoint
 from taskpoint import Checkpoint, CheckpointClosedError, CheckpointError, SaveStats
 from taskpoint.checkpoint import _uploader
 
@@ -69,16 +70,60 @@ def test_background_saves_upload_in_another_process_and_commit_in_order(
     assert [m.seq for m in Checkpoint(store_url).committed()] == [2, 1, 0]
 
 
-def test_the_upload_process_runs_below_the_training_loops_priority(tmp_path: Path) -> None:
+def _thread_nices(pid: int) -> set[int]:
+    """The nice values of ``pid``'s threads now (Linux's ``/proc``)."""
+    nices = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended
+        nices.add(int(fields[16]))  # the 19th field of stat: nice
+    return nices
+
+
+def test_the_upload_process_runs_at_the_training_loops_priority_by_default(
+    tmp_path: Path,
+) -> None:
     ckpt = Checkpoint(tmp_path / "store", background_upload="process")
     ckpt.save_sync(b"x", background=True)
     pid = _upload_pid()
     try:
-        assert os.getpriority(os.PRIO_PROCESS, pid) == min(
-            os.getpriority(os.PRIO_PROCESS, 0) + _uploader.NICE, 19
-        )
+        assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0)
+        assert _thread_nices(pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
     finally:
         ckpt.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_upload_nice_lowers_a_background_upload_but_never_a_preemption_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TASKPOINT_UPLOAD_NICE", "7")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    ckpt = Checkpoint(tmp_path / "store", keep=5, background_upload="process")
+    pid = _upload_pid()  # started with this environment
+    ckpt.save_sync(b"warm", background=True)
+    ckpt.wait()
+
+    def nices_while_uploading(tree: Path) -> set[int]:
+        sent = ckpt._saves.process_uploads
+        ckpt.save_sync(tree, background=True)
+        _sent(ckpt, sent + 1)
+        seen: set[int] = set()
+        while ckpt._saves._background.busy:
+            seen |= _thread_nices(pid)
+            time.sleep(0.001)
+        ckpt.wait()
+        return seen
+
+    assert min(base + 7, 19) in nices_while_uploading(_tree(tmp_path / "a", 64, seed=1))
+    taskpoint.preemption.relay(60.0)
+    try:
+        assert nices_while_uploading(_tree(tmp_path / "b", 64, seed=2)) == {base}
+    finally:
+        taskpoint.preemption.reset()
+    assert os.getpriority(os.PRIO_PROCESS, pid) == base
 
 
 def test_thread_mode_still_available(tmp_path: Path) -> None:

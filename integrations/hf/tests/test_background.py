@@ -86,15 +86,21 @@ def _figures(result: kit.Result) -> list[dict[str, float]]:
     return found
 
 
-def test_a_save_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when_busy", ["coalesce", "wait"])
+def test_a_save_during_an_upload_waits_behind_it_then_both_commit_in_order(
+    tmp_path: Path, when_busy: str
+) -> None:
     gate = Gate()
-    checkpoint = Checkpoint(f"file://{tmp_path / 'store'}", keep=5, progress=gate)
+    checkpoint = Checkpoint(
+        f"file://{tmp_path / 'store'}", keep=5, progress=gate,
+        when_busy=when_busy,  # type: ignore[arg-type]
+    )
 
     def committed() -> int:
         return len(checkpoint.committed())
 
     def open_soon() -> int:
-        gate.open_in(1.0)
+        gate.open_in(3.0)
         return committed()
 
     at = At(save_3=gate.close, step_4=committed, step_5=open_soon)
@@ -104,14 +110,18 @@ def test_a_save_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_path
     # Steps 4 and 5 trained while checkpoint-3's upload was held at the gate.
     assert gate.held.is_set()
     assert at.seen == {"save_3": None, "step_4": 0, "step_5": 0}
-    # The save at step 6 waited for that upload, then both committed, in order.
+    # The save at step 6 waited behind that upload (or, with when_busy="wait", for it),
+    # then both committed, in order.
     assert [(m.attempt, m.seq) for m in checkpoint.committed()] == [(0, 1), (0, 0)]
     restored = checkpoint.load_sync()
     assert restored is not None
     assert last_complete_checkpoint(restored) == restored / "checkpoint-6"
     figures = _figures(result)
     assert sum(f["taskpoint/saves"] for f in figures) == 2
-    assert max(f["taskpoint/blocked_s"] for f in figures) >= 0.5  # step 6 waited for step 3
+    if when_busy == "wait":
+        assert max(f["taskpoint/blocked_s"] for f in figures) >= 2.0  # step 6 waited for 3
+    else:
+        assert max(f["taskpoint/blocked_s"] for f in figures) < 1.5  # it never waited
 
 
 def test_logged_figures_are_plausible(tmp_path: Path) -> None:

@@ -93,11 +93,15 @@ def figures(tmp_path: Path) -> list[dict[str, float]]:
     ]
 
 
-def test_a_mirror_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when_busy", ["coalesce", "wait"])
+def test_a_mirror_during_an_upload_waits_behind_it_then_both_commit_in_order(
+    tmp_path: Path, when_busy: str
+) -> None:
     gate = Gate()
     # Format 1: one payload per save, so the figures can be checked against its file.
     checkpoint = taskpoint.Checkpoint(
-        f"file://{tmp_path / 'store'}", keep=5, progress=gate, store_format=1
+        f"file://{tmp_path / 'store'}", keep=5, progress=gate, store_format=1,
+        when_busy=when_busy,  # type: ignore[arg-type]
     )
     commits: list[taskpoint.SaveStats] = []
     checkpoint.on_commit(commits.append)
@@ -106,7 +110,7 @@ def test_a_mirror_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_pa
         return len(checkpoint.committed())
 
     def open_soon() -> int:
-        gate.open_in(1.0)
+        gate.open_in(3.0)
         return committed()
 
     at = At(batch_end_2=gate.close, batch_end_3=committed, batch_end_4=open_soon)
@@ -116,7 +120,7 @@ def test_a_mirror_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_pa
     fit(mc, tmp_path, at, max_steps=4)
 
     # Step 3 trained while step 2's mirror was held at the gate, and step 4's mirror
-    # waited for it: both committed, in order.
+    # waited behind it (or, with when_busy="wait", for it): both committed, in order.
     assert gate.held.is_set()
     assert at.seen == {"batch_end_2": None, "batch_end_3": 0, "batch_end_4": 0}
     assert [(s.attempt, s.seq) for s in commits] == [(0, 0), (0, 1)]
@@ -130,7 +134,10 @@ def test_a_mirror_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_pa
     assert first["taskpoint/uploaded_bytes"] == first["taskpoint/stored_bytes"] == commits[0].size
     payload = next((tmp_path / "store" / "checkpoints").glob("000000-000000000-*.payload"))
     assert payload.stat().st_size == commits[0].size
-    assert second["taskpoint/blocked_s"] >= 0.5  # it waited for the first upload
+    if when_busy == "wait":
+        assert second["taskpoint/blocked_s"] >= 2.0  # it waited for the first upload
+    else:
+        assert second["taskpoint/blocked_s"] < 1.5  # it never waited for the first upload
     assert second["taskpoint/stored_bytes"] == commits[1].size
 
 
@@ -221,11 +228,14 @@ def test_another_checkpoint_type_mirrors_from_the_adapters_thread(tmp_path: Path
         ckpt, dirpath=tmp_path / "ckpts", every_n_train_steps=2, blocking=False
     )
     fit(mc, tmp_path, max_steps=6)
-    assert threads == ["taskpoint-mirror-upload"] * 3
+    # A mirror asked for while one uploads (a loaded machine) waits behind it and may be
+    # replaced by the next: every one is uploaded or counted as coalesced.
+    assert 2 <= len(threads) <= 3 and set(threads) == {"taskpoint-mirror-upload"}
     rows = figures(tmp_path)
-    assert len(rows) == 3
+    assert len(rows) == len(threads)
+    assert len(rows) + sum(row.get("taskpoint/coalesced", 0) for row in rows) == 3
     for row in rows:  # no on_commit: the adapter's own timings, no byte counts
-        assert set(row) == {"taskpoint/blocked_s", "taskpoint/upload_s"}
+        assert set(row) - {"taskpoint/coalesced"} == {"taskpoint/blocked_s", "taskpoint/upload_s"}
 
 
 def test_blocking_keeps_the_synchronous_mirror(tmp_path: Path) -> None:
@@ -289,7 +299,9 @@ def test_sigterm_during_an_upload_ends_the_run_after_it(tmp_path: Path) -> None:
     restored = taskpoint.Checkpoint(store).load_sync()
     assert restored is not None
     newest = torch.load(restored / "last.ckpt", weights_only=False)["global_step"]
-    assert newest in (6, 9)  # step 6's upload, and step 9's if it began before the stop
+    # Step 6's upload, then the newest mirror asked for before the stop: training no
+    # longer waits for an upload, so it may have gone on past step 9 meanwhile.
+    assert newest >= 6 and newest % 3 == 0
 
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

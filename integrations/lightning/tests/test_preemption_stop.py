@@ -52,6 +52,19 @@ class NoticeAt(L.Callback):
             preemption.relay(self.remaining)
 
 
+class WaitAt(L.Callback):
+    """Calls ``wait`` as the batch after ``step`` starts."""
+
+    def __init__(self, step: int, wait: Callable[[], object]) -> None:
+        self.step, self.wait = step, wait
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self.step:
+            self.wait()
+
+
 def fit(
     mc: TaskpointModelCheckpoint, tmp_path: Path, *extra: L.Callback,
     ckpt_path: str | None = None,
@@ -149,8 +162,10 @@ def test_the_upload_in_flight_is_finished_first_and_a_save_that_cannot_fit_is_sk
     ckpt = taskpoint.Checkpoint(f"file://{store}", progress=SlowUploads(store, 2.5), keep=5)
     mc = callback(ckpt, tmp_path, save_last=True)
     notice = NoticeAt(step, remaining, first=mc.wait if step == 7 else None)
+    # Step 3's upload has committed before step 6's starts (on a loaded machine it could
+    # still run, and step 6's save would wait behind it, then be replaced by the stop's).
     with pytest.raises(taskpoint.Preempted, match=outcome):
-        fit(mc, tmp_path, notice)
+        fit(mc, tmp_path, WaitAt(5, mc.wait), notice)
     assert "SIGTERM received" in caplog.text
     mc.wait()
     assert [m.step for m in ckpt.committed()] == steps

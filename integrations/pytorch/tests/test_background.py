@@ -1,5 +1,6 @@
 """Background saves: ``save_sync`` copies the state off the training tensors and returns;
-serialising and uploading run in a thread, one save at a time.
+serialising and uploading run in a thread, one save at a time; a save asked for during an
+upload waits behind it, replacing one waiting there.
 
 Uploads are made slow on purpose with a real ``taskpoint.Checkpoint`` whose ``progress=``
 callback (called as payload bytes stream) holds them while a gate is closed.
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import taskpoint
 import torch
+from taskpoint import preemption
 from taskpoint_pytorch import ResumePoint, TaskpointState
 from taskpoint_pytorch._save import cpu_copy
 from torch import nn
@@ -43,6 +45,13 @@ class Gate:
         if not self._open.is_set():
             self.held.set()
             assert self._open.wait(timeout=60), "the test never opened the gate"
+
+
+def _until_idle(state: TaskpointState) -> None:
+    """Until the state's background saves have finished (without taking their error)."""
+    deadline = time.monotonic() + 60
+    while state._uploads.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -84,9 +93,38 @@ def test_a_background_save_returns_at_once_with_the_state_as_it_was(tmp_path: Pa
         assert torch.equal(fresh.state_dict()[key], value), key
 
 
-def test_a_save_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_path: Path) -> None:
+def test_saves_during_an_upload_return_at_once_and_the_newest_commits_next(
+    tmp_path: Path,
+) -> None:
     gate = Gate()
     checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", keep=5, progress=gate)
+    commits: list[taskpoint.SaveStats] = []
+    checkpoint.on_commit(commits.append)
+    model, opt = _trained()
+    state = TaskpointState(model, opt, blocking=False)
+    gate.close()
+    state.save_sync(checkpoint, epoch=1)
+    assert gate.held.wait(timeout=30)  # its upload is in flight, held
+    gate.open_in(10.0)  # a save that waited for the upload would take this long
+    for epoch in (2, 3, 4):
+        started = time.monotonic()
+        state.save_sync(checkpoint, epoch=epoch)  # waits behind the upload; never for it
+        assert time.monotonic() - started < 5, epoch
+    assert commits == []
+    gate.open()
+    assert state.wait()
+    # The upload in flight commits, then the newest save; 2 and 3 were replaced (coalesced).
+    assert [(s.seq, s.coalesced) for s in commits] == [(0, 0), (1, 2)]
+    assert [m.stats and m.stats.get("coalesced") for m in checkpoint.committed()] == [2, None]
+    resume = TaskpointState(*_trained()).restore_sync(checkpoint)
+    assert resume is not None and resume.epoch == 4
+
+
+def test_when_busy_wait_makes_a_save_during_an_upload_wait_for_it(tmp_path: Path) -> None:
+    gate = Gate()
+    checkpoint = taskpoint.Checkpoint(
+        f"file://{tmp_path / 'store'}", keep=5, progress=gate, when_busy="wait"
+    )
     commits: list[taskpoint.SaveStats] = []
     checkpoint.on_commit(commits.append)
     model, opt = _trained()
@@ -100,9 +138,36 @@ def test_a_save_during_an_upload_waits_for_it_then_both_commit_in_order(tmp_path
     assert time.monotonic() - started >= 0.5
     assert len(commits) == 1
     state.wait()
-    assert [(s.attempt, s.seq) for s in commits] == [(0, 0), (0, 1)]
+    assert [(s.attempt, s.seq, s.coalesced) for s in commits] == [(0, 0, 0), (0, 1, 0)]
     resume = TaskpointState(*_trained()).restore_sync(checkpoint)
     assert resume is not None and resume.epoch == 2
+
+
+def test_a_preemption_save_replaces_the_save_waiting_behind_the_upload(tmp_path: Path) -> None:
+    gate = Gate()
+    checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", keep=5, progress=gate)
+    commits: list[taskpoint.SaveStats] = []
+    checkpoint.on_commit(commits.append)
+    model, opt = _trained()
+    state = TaskpointState(model, opt, blocking=False, save_on_preemption=True)
+    try:
+        assert state.restore_sync(checkpoint) is None  # starts deferring SIGTERM
+        gate.close()
+        state.save_sync(checkpoint, epoch=1)
+        assert gate.held.wait(timeout=30)
+        state.save_sync(checkpoint, epoch=2)  # waits behind the upload in flight
+        preemption.relay(60.0)  # what taskpoint's SIGTERM handler does
+        gate.open_in(1.0)
+        with pytest.raises(taskpoint.Preempted, match="preemption save committed"):
+            state.save_sync(checkpoint, epoch=3)
+    finally:
+        preemption.reset()
+        gate.open()
+    assert [(s.seq, s.coalesced) for s in commits] == [(0, 0), (1, 1)]
+    newest = checkpoint.committed()[0]
+    assert newest.preemption and newest.stats is not None and newest.stats["coalesced"] == 1
+    resume = TaskpointState(*_trained()).restore_sync(checkpoint)
+    assert resume is not None and resume.epoch == 3
 
 
 def test_a_failed_upload_is_raised_by_the_next_save_and_the_previous_one_loads(
@@ -117,9 +182,11 @@ def test_a_failed_upload_is_raised_by_the_next_save_and_the_previous_one_loads(
     parent.rename(tmp_path / "parent.moved")
     parent.write_text("a file where the store's folder was")
     state.save_sync(checkpoint, epoch=2)  # returns; its upload fails in the background
+    _until_idle(state)
     with pytest.raises(taskpoint.CheckpointStoreError, match="Not a directory"):
         state.save_sync(checkpoint, epoch=3)
     state.save_sync(checkpoint, epoch=4)  # raised once; this one fails in the background too
+    _until_idle(state)
     with pytest.raises(taskpoint.CheckpointStoreError):
         state.wait()
 

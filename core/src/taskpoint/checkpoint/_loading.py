@@ -104,6 +104,7 @@ class Loading:
         if found is None:
             return None
         path, manifest, elapsed = found
+        self._saves.restored = (manifest.size, elapsed, manifest.stats)
         self._attempt.resumed(manifest, elapsed)
         history.log_resume(self._store, manifest, self._attempt.number)
         return path

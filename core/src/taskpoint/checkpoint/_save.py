@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, Literal
 
 from taskpoint import preemption
 from taskpoint.checkpoint import _settle, _uploader
+from taskpoint.checkpoint._uploader import DEFAULT_UPLOAD_NICE, UPLOAD_NICE_ENV, upload_nice
 from taskpoint.distributed import _parts
 from taskpoint.errors import CheckpointClosedError, CheckpointSaveError, _save_failures
 from taskpoint.format import _tree_save, archive, retention
@@ -53,21 +54,56 @@ from taskpoint.format.manifest import (
 from taskpoint.progress import current_step
 
 __all__ = [
+    "DEFAULT_UPLOAD_NICE",
+    "UPLOAD_NICE_ENV",
+    "WHEN_BUSY",
     "Background",
     "Saver",
     "Saves",
     "Snapshot",
     "Source",
+    "WhenBusy",
     "check_snapshot",
+    "check_when_busy",
     "classify",
     "discard",
+    "lower_priority",
+    "run_niced",
     "take_snapshot",
+    "upload_nice",
 ]
 
 log = logging.getLogger(__name__)
 
-BACKGROUND_NICE = 10
-"""The nice value background uploads run at, below the training loop's threads."""
+RATE_MIN_BYTES = 1 << 20
+"""A commit that uploaded less than this (bytes) tells nothing of the link's rate: its
+round trips, not its bytes, took the time."""
+
+WhenBusy = Literal["coalesce", "wait"]
+"""What a background save asked for while an earlier one still uploads does (see
+:class:`taskpoint.Checkpoint`)."""
+WHEN_BUSY: tuple[WhenBusy, ...] = ("coalesce", "wait")
+WHEN_BUSY_ENV = "TASKPOINT_WHEN_BUSY"
+"""The environment variable that sets ``when_busy`` where the constructor is not given it."""
+
+
+def check_when_busy(value: object) -> WhenBusy:
+    """``value`` (``None``: :data:`WHEN_BUSY_ENV`, else ``"coalesce"``) as a ``when_busy``.
+
+    Raises:
+        ValueError: it is neither ``"coalesce"`` nor ``"wait"``.
+    """
+    origin = "when_busy"
+    if value is None:
+        value = os.environ.get(WHEN_BUSY_ENV, "").strip() or "coalesce"
+        origin = WHEN_BUSY_ENV
+    if value not in WHEN_BUSY:
+        raise ValueError(
+            f'{origin} must be "coalesce" (a background save asked for while one uploads '
+            'replaces the one waiting behind it; training never waits) or "wait" (it waits '
+            f"for the upload in flight); got {value!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -83,6 +119,7 @@ class Source:
     pinned: dict[str, ContentKey] | None = None  # a link snapshot's files, as linked
     step: int | None = field(default_factory=current_step)  # reported at the call
     preemption: bool = field(default_factory=preemption.requested)  # called after SIGTERM
+    coalesced: int = 0  # background saves this one replaced since the previous commit
 
 
 def classify(data: object, called: float) -> Source:
@@ -202,6 +239,7 @@ class Saver:
                 url=self._store.url_of(key), attempt=attempt, seq=seq, kind=source.kind,
                 size=saved.size, uploaded=saved.uploaded, reused=saved.reused, save_s=0.0,
                 upload_s=0.0, blocked_s=0.0, background=source.blocked_s is not None,
+                coalesced=source.coalesced,
             )
             manifest = Manifest(
                 kind="directory", name=source.path.name, codec="none", size=saved.size,
@@ -249,6 +287,7 @@ class Saver:
             upload_s=0.0,
             blocked_s=0.0,
             background=source.blocked_s is not None,
+            coalesced=source.coalesced,
         )
         manifest = Manifest(
             kind=source.kind,  # type: ignore[arg-type]
@@ -398,15 +437,20 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
     return Source(
         source.kind, path=target, snapshot=folder, called=source.called,
         blocked_s=time.monotonic() - source.called, pinned=linked or None,
-        step=source.step, preemption=source.preemption,
+        step=source.step, preemption=source.preemption, coalesced=source.coalesced,
     )
 
 
 class Background:
-    """One upload thread per checkpoint, holding at most one queued save.
+    """One checkpoint's background saves: one running on an upload thread, at most one
+    pending behind it.
 
-    A queued save is dropped when a newer one (background or not) starts; its snapshot is
-    removed. The error of a failed save is kept until :meth:`take_error`.
+    A save submitted while another is pending replaces it: the newest wins, the running
+    one is never interrupted. The replaced save is *coalesced*: its snapshot is removed,
+    it is never uploaded, and the next save to run carries the count
+    (:attr:`Source.coalesced`, then :attr:`taskpoint.SaveStats.coalesced`). A blocking
+    save that starts drops the pending one the same way (:meth:`supersede`). The error of
+    a failed save is kept until :meth:`take_error`.
     """
 
     def __init__(self, save: Callable[[Source, int], None]) -> None:
@@ -414,18 +458,23 @@ class Background:
         self._cond = threading.Condition()
         self._queued: tuple[Source, int] | None = None
         self._running = False
+        self._replaced = 0  # saves coalesced since the last one started
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
-    def submit(self, source: Source, ticket: int) -> None:
-        """Queue ``source`` (dropping a save still queued) and start the thread if needed.
+    def submit(self, source: Source, ticket: int) -> bool:
+        """Queue ``source`` behind the save running, replacing the pending one, and start
+        the thread if needed; never waits for an upload.
+
+        Returns:
+            Whether a pending save was replaced (coalesced).
 
         Raises:
             ValueError: ``TASKPOINT_GRACE_PERIOD`` is set to something other than seconds.
         """
         preemption.hold_default_exit()  # a SIGTERM nobody handles lets the save commit first
         with self._cond:
-            self._drop_queued()
+            replaced = self._drop_queued()
             self._queued = (source, ticket)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -433,21 +482,51 @@ class Background:
                 )
                 self._thread.start()
             self._cond.notify_all()
+        return replaced
 
     def supersede(self, ticket: int) -> None:
-        """Drop the queued save if it is older than ``ticket`` (a newer save started)."""
+        """Drop the pending save if it is older than ``ticket`` (a newer save started)."""
         with self._cond:
             if self._queued is not None and self._queued[1] < ticket:
                 self._drop_queued()
                 self._cond.notify_all()
 
-    def _drop_queued(self) -> None:
-        if self._queued is not None:
-            discard(self._queued[0])
-            self._queued = None
+    def drop_pending(self) -> bool:
+        """Drop the save pending behind the one running (coalesced): a save that goes first
+        replaces it. A save queued while none runs is about to start, and is kept. Returns
+        whether one was dropped."""
+        with self._cond:
+            dropped = self._running and self._drop_queued()
+            self._cond.notify_all()
+            return dropped
+
+    def note_coalesced(self, count: int = 1) -> None:
+        """Count ``count`` saves replaced elsewhere (an adapter's upload thread) before
+        they reached this checkpoint; the next save to commit reports them."""
+        with self._cond:
+            self._replaced += count
+
+    def take_coalesced(self) -> int:
+        """The saves coalesced since a save last started, once (a blocking save, starting
+        now, reports them)."""
+        with self._cond:
+            count, self._replaced = self._replaced, 0
+            return count
+
+    def _drop_queued(self) -> bool:
+        if self._queued is None:
+            return False
+        source, _ = self._queued
+        discard(source)
+        self._queued = None
+        self._replaced += 1
+        log.info(
+            "a background save (step %s) was replaced by a newer one before it started "
+            "uploading (coalesced)", source.step,
+        )
+        return True
 
     def _run(self) -> None:
-        lower_priority()
         while True:
             with self._cond:
                 if self._queued is None:
@@ -455,7 +534,9 @@ class Background:
                     self._cond.notify_all()
                     return
                 source, ticket = self._queued
+                source = dataclasses.replace(source, coalesced=self._replaced)
                 self._queued = None
+                self._replaced = 0
                 self._running = True
             try:
                 self._save(source, ticket)
@@ -468,6 +549,12 @@ class Background:
                 with self._cond:
                     self._running = False
                     self._cond.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a save is running or pending."""
+        with self._cond:
+            return self._queued is not None or self._running
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or running, for at most ``timeout`` seconds
@@ -484,13 +571,49 @@ class Background:
             return error
 
 
-def lower_priority() -> None:
-    """Make the calling thread (and the threads it starts) yield the CPU to training.
+def lower_priority(nice: int | None = None) -> bool:
+    """Make the calling thread (and the threads it starts afterwards) yield the CPU to
+    training: ``nice`` (by default :func:`upload_nice`) below this process's priority.
 
-    Linux schedules threads individually, so this lowers the upload's priority only.
+    Linux schedules threads individually, so this lowers the calling thread only. An
+    unprivileged thread cannot raise its priority back: call it only in a thread that runs
+    nothing training waits on.
+
+    Returns:
+        Whether the priority was lowered.
     """
+    amount = upload_nice() if nice is None else nice
+    if amount <= 0:
+        return False
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(base + amount, 19))
+        return True
+    return False
+
+
+def run_niced(job: Callable[[], Any], nice: int) -> Any:
+    """Run ``job`` on a thread of its own, ``nice`` below this process's priority, and
+    return what it returned (or raise what it raised); in this thread when ``nice`` is 0.
+    The calling thread keeps its priority, for the next save that must not be niced."""
+    if nice <= 0:
+        return job()
+    box: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        lower_priority(nice)
+        try:
+            box.append(job())
+        except BaseException as exc:  # raised in the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="taskpoint-background-save-niced", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return box[0]
 
 
 def discard(source: Source) -> None:
@@ -506,7 +629,10 @@ class Saves:
     :class:`Background` thread, which hands it to the process's upload process
     (:mod:`taskpoint.checkpoint._uploader`) when it can: the first background save starts that
     process without waiting for it, and saves commit on the thread itself until it is
-    ready. A multi-writer commit (:class:`taskpoint.PartsCommit`) takes its numbers here
+    ready. A background save asked for while another still uploads replaces the
+    one pending behind it (``when_busy="coalesce"``) or waits for the upload in flight
+    (``"wait"``). Background saves no one waits for run :func:`upload_nice` below the
+    caller's priority; a preemption save (asked for after the signal) never does. A multi-writer commit (:class:`taskpoint.PartsCommit`) takes its numbers here
     too. Each commit is announced to the :meth:`on_commit` listeners. Interpreter exit
     waits for the background saves (see :mod:`taskpoint.checkpoint._settle`).
 
@@ -516,6 +642,8 @@ class Saves:
         attempt: the checkpoint's attempt, which numbers the saves.
         options: the checkpoint's constructor arguments, for the upload process.
         background_upload: where background saves upload: ``"process"`` or ``"thread"``.
+        when_busy: what a background save asked for during an upload does: ``"coalesce"``
+            or ``"wait"`` (see :class:`taskpoint.Checkpoint`).
     """
 
     def __init__(
@@ -526,7 +654,9 @@ class Saves:
         *,
         options: dict[str, Any],
         background_upload: str,
+        when_busy: WhenBusy = "coalesce",
     ) -> None:
+        self.when_busy: WhenBusy = when_busy
         self.saver = saver
         self._catalog = catalog
         self._attempt = attempt
@@ -534,6 +664,11 @@ class Saves:
         self._background_upload = background_upload
         self.process_uploads = 0
         """How many saves were sent to the upload process."""
+        self.last_commit: SaveStats | None = None
+        """The figures of this process's newest commit."""
+        self.restored: tuple[int, float, dict[str, Any] | None] | None = None
+        """The checkpoint this process restored: its size, the seconds the restore took
+        and its manifest's ``stats`` (what that save cost), for a first save's estimate."""
         self._lock = threading.Lock()  # held while a save commits
         self._state = threading.Lock()  # guards _closed
         self._closed = False
@@ -550,17 +685,23 @@ class Saves:
             TypeError, ValueError, FileNotFoundError, CheckpointUnsafeError: as
                 :meth:`taskpoint.Checkpoint.save_sync` says.
             CheckpointError: what an earlier background save raised.
+            ValueError: ``TASKPOINT_UPLOAD_NICE`` is unusable (a background save).
         """
         called = time.monotonic()
         check_snapshot(snapshot)
         self.check_open()
         self.raise_error()
+        if background:
+            upload_nice()  # a bad setting fails the call, not the upload
+            if self.when_busy == "wait":
+                self._background.wait()  # the old way: training waits for the upload
+                self.raise_error()
         source = classify(data, called)
         ticket = next(self._tickets)
         if not background:
             self._background.supersede(ticket)
         elif self._upload_in_process:
-            _uploader.shared().start()  # while the snapshot is taken; never waits
+            _uploader.shared().start(self._protocols)  # while the snapshot is taken; never waits
         return source, ticket
 
     def prepare(self) -> None:
@@ -568,7 +709,7 @@ class Saves:
         checkpoint before it trains), so that the first background saves find it ready:
         one committed from a thread while it starts dies with a killed training process."""
         if self._upload_in_process:
-            _uploader.shared().start()  # never waits
+            _uploader.shared().start(self._protocols)  # never waits
 
     def queue(self, source: Source, ticket: int) -> None:
         """Commit ``source`` (a private snapshot) on the upload thread.
@@ -586,18 +727,24 @@ class Saves:
     def run(self, source: Source, ticket: int) -> None:
         """Commit ``source`` now: in the upload process if it is a background save that
         can go there, else in this thread; then tell the listeners."""
+        background = source.blocked_s is not None
+        if not background:
+            source = dataclasses.replace(source, coalesced=self._background.take_coalesced())
+        # Training waits for a blocking save and for a preemption save: neither is niced.
+        nice = upload_nice() if background and not source.preemption else 0
         with self._lock:
             attempt, seq = self._attempt.next_save(ticket)
-            worker = self._worker() if source.blocked_s is not None else None
+            worker = self._worker() if background else None
             if worker is not None:
                 request = _uploader.Request(
-                    self._options, attempt, seq, source, frozenset(self._catalog.intact)
+                    self._options, attempt, seq, source, frozenset(self._catalog.intact),
+                    nice=nice,
                 )
                 self.process_uploads += 1
                 stats, intact = worker.run(request)
                 self._catalog.intact.add(intact)
             else:  # a blocking save, or the upload process is not (yet) there
-                stats, _ = self.saver.commit(source, attempt, seq)
+                stats, _ = run_niced(lambda: self.saver.commit(source, attempt, seq), nice)
         self._notify(stats)
 
     def _worker(self) -> _uploader.Worker | None:
@@ -609,8 +756,14 @@ class Saves:
         worker = _uploader.shared()
         if worker.ready:
             return worker
-        worker.start()
+        worker.start(self._protocols)
         return None
+
+    @property
+    def _protocols(self) -> tuple[str, ...]:
+        """The fsspec protocol of this checkpoint's store, for the upload process to import
+        before it is ready."""
+        return (self._catalog.store.url.split("://", 1)[0],) if "://" in self._catalog.store.url else ()
 
     @property
     def _upload_in_process(self) -> bool:
@@ -626,6 +779,37 @@ class Saves:
             self._background_upload = "thread"
             return False
         return True
+
+    def drop_waiting(self) -> bool:
+        """Drop the background save waiting behind the upload in flight (it is coalesced,
+        counted by the next commit): a preemption save about to be made goes first.
+        Returns whether one was waiting."""
+        return self._background.drop_pending()
+
+    def note_coalesced(self, count: int = 1) -> None:
+        """Count ``count`` background saves an adapter replaced before they reached this
+        checkpoint (see :meth:`Background.note_coalesced`)."""
+        self._background.note_coalesced(count)
+
+    def upload_rate(self) -> float | None:
+        """The link's upload rate as this process knows it (bytes per second): from its
+        newest commit, else from the stats of the checkpoint it restored (what that save
+        cost, in an earlier process), else from that restore's own rate; ``None`` when it
+        knows none (nothing saved or restored yet)."""
+        commit = self.last_commit
+        if commit is not None and commit.uploaded >= RATE_MIN_BYTES and commit.upload_s > 0:
+            return commit.uploaded / commit.upload_s
+        if self.restored is None:
+            return None
+        size, restore_s, stats = self.restored
+        if stats:
+            uploaded, upload_s = stats.get("uploaded"), stats.get("upload_s")
+            if (
+                isinstance(uploaded, int) and isinstance(upload_s, (int, float))
+                and uploaded >= RATE_MIN_BYTES and upload_s > 0
+            ):
+                return uploaded / float(upload_s)
+        return size / restore_s if size > 0 and restore_s > 0 else None
 
     def begin_parts(self, called: float) -> _parts.PartsCommit:
         """Number a multi-writer commit, begun at ``called`` (``time.monotonic()``), and
@@ -702,6 +886,7 @@ class Saves:
         self._listeners.append(callback)
 
     def _notify(self, stats: SaveStats) -> None:
+        self.last_commit = stats
         for listener in list(self._listeners):
             try:
                 listener(stats)

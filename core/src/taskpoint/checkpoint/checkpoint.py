@@ -49,7 +49,14 @@ from taskpoint.checkpoint._load import Loader
 from taskpoint.checkpoint._loading import Loading
 from taskpoint.checkpoint._multiwriter import MultiWriter
 from taskpoint.checkpoint._records import Records
-from taskpoint.checkpoint._save import Saver, Saves, Snapshot, take_snapshot
+from taskpoint.checkpoint._save import (
+    Saver,
+    Saves,
+    Snapshot,
+    WhenBusy,
+    check_when_busy,
+    take_snapshot,
+)
 from taskpoint.checkpoint._stored import Stored
 from taskpoint.errors import CheckpointError
 from taskpoint.format import archive, history
@@ -96,6 +103,23 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
             once by content, so a save uploads only what changed and a load into an
             existing folder fetches only what is missing; ``1`` stores one tar archive per
             checkpoint, which any ``tar xzf`` reads (and taskpoint before 0.2).
+        when_busy: what a background save asked for while an earlier one still uploads
+            does. ``"coalesce"`` (the default; ``TASKPOINT_WHEN_BUSY`` sets it where the
+            argument is not given): it returns at once and waits behind the upload in
+            flight, which is never interrupted; at most one save waits so, and a newer one
+            replaces it (the newest wins). A replaced save is never uploaded; it is
+            *coalesced*, and the next commit's :attr:`SaveStats.coalesced` counts it. Each
+            waiting save holds the snapshot taken when it was asked for, so what commits is
+            the state at that call. A blocking save (a preemption save is one, in the
+            adapters) replaces the waiting one too and commits right after the upload in
+            flight. ``"wait"``: the call first waits for the saves in flight (and raises
+            what a failed one raised), so every save is uploaded, in order, and training
+            waits while the store is slower than the saves.
+
+    Background uploads run at the priority ``TASKPOINT_UPLOAD_NICE`` sets: a nice
+    increment from 0 (the default: the training loop's priority, so a background save
+    commits about as fast as a blocking one) to 19. Blocking saves and saves made after a
+    preemption signal are never niced: training waits for them.
 
     :meth:`close` (or the end of a ``with Checkpoint(url) as ckpt:`` block) waits for the
     background saves and ends saving through the object. Neither is needed to free
@@ -113,8 +137,8 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
 
     Raises:
         ValueError: ``url`` is blank, ``keep`` is below 1, ``attempt`` is negative,
-            ``codec`` or ``background_upload`` is unknown, or ``store_format`` is
-            neither 1 nor 2.
+            ``codec``, ``background_upload`` or ``when_busy`` (or ``TASKPOINT_WHEN_BUSY``)
+            is unknown, or ``store_format`` is neither 1 nor 2.
         TypeError: ``url`` is not a string or path.
     """
 
@@ -131,8 +155,10 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
         progress: Progress | None = None,
         background_upload: str = "process",
         store_format: int = FORMAT_VERSION,
+        when_busy: WhenBusy | None = None,
     ) -> None:
         url = check_location("url", url)
+        busy = check_when_busy(when_busy)
         if store_format not in (1, TREE_FORMAT) or isinstance(store_format, bool):
             raise ValueError(f"store_format must be 1 or {TREE_FORMAT}; got {store_format!r}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -149,7 +175,7 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
             "storage_options": dict(storage_options or {}),
             "workdir": None if workdir is None else os.fspath(workdir), "retry": retry,
             "progress": progress, "background_upload": background_upload,
-            "store_format": store_format,
+            "store_format": store_format, "when_busy": when_busy,
         }
         self._store = Store(url, storage_options, retry)
         self._keep = keep
@@ -170,6 +196,7 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
                 "store_format": store_format,
             },
             background_upload=background_upload,
+            when_busy=busy,
         )
         self._loader = Loader(
             self._catalog, Path(workdir) if workdir is not None else None, progress, seen
@@ -224,6 +251,12 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
     def url(self) -> str:
         """The checkpoint location's URL."""
         return self._store.url
+
+    @property
+    def when_busy(self) -> WhenBusy:
+        """What a background save asked for during an upload does: ``"coalesce"`` or
+        ``"wait"`` (see the class docstring)."""
+        return self._saves.when_busy
 
     @property
     def attempt(self) -> int | None:
@@ -284,9 +317,12 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
                 compressed tar archive.
             background: snapshot ``data`` (a local copy of the file or tree) and return;
                 the upload runs in the background (see ``background_upload``). Changing
-                the file or tree afterwards cannot change the checkpoint. A newer save
-                supersedes a background save still queued. Its errors are raised by the
-                next save, by :meth:`wait` or by :meth:`close`.
+                the file or tree afterwards cannot change the checkpoint. Asked for while
+                an earlier background save still uploads, it waits behind that upload,
+                replacing (coalescing) a save already waiting there, or, with
+                ``when_busy="wait"``, first waits for the upload. A newer save supersedes
+                a background save still waiting. Its errors are raised by the next save,
+                by :meth:`wait` or by :meth:`close`.
             snapshot: how a background save snapshots a path. ``"copy"`` copies it;
                 ``"link"`` hard-links its files where the disk allows (copying the rest),
                 which is instant but only safe for files that are replaced or deleted,

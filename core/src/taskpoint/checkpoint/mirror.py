@@ -3,8 +3,8 @@ r"""``FolderMirror``: upload a finished local folder without stopping training f
 For the framework adapters (``taskpoint_hf``, ``taskpoint_lightning``), whose frameworks
 write a checkpoint folder and then never rewrite a finished checkpoint in it, only delete
 old ones. Once the folder is complete the adapter calls :meth:`FolderMirror.save`, which
-waits for the previous upload only if it is still running (raising its error), takes a
-snapshot later writes cannot change, starts uploading it and returns::
+raises an earlier upload's error, takes a snapshot later writes cannot change, starts
+uploading it (or, while an upload runs, leaves it waiting behind that one) and returns::
 
     mirror = FolderMirror(checkpoint)          # any CheckpointLike
     mirror.save(output_dir, step=step)         # in the framework's save hook
@@ -18,8 +18,11 @@ On a :class:`~taskpoint.Checkpoint` the snapshot and upload are
 ``save_sync(folder, background=True, snapshot="link")``'s (on another object with a
 ``wait`` method, ``save_sync(folder, background=True)``'s); on another checkpoint object
 (Flyte's) the mirror takes the same snapshot and calls ``save_sync`` from its own upload
-thread. ``blocking=True`` uploads in :meth:`FolderMirror.save` itself. At most one upload is in flight, and none is
-ever queued behind it, so every save is uploaded, in order.
+thread. ``blocking=True`` uploads in :meth:`FolderMirror.save` itself. At most one upload is in
+flight and at most one save waits behind it; a newer save replaces the one waiting (it is
+coalesced, and counted in :attr:`MirrorStats.coalesced`), unless the checkpoint's
+``when_busy`` is ``"wait"``: then each save waits for the upload before it, and every one
+is uploaded, in order.
 
 Every mirror (and whatever else an adapter passes to :func:`track`, and every
 checkpoint's background saves) is known to :func:`settle_uploads`, which the adapters'
@@ -33,6 +36,7 @@ seconds in all, before the interpreter's thread pools shut down (see
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import os
 import shutil
@@ -47,7 +51,14 @@ from pathlib import Path
 from taskpoint import preemption
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import _inflight
-from taskpoint.checkpoint._save import Source, classify, discard, lower_priority, take_snapshot
+from taskpoint.checkpoint._save import (
+    Source,
+    classify,
+    discard,
+    run_niced,
+    take_snapshot,
+    upload_nice,
+)
 from taskpoint.checkpoint._settle import EXIT_WAIT_S, settle_uploads, track
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.distributed.coordination import Coordinator
@@ -56,7 +67,7 @@ from taskpoint.progress import current_step
 
 __all__ = [
     "EXIT_WAIT_S", "FolderMirror", "MirrorStats", "UploadThread", "combined_metrics",
-    "settle_uploads", "track", "unshare", "uploads_in_flight",
+    "note_coalesced", "settle_uploads", "track", "unshare", "uploads_in_flight",
 ]
 
 log = logging.getLogger(__name__)
@@ -127,10 +138,25 @@ def unshare(path: str | os.PathLike[str], *, copy: bool = True) -> int:
     return copied
 
 
+def note_coalesced(checkpoint: object, count: int = 1) -> None:
+    """Tell ``checkpoint`` that an adapter replaced ``count`` background saves of it before
+    they reached it (on the adapter's own :class:`UploadThread`): its next commit counts
+    them in :attr:`taskpoint.SaveStats.coalesced`. Nothing for another checkpoint object."""
+    if isinstance(checkpoint, Checkpoint):
+        checkpoint._saves.note_coalesced(count)
+
+
 class UploadThread:
-    """One job at a time in a daemon thread, at a lower CPU priority, with the context
-    variables of the caller of :meth:`start` (another system's checkpoint, Flyte's, may
-    find its task context through them). A job's error is raised by the next :meth:`wait`.
+    """Jobs run one at a time in a daemon thread: one running, at most one pending behind
+    it. Each job runs with the context variables of the caller of :meth:`start` (another
+    system's checkpoint, Flyte's, may find its task context through them) and, unless a
+    preemption signal had come when it was started, :func:`taskpoint.checkpoint._save.upload_nice`
+    below the caller's priority. A job's error is raised by the next :meth:`wait` (or
+    :meth:`raise_error`).
+
+    Starting a job while one is pending replaces the pending one (the newest wins; the
+    running one is never interrupted): the replaced job never runs, its ``on_drop`` is
+    called and :attr:`coalesced` counts it.
 
     Args:
         name: the thread's name.
@@ -138,59 +164,130 @@ class UploadThread:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        # Reentrant: a SIGTERM's handler may wait for the job while the main thread, which
+        # Reentrant: a SIGTERM's handler may wait for the jobs while the main thread, which
         # it interrupted, holds the lock (taskpoint.preemption.wait_before_exit).
-        self._lock = threading.RLock()
+        self._cond = threading.Condition(threading.RLock())
         self._thread: threading.Thread | None = None
+        self._running = False
+        self._pending: _Job | None = None
         self._error: BaseException | None = None
+        self.coalesced = 0
+        """How many pending jobs newer ones replaced."""
 
-    def start(self, job: Callable[[], object]) -> None:
-        """Run ``job`` in the thread; the previous job must have been waited for.
+    def start(
+        self, job: Callable[[], object], *, on_drop: Callable[[], object] | None = None
+    ) -> bool:
+        """Run ``job`` once the job running (if any) has finished, replacing the job
+        pending (if any); never waits.
+
+        Args:
+            job: the work.
+            on_drop: called if a newer job replaces this one before it starts.
+
+        Returns:
+            Whether a pending job was replaced.
 
         Raises:
-            RuntimeError: the previous job has not been waited for.
-            ValueError: ``TASKPOINT_GRACE_PERIOD`` is set to something other than seconds.
+            ValueError: ``TASKPOINT_GRACE_PERIOD`` or ``TASKPOINT_UPLOAD_NICE`` is set to
+                something unusable.
         """
         preemption.hold_default_exit()  # a SIGTERM nobody handles lets the job commit before ending us
-        with self._lock:
-            if self._thread is not None:
-                raise RuntimeError(f"{self._name}: the previous job was not waited for")
-            context = contextvars.copy_context()
-            self._thread = threading.Thread(
-                target=context.run, args=(self._run, job), name=self._name, daemon=True
-            )
-            self._thread.start()
+        nice = 0 if preemption.requested() else upload_nice()
+        entry = _Job(job, contextvars.copy_context(), nice, on_drop)
+        with self._cond:
+            replaced, self._pending = self._pending, entry
+            if replaced is not None:
+                self.coalesced += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        if replaced is not None:
+            log.info("%s: a job waiting behind the running one was replaced by a newer one "
+                     "(coalesced)", self._name)
+            if replaced.on_drop is not None:
+                replaced.on_drop()
+        return replaced is not None
 
-    def _run(self, job: Callable[[], object]) -> None:
-        lower_priority()
-        try:
-            job()
-        except BaseException as exc:  # raised by the next wait()
-            log.warning("%s failed: %s: %s", self._name, type(exc).__name__, exc)
-            with self._lock:
-                self._error = exc
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                entry = self._pending
+                if entry is None:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                self._pending = None
+                self._running = True
+            try:
+                run_niced(functools.partial(entry.context.run, entry.job), entry.nice)
+            except BaseException as exc:  # raised by the next wait()
+                log.warning("%s failed: %s: %s", self._name, type(exc).__name__, exc)
+                with self._cond:
+                    self._error = exc
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job is running or pending."""
+        with self._cond:
+            return self._running or self._pending is not None
+
+    def drop_pending(self) -> bool:
+        """Drop the job pending behind the running one, if any (its ``on_drop`` is called):
+        a save that goes first (a preemption save) replaces it. Returns whether one was
+        dropped."""
+        with self._cond:
+            if not self._running:
+                return False  # a job pending while none runs is about to start
+            dropped, self._pending = self._pending, None
+            if dropped is not None:
+                self.coalesced += 1
+                self._cond.notify_all()
+        if dropped is not None and dropped.on_drop is not None:
+            dropped.on_drop()
+        return dropped is not None
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the job has finished.
+        """Block until no job runs or is pending.
 
         Returns:
             ``True`` once no job runs; ``False`` when ``timeout`` ran out first.
 
         Raises:
-            BaseException: what the job raised (raised once).
+            BaseException: what a job raised (raised once).
         """
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: not self._running and self._pending is None, timeout
+            ):
                 return False
-        with self._lock:
-            self._thread = None
+        self.raise_error()
+        return True
+
+    def raise_error(self) -> None:
+        """Raise what a finished job raised (once), without waiting for the jobs in flight.
+
+        Raises:
+            BaseException: that error.
+        """
+        with self._cond:
             error, self._error = self._error, None
         if error is not None:
             raise error
-        return True
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One job of an :class:`UploadThread`, as started."""
+
+    job: Callable[[], object]
+    context: contextvars.Context
+    nice: int
+    on_drop: Callable[[], object] | None
 
 
 @dataclass(frozen=True)
@@ -206,6 +303,8 @@ class MirrorStats:
         uploaded_bytes: bytes sent to the store, when the checkpoint reports them.
         stored_bytes: the stored payload's size, when the checkpoint reports it.
         background: whether the upload ran while training went on.
+        coalesced: how many saves asked for before this one (since the previous commit)
+            were replaced while they waited behind an upload, and never uploaded.
     """
 
     step: int | None
@@ -214,6 +313,7 @@ class MirrorStats:
     uploaded_bytes: int | None
     stored_bytes: int | None
     background: bool
+    coalesced: int = 0
 
     def metrics(self) -> dict[str, float]:
         """The figures known, as ``taskpoint/<name>`` metrics."""
@@ -225,8 +325,9 @@ class MirrorStats:
 def combined_metrics(stats: Sequence[MirrorStats]) -> dict[str, float]:
     """``taskpoint/*`` metrics for ``stats`` (one or more saves reported together).
 
-    Times and uploaded bytes are summed; ``stored_bytes`` is the newest save's;
-    ``taskpoint/saves`` says how many saves the figures cover. Empty for no saves.
+    Times, uploaded bytes and coalesced saves (``taskpoint/coalesced``, only when some
+    were) are summed; ``stored_bytes`` is the newest save's; ``taskpoint/saves`` says how
+    many saves the figures cover. Empty for no saves.
     """
     if not stats:
         return {}
@@ -243,6 +344,9 @@ def combined_metrics(stats: Sequence[MirrorStats]) -> dict[str, float]:
     stored = [s.stored_bytes for s in stats if s.stored_bytes is not None]
     if stored:
         out[f"{PREFIX}stored_bytes"] = float(stored[-1])
+    coalesced = sum(s.coalesced for s in stats)
+    if coalesced:
+        out[f"{PREFIX}coalesced"] = float(coalesced)
     return out
 
 
@@ -259,6 +363,7 @@ class _Save:
     committed: bool = False
     reported: bool = False
     part: bool = False  # a multi-writer save, run by the mirror's own thread
+    coalesced: int = 0  # saves replaced before this one, never uploaded
 
 
 class FolderMirror:
@@ -275,8 +380,15 @@ class FolderMirror:
             (Flyte, say) may end the attempt and hand the checkpoint on before a background
             upload lands.
 
+    A save asked for while an upload runs does not wait for it (unless the checkpoint's
+    ``when_busy`` is ``"wait"``, or the checkpoint is another object with a ``wait`` of its
+    own): its snapshot, taken at the call, waits behind the upload, and a newer save
+    replaces it there (it is coalesced: never uploaded, and counted in the next
+    :class:`MirrorStats`). So what commits is always a folder as it was when a save was
+    asked for, and the newest one asked for commits next.
+
     Meant for a checkpoint the mirror has to itself: the figures of each commit the
-    checkpoint reports are taken as those of the save in flight.
+    checkpoint reports are taken as those of the oldest save in flight.
     """
 
     def __init__(self, checkpoint: CheckpointLike, *, blocking: bool | None = None) -> None:
@@ -286,7 +398,8 @@ class FolderMirror:
         if not callable(self._native):
             self._native = None
         self._cond = threading.Condition()
-        self._current: _Save | None = None
+        self._flight: list[_Save] = []  # saves not yet committed, oldest first
+        self._dropped = 0  # saves coalesced on the mirror's own thread, not yet reported
         self._reports: list[MirrorStats] = []
         self._worker = UploadThread("taskpoint-mirror-upload")
         self._waiter: tuple[threading.Thread, list[BaseException]] | None = None
@@ -305,20 +418,35 @@ class FolderMirror:
     def uploading(self) -> bool:
         """Whether an upload may still be running (until :meth:`wait` returns)."""
         with self._cond:
-            return self._current is not None
+            return bool(self._flight)
+
+    @property
+    def coalesces(self) -> bool:
+        """Whether a background save asked for during an upload replaces the one waiting
+        behind it rather than wait (see the class docstring)."""
+        if self._blocking:
+            return False
+        if isinstance(self._checkpoint, Checkpoint):
+            return self._checkpoint.when_busy == "coalesce"
+        return self._native is None  # another object's own background saves are waited for
 
     def save(self, folder: str | Path, *, step: int | None = None) -> None:
         """Start mirroring ``folder``, as it is now, and return.
 
-        Waits first for the previous upload if it is still running.
+        An upload still running is never waited for when the mirror :attr:`coalesces`:
+        this save's snapshot waits behind it (replacing one waiting there). Otherwise it
+        waits first for the previous upload.
 
         Raises:
-            CheckpointError: the previous upload failed (this folder is not saved then;
+            CheckpointError: an earlier upload failed (this folder is not saved then;
                 the store keeps the checkpoint before), or, when blocking, this one did.
             FileNotFoundError: ``folder`` does not exist.
         """
         started = time.monotonic()
-        self.wait()
+        if self.coalesces:
+            self._raise_failed()
+        else:
+            self.wait()
         record = _Save(step, background=not self._blocking, started=started)
 
         def start() -> None:
@@ -334,7 +462,10 @@ class FolderMirror:
                 self._checkpoint.save_sync(folder, background=True)  # type: ignore[call-arg]
             else:
                 source = take_snapshot(classify(folder, started), "link")
-                self._worker.start(lambda: self._upload(record, source))
+                self._worker.start(
+                    lambda: self._upload(record, source),
+                    on_drop=lambda: self._drop(record, source),
+                )
 
         self._record(record, start)
 
@@ -404,25 +535,54 @@ class FolderMirror:
         self._record(record, start)
 
     def _record(self, record: _Save, start: Callable[[], None]) -> None:
-        """Make ``record`` the save in flight while ``start`` runs it (to the commit when
-        blocking, else until its upload is started), then report how long the caller was
-        blocked; a save that fails to start is no longer in flight."""
+        """Make ``record`` the newest save in flight while ``start`` runs it (to the commit
+        when blocking, else until its upload is queued), then report how long the caller
+        was blocked; a save that fails to start is no longer in flight."""
         with self._cond:
-            self._current = record
+            self._flight.append(record)
         try:
             start()
         except BaseException:
             with self._cond:
-                self._current = None
+                if record in self._flight:
+                    self._flight.remove(record)
             raise
         with self._cond:
             record.blocked_s = time.monotonic() - record.started
             self._report(record)
-            if self._blocking:
-                self._current = None
+            if self._blocking and record in self._flight:
+                self._flight.remove(record)
+
+    def _raise_failed(self) -> None:
+        """Raise what a finished upload raised, without waiting for one in flight; the
+        oldest save in flight is then taken as the one that failed."""
+        try:
+            if isinstance(self._checkpoint, Checkpoint):
+                self._checkpoint._saves.raise_error()
+            else:
+                self._worker.raise_error()
+        except BaseException:
+            with self._cond:
+                pending = [r for r in self._flight if not r.committed]
+                if pending:
+                    self._flight.remove(pending[0])
+            raise
+
+    def drop_waiting(self) -> bool:
+        """Drop the save waiting behind the upload in flight, if any: it is coalesced
+        (counted by the next commit's figures) and never uploaded. For a preemption save
+        about to be made of the same folder, newer, which goes first instead; the upload
+        in flight goes on.
+
+        Returns:
+            Whether a save was waiting.
+        """
+        if isinstance(self._checkpoint, Checkpoint):
+            return self._checkpoint._saves.drop_waiting()
+        return self._worker.drop_pending()  # its on_drop removes the record
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the upload in flight has committed.
+        """Block until the uploads in flight (and the one waiting) have committed.
 
         Args:
             timeout: give up after this many seconds (``None``: no limit).
@@ -431,28 +591,31 @@ class FolderMirror:
             ``True`` once no upload is running; ``False`` when ``timeout`` ran out first.
 
         Raises:
-            CheckpointError: what the upload raised (raised once).
+            CheckpointError: what an upload raised (raised once).
         """
         with self._cond:
-            record = self._current
-        if record is None:
-            return True
+            if not self._flight:
+                return True
+            part = any(r.part for r in self._flight)
         try:
             done = (
-                self._wait_native(timeout) if self._native is not None and not record.part
+                self._wait_native(timeout) if self._native is not None and not part
                 else self._worker.wait(timeout)
             )
         except BaseException:
             with self._cond:
-                self._current = None
+                self._flight.clear()
             raise
         if not done:
             return False
         with self._cond:
-            if not record.committed:
-                record.committed = True  # the checkpoint reported no figures for it
-            self._report(record)
-            self._current = None
+            for record in self._flight:
+                if not record.committed and not self._reports_commits:
+                    record.committed = True  # the checkpoint reported no figures for it
+                    self._report(record)
+            # Left uncommitted by a checkpoint that reports its commits: coalesced, and
+            # counted by the commit that replaced it.
+            self._flight.clear()
         return True
 
     def take_stats(self) -> list[MirrorStats]:
@@ -497,6 +660,9 @@ class FolderMirror:
 
     def _upload(self, record: _Save, source: Source) -> None:
         started = time.monotonic()
+        with self._cond:  # the saves this one replaced while it waited
+            record.coalesced += self._dropped
+            self._dropped = 0
         try:
             assert source.path is not None
             self._checkpoint.save_sync(source.path)
@@ -506,15 +672,34 @@ class FolderMirror:
             record.upload_s = time.monotonic() - started
             if not self._reports_commits:
                 record.committed = True
+                if record in self._flight:
+                    self._flight.remove(record)
             self._report(record)
+
+    def _drop(self, record: _Save, source: Source) -> None:
+        """A newer save replaced ``record`` before its upload started (on the mirror's own
+        thread): it is coalesced."""
+        discard(source)
+        with self._cond:
+            if record in self._flight:
+                self._flight.remove(record)
+            self._dropped += 1
 
     def _on_commit(self, stats: SaveStats) -> None:
         with self._cond:
-            record = self._current
-            if record is None or record.committed:
+            waiting = [r for r in self._flight if not r.committed]
+            # The checkpoint replaced the oldest ones, which waited behind an upload.
+            for dropped in waiting[: stats.coalesced]:
+                self._flight.remove(dropped)
+            waiting = waiting[stats.coalesced :]
+            if not waiting:
                 return  # a commit that is not the mirror's
+            record = waiting[0]
             record.commit = stats
             record.committed = True
+            record.coalesced += stats.coalesced
+            if not record.part:
+                self._flight.remove(record)
             self._report(record)
 
     def _report(self, record: _Save) -> None:
@@ -530,6 +715,7 @@ class FolderMirror:
                 uploaded_bytes=commit.uploaded if commit is not None else None,
                 stored_bytes=commit.size if commit is not None else None,
                 background=record.background,
+                coalesced=record.coalesced,
             )
         )
         record.reported = True

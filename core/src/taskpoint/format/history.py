@@ -104,6 +104,10 @@ class SaveStats:
         blocked_s: seconds the caller of ``save``/``save_sync`` waited: the whole save when
             blocking, the snapshot when ``background=True``.
         background: whether the save ran in the background.
+        coalesced: how many background saves asked for since the previous commit were
+            replaced by a newer one (this one, or one it replaced) while they waited behind
+            an upload, and so never uploaded (see :class:`taskpoint.Checkpoint`'s
+            ``when_busy``).
     """
 
     url: str
@@ -117,10 +121,11 @@ class SaveStats:
     upload_s: float
     blocked_s: float
     background: bool
+    coalesced: int = 0
 
     def to_record(self) -> dict[str, Any]:
-        """The manifest's ``stats`` object."""
-        return {
+        """The manifest's ``stats`` object (``coalesced`` only when some were)."""
+        record: dict[str, Any] = {
             "save_s": round(self.save_s, 6),
             "upload_s": round(self.upload_s, 6),
             "uploaded": self.uploaded,
@@ -128,6 +133,9 @@ class SaveStats:
             "blocked_s": round(self.blocked_s, 6),
             "background": self.background,
         }
+        if self.coalesced:
+            record["coalesced"] = self.coalesced
+        return record
 
 
 @dataclass(frozen=True)

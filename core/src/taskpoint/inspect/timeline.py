@@ -145,6 +145,7 @@ def save_stats(manifest: Manifest) -> dict[str, Any]:
         "reused": _count(stats.get("reused")),
         "blocked_s": finite_number(stats.get("blocked_s")),
         "background": background if isinstance(background, bool) else None,
+        "coalesced": _count(stats.get("coalesced")) or 0,
     }
 
 
@@ -437,6 +438,9 @@ def _stats_text(m: Manifest) -> Line | None:
         parts.append(save)
     if stats["background"]:
         parts.append("background")
+    if stats["coalesced"]:
+        count = stats["coalesced"]
+        parts.append(f"replaced {count} waiting save{'s' if count != 1 else ''} (coalesced)")
     return _join(*parts) if parts else None
 
 

@@ -11,7 +11,7 @@ use one)::
     boundary.begin()                                  # at train start (a restore), every rank
     ...
     if boundary.reached(step):                        # at each save call, every rank
-        saved = boundary.fits(last_save_s)            # time left for a save this long?
+        saved = boundary.fits(last_save_s, size=nbytes, checkpoint=ckpt)  # time enough?
         if saved:
             save()                                    # marked as the preemption save
         boundary.stop(step, saved=saved)              # raises taskpoint.Preempted
@@ -41,7 +41,16 @@ from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.distributed.torch_coordination import AnyRank
 from taskpoint.runtime.context import Preempted, TaskContext, _current, in_task
 
-__all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary", "record_preempted", "settle_time"]
+__all__ = [
+    "ASSUMED_RATE",
+    "MARGIN_S",
+    "SAVE_OVERHEAD_S",
+    "SETTLE_S",
+    "StepBoundary",
+    "estimate_save_s",
+    "record_preempted",
+    "settle_time",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +61,43 @@ SETTLE_S = 60.0
 """How long the end of an attempt waits for an upload in flight when no preemption
 signal set a deadline (as long as interpreter exit waits,
 ``taskpoint.checkpoint.mirror.EXIT_WAIT_S``)."""
+
+
+ASSUMED_RATE = 25 * 2**20
+"""The upload rate (bytes per second) a preemption save's estimate assumes when the process
+knows none (it neither saved nor restored anything yet): a modest link to an object store,
+so a save that fits by it fits on most. A process that restored knows better: see
+:func:`estimate_save_s`."""
+SAVE_OVERHEAD_S = 1.0
+"""Seconds an estimate adds to a save's bytes: the snapshot, the manifest and the store's
+round trips (listing, the lease, the commit)."""
+
+
+def estimate_save_s(checkpoint: object, size: int | None) -> float | None:
+    """How long a save of ``size`` bytes to ``checkpoint`` should take, when no save of this
+    process was timed yet (a fresh process, preempted before its first save).
+
+    The estimate is ``size`` over the link's upload rate plus :data:`SAVE_OVERHEAD_S`. The
+    rate is the best this process knows of a :class:`taskpoint.Checkpoint`'s link: its
+    newest commit's (bytes uploaded over upload seconds); else what the checkpoint it
+    restored cost when an earlier process saved it (its manifest's ``stats``); else that
+    restore's own rate; else :data:`ASSUMED_RATE`.
+
+    Returns:
+        Seconds; ``None`` when ``size`` is unknown (``None``).
+    """
+    if size is None:
+        return None
+    rate: float | None = None
+    if isinstance(checkpoint, Checkpoint):
+        rate = checkpoint._saves.upload_rate()
+    known = rate is not None
+    seconds = SAVE_OVERHEAD_S + max(0, size) / (rate if rate else ASSUMED_RATE)
+    log.debug(
+        "a save of %d bytes should take %.1f s (%s rate %.1f MB/s)", size, seconds,
+        "measured" if known else "assumed", (rate or ASSUMED_RATE) / 1e6,
+    )
+    return seconds
 
 
 def settle_time() -> float:
@@ -182,9 +228,23 @@ class StepBoundary:
         notice = preemption.notice()
         return math.inf if notice is None else notice.remaining() - MARGIN_S
 
-    def fits(self, estimate_s: float | None) -> bool:
-        """Whether a save that takes ``estimate_s`` seconds (``None``: unknown, none made
-        yet) fits in :meth:`budget`."""
+    def fits(
+        self, estimate_s: float | None, *, size: int | None = None, checkpoint: object = None
+    ) -> bool:
+        """Whether a save that takes ``estimate_s`` seconds fits in :meth:`budget`.
+
+        Args:
+            estimate_s: how long the last save took; ``None``: none was made yet.
+            size: the bytes the save will write, when known: with no ``estimate_s``, the
+                save is estimated from them and ``checkpoint``'s link
+                (:func:`estimate_save_s`) rather than tried blind.
+            checkpoint: where the save goes.
+
+        Returns:
+            Whether it fits; with neither an estimate nor a size, whether any time is left.
+        """
+        if estimate_s is None:
+            estimate_s = estimate_save_s(checkpoint, size)
         budget = self.budget()
         return budget > 0 if estimate_s is None else estimate_s <= budget
 

@@ -262,6 +262,10 @@ class Mirroring:
 
     # -- a SIGTERM's save (see _preemption.Preemption.stop) -----------------------------
 
+    def _preemption_first(self) -> None:
+        if self._folder_mirror is not None and self._folder_mirror.drop_waiting():
+            self._unmirrored = True  # the preemption's own mirror saves the folder anew
+
     def _preemption_wait(self, trainer: pl.Trainer, timeout: float | None) -> bool:
         if self._folder_mirror is None:
             return True

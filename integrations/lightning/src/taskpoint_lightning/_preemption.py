@@ -74,6 +74,11 @@ MARGIN_S = 1.0
 class Saver(Protocol):
     """What a stop asks of the callback."""
 
+    def _preemption_first(self) -> None:
+        """Drop a mirror waiting behind the upload in flight: the preemption save, of the
+        same folder and newer, goes first."""
+        ...
+
     def _preemption_wait(self, trainer: pl.Trainer, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for this rank's upload in flight; whether none
         runs any more (a failed one is logged and counts as done)."""
@@ -194,6 +199,7 @@ class Preemption:
         """
         step = trainer.global_step
         own = preemption.notice()
+        saver._preemption_first()
         first = saver._preemption_wait(
             trainer, max(0.0, (own.remaining() if own else preemption.grace_period()) - MARGIN_S)
         )

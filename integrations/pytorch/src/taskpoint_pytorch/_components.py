@@ -150,6 +150,24 @@ class Components:
                 return tensor.device
         return torch.device("cpu")
 
+    def state_bytes(self) -> int:
+        """The bytes of the models' and optimizers' tensors: about what a save writes."""
+        total = 0
+        for state in itertools.chain(
+            (unwrap(m).state_dict() for m in self.models.values()),
+            (o.state_dict() for o in self.optimizers.values()),
+        ):
+            stack: list[Any] = [state]
+            while stack:
+                item = stack.pop()
+                if isinstance(item, torch.Tensor):
+                    total += item.numel() * item.element_size()
+                elif isinstance(item, Mapping):
+                    stack.extend(item.values())
+                elif isinstance(item, (list, tuple)):
+                    stack.extend(item)
+        return total
+
     def bundle(
         self,
         epoch: int,

@@ -10,8 +10,11 @@ the ranks agree whether any received it. If one did, the call saves at once, wha
 every N steps calls ``save_sync(..., every=N)`` at every step, so the stop lands at the
 next step, not the next save.
 
-Deadlines: an upload already in flight is finished first (within the time left); a save
-that took longer last time than the time left is skipped, loudly, and the newest earlier
+Deadlines: a background save waiting behind the upload in flight is replaced by the
+preemption save (it goes first); the upload in flight is finished first (within the time
+left); a save that took longer last time than the time left (or, with none timed yet in
+this process, whose estimate from the state's bytes and the link does:
+:func:`taskpoint.runtime.step_boundary.estimate_save_s`) is skipped, loudly, and the newest earlier
 checkpoint stays intact (the attempt's record says the preemption save was missed). A
 background save waits for its commit at most until the grace period's end, less
 :data:`taskpoint.runtime.step_boundary.MARGIN_S`; a blocking save is the training thread itself
@@ -26,9 +29,9 @@ from collections.abc import Callable
 from types import TracebackType
 
 from taskpoint import preemption, progress
-from taskpoint.checkpoint.mirror import UploadThread
+from taskpoint.checkpoint.mirror import UploadThread, note_coalesced
 from taskpoint.distributed import broadcast_from_zero, rank_and_size
-from taskpoint.runtime.step_boundary import StepBoundary
+from taskpoint.runtime.step_boundary import StepBoundary, estimate_save_s
 
 __all__ = ["Preemption", "Turn"]
 
@@ -54,18 +57,22 @@ class _TimedUploads(UploadThread):
         super().__init__("taskpoint-state-upload")
         self._owner = owner
 
-    def start(self, job: Callable[[], object]) -> None:
+    def start(
+        self, job: Callable[[], object], *, on_drop: Callable[[], object] | None = None
+    ) -> bool:
         owner = self._owner
-        step, started = progress.current_step(), owner.turn_started or time.monotonic()
+        step, called = progress.current_step(), owner.turn_started or time.monotonic()
+        queued = time.monotonic() - called  # the copy before it was queued
         signalled = preemption.requested()
         owner.job_started = True
 
         def run() -> None:
+            began = time.monotonic()  # after any upload it waited behind
             with progress.pinned(step), preemption.pinned(signalled):
                 job()
-            owner.last_save_s = time.monotonic() - started
+            owner.last_save_s = queued + time.monotonic() - began
 
-        super().start(run)
+        return super().start(run, on_drop=on_drop)
 
 
 class Preemption:
@@ -76,7 +83,10 @@ class Preemption:
             :func:`taskpoint.preemption.save_on_preemption`).
     """
 
-    def __init__(self, save_on_preemption: bool | None) -> None:
+    def __init__(
+        self, save_on_preemption: bool | None, size: Callable[[], int | None] | None = None
+    ) -> None:
+        self.size = size  # the state's bytes, for a fresh process's first estimate
         self.uploads: UploadThread = _TimedUploads(self)
         self.boundary = StepBoundary(save_on_preemption, settle=self._settle)
         self.last_save_s: float | None = None  # how long the last save took, call to commit
@@ -109,16 +119,20 @@ class Preemption:
         if not self.boundary.reached(counter):
             return Turn(self, save=every is None or counter is None or counter % every == 0)
         rank = rank_and_size()[0]
-        reason = broadcast_from_zero(self._room() if rank == 0 else "")
+        reason = broadcast_from_zero(self._room(checkpoint) if rank == 0 else "")
         if reason:
             self.boundary.stop(
                 counter, saved=False, reason=reason, checkpoint=checkpoint, leader=rank == 0
             )
         return Turn(self, save=True, stop=(counter, checkpoint))
 
-    def _room(self) -> str:
-        """Rank 0: finish the upload in flight within the time left, then check the next
-        save fits in what remains; why not, or ``""``."""
+    def _room(self, checkpoint: object) -> str:
+        """Rank 0: the preemption save replaces a background save waiting behind the upload
+        in flight (it goes first); finish that upload within the time left, then check
+        the save fits in what remains (estimated from the state's bytes and the link when
+        no save was timed yet); why not, or ``""``."""
+        if self.uploads.drop_pending():
+            note_coalesced(checkpoint)
         budget = self.boundary.budget()
         try:
             if not self.uploads.wait(max(0.0, budget)):
@@ -126,8 +140,14 @@ class Preemption:
         except Exception as exc:  # that save is lost; the preemption save may still land
             log.warning("the background save before the preemption failed: %s: %s",
                         type(exc).__name__, exc)
-        if not self.boundary.fits(self.last_save_s):
-            took = "" if self.last_save_s is None else f"the last save took {self.last_save_s:.1f} s, "
+        estimate = self.last_save_s
+        if estimate is None:
+            estimate = estimate_save_s(checkpoint, self.size() if self.size else None)
+        if not self.boundary.fits(estimate):
+            took = (
+                f"the last save took {self.last_save_s:.1f} s, " if self.last_save_s is not None
+                else "" if estimate is None else f"a save of this state should take {estimate:.1f} s, "
+            )
             return f"{took}{max(0.0, self.boundary.budget()):.1f} s of the grace period left"
         return ""
 

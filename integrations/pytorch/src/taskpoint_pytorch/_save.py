@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
-from taskpoint.checkpoint.mirror import UploadThread
+from taskpoint.checkpoint.mirror import UploadThread, note_coalesced
 from taskpoint.distributed import broadcast_from_zero, describe_error, rank_and_size
 from taskpoint.format.manifest import TREE_FORMAT
 
@@ -138,7 +138,9 @@ class BundleSaver:
         staged.settle()  # every rank raises if rank 0 could not build the bundle
         if staged.bundle is not None:
             bundle = staged.bundle
-            self._uploads.start(lambda: _write_and_save(checkpoint, bundle))
+            # Behind an upload in flight it waits, replacing (coalescing) one waiting there.
+            if self._uploads.start(lambda: _write_and_save(checkpoint, bundle)):
+                note_coalesced(checkpoint)
 
     def _stage(
         self,
@@ -152,13 +154,17 @@ class BundleSaver:
         """Gather every rank's RNG state; on rank 0 write the bundle to a local file (or,
         with ``copy``, keep a private copy of it for a background save).
 
-        Rank 0 first waits for its background save in flight: its failure fails the save
-        on every rank."""
+        Rank 0 first raises what a finished background save raised (its failure fails the
+        save on every rank); a blocking save, or any save when the checkpoint's
+        ``when_busy`` is ``"wait"``, first waits for the background save in flight."""
         rank, world = rank_and_size()
 
         def prepare() -> None:
             if rank == 0:
-                self._uploads.wait()
+                if copy and getattr(checkpoint, "when_busy", "coalesce") == "coalesce":
+                    self._uploads.raise_error()
+                else:
+                    self._uploads.wait()
             check_checkpoint(checkpoint)
 
         epoch, step, extra_state, rng_states = agree_to_save(

@@ -137,7 +137,7 @@ class TaskpointState:
         self._components = Components(model, optimizer, scheduler, scaler, generators, rng)
         if sharded and not blocking:
             raise ValueError("sharded=True saves are blocking: pass blocking=True")
-        self._preemption = Preemption(save_on_preemption)
+        self._preemption = Preemption(save_on_preemption, size=self._components.state_bytes)
         self._uploads = self._preemption.uploads
         self._sharded = ShardedState(self._components, self._preemption) if sharded else None
         self._saver = BundleSaver(self._components, blocking=bool(blocking), uploads=self._uploads)
