@@ -17,7 +17,8 @@ use one)::
         boundary.stop(step, saved=saved)              # raises taskpoint.Preempted
 
 Whether a SIGTERM becomes a save is :func:`taskpoint.preemption.save_on_preemption`'s rule
-(the argument, then ``TASKPOINT_SAVE_ON_PREEMPTION``, then: inside a taskpoint task). When
+(the argument, then ``TASKPOINT_SAVE_ON_PREEMPTION``, then: inside a taskpoint task or a
+process of the environment contract, :func:`taskpoint.runtime.context.supervised`). When
 it does, :meth:`~StepBoundary.begin` puts taskpoint's SIGTERM handler on top and enters
 :func:`taskpoint.preemption.deferred`, so the signal only sets the notice, and the next
 :meth:`~StepBoundary.reached` answers ``True`` on every rank (a flag or'ed across the ranks
@@ -39,7 +40,8 @@ from typing import NoReturn
 from taskpoint import preemption, progress
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.distributed.torch_coordination import AnyRank
-from taskpoint.runtime.context import Preempted, TaskContext, _current, in_task
+from taskpoint.runtime import _life
+from taskpoint.runtime.context import Preempted, TaskContext, _current, in_task, supervised
 
 __all__ = ["MARGIN_S", "SETTLE_S", "StepBoundary", "record_preempted", "settle_time"]
 
@@ -74,6 +76,9 @@ def record_preempted(checkpoint: object, message: str, *, step: int | None) -> N
     """
     if not in_task() and isinstance(checkpoint, Checkpoint):
         checkpoint.mark_ended("preempted", f"Preempted: {message}", step=step)
+        life = _life.current()
+        if life is not None and life.checkpoint is not checkpoint:
+            life.preempted(message, step=step)
 
 
 class StepBoundary:
@@ -141,7 +146,9 @@ class StepBoundary:
         self._scope, self._context = scope, context
         if context is not None:
             context.on_end(self.end)
-        self._enabled = preemption.save_on_preemption(self._choice, in_task=context is not None)
+        self._enabled = preemption.save_on_preemption(
+            self._choice, in_task=context is not None or supervised()
+        )
         if not self._enabled:
             return
         if not preemption.install():
@@ -174,6 +181,10 @@ class StepBoundary:
             flag = self._vote(flag)
         if flag:
             preemption.relay()
+            life = _life.current() if self._context is None else None
+            if life is not None:  # before the save: a kill at the deadline finds it recorded
+                where = f" at step {step}" if step is not None else ""
+                life.preempted(f"stopping{where} to save", step=step)
         return flag
 
     def budget(self) -> float:
