@@ -19,7 +19,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 from taskpoint.cli import main
-from taskpoint.format.history import TRACEBACK_CHARS, read_attempts, record_end, trim_traceback
+from taskpoint.format.history import read_attempts
 from taskpoint.store.store import Store
 
 DECORATED = textwrap.dedent(
@@ -236,6 +236,8 @@ def test_a_kill_in_the_preemption_save_finds_the_end_recorded(tmp_path: Path) ->
 
 
 def test_a_traceback_is_kept_to_a_bounded_size(tmp_path: Path) -> None:
+    from taskpoint.format.history import TRACEBACK_CHARS, record_end, trim_traceback
+
     store = Store(str(tmp_path / "store"))
     long = "Traceback (most recent call last):\n" + "  frame\n" * 10_000 + "ValueError: end"
     record_end(store, 0, "failed", "ValueError: end", traceback=long)
