@@ -246,3 +246,25 @@ def test_a_traceback_is_kept_to_a_bounded_size(tmp_path: Path) -> None:
     assert record.traceback.startswith("Traceback") and record.traceback.endswith("ValueError: end")
     assert "characters left out" in record.traceback
     assert trim_traceback("short") == "short"
+
+
+def test_an_attempt_of_a_process_still_running_here_is_not_called_died(tmp_path: Path) -> None:
+    """Two writers of one action in this process: the second's claim leaves the first's
+    attempt unended (its process lives); a dead process's attempt is recorded as died."""
+    from taskpoint import Checkpoint
+
+    url = str(tmp_path / "store")
+    first, second = Checkpoint(url), Checkpoint(url)
+    first.mark_started()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import sys, taskpoint; c = taskpoint.Checkpoint(sys.argv[1]); "
+         "c.mark_started(); print(c.attempt)", url],
+        capture_output=True, text=True, check=True,
+    )
+    assert (first.attempt, int(dead.stdout)) == (0, 1)
+    second.mark_started()
+    assert second.attempt == 2
+    records = read_attempts(Store(url))
+    assert [(r.attempt, r.outcome, r.noted_by) for r in records] == [
+        (0, None, None), (1, "crashed", 2), (2, None, None)
+    ]

@@ -35,6 +35,7 @@ from types import TracebackType
 from taskpoint import preemption, progress
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.errors import CheckpointError
+from taskpoint.format.history import Outcome
 
 __all__ = ["Life", "begin", "current", "format_error"]
 
@@ -85,7 +86,7 @@ class Life:
 
     def raised(self, exc: BaseException) -> None:
         """An exception ends the process: ``preempted`` for a preemption, else ``failed``."""
-        outcome = "preempted" if isinstance(exc, self._preempted) else "failed"
+        outcome: Outcome = "preempted" if isinstance(exc, self._preempted) else "failed"
         self._record(
             outcome, f"{type(exc).__name__}: {exc}"[:2000], traceback=format_error(exc),
             final=True,
@@ -93,7 +94,7 @@ class Life:
 
     def _record(
         self,
-        outcome: str,
+        outcome: Outcome,
         error: str | None,
         *,
         step: int | None = None,
@@ -106,8 +107,7 @@ class Life:
             self._final = final
         try:
             self.checkpoint.mark_ended(
-                outcome,  # type: ignore[arg-type]  # one of OUTCOMES, checked there
-                error, step=progress.current_step() if step is None else step,
+                outcome, error, step=progress.current_step() if step is None else step,
                 traceback=traceback,
             )
         except (CheckpointError, ValueError) as exc:
