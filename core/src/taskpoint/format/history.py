@@ -287,9 +287,7 @@ def trim_traceback(text: str) -> str:
     )
 
 
-DIED = (
-    "died without an end record: killed (SIGKILL, out of memory) or lost with its node"
-)
+DIED = "no end record: killed (SIGKILL, out of memory) or lost with its node"
 """The error text of an end record another attempt wrote for an attempt that died."""
 
 

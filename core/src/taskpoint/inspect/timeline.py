@@ -529,11 +529,11 @@ def _cost_parts(view: AttemptView) -> list[str | Text]:
         parts.append(Text("preemption save MISSED", style="bold red"))
     if record.step is not None:
         parts.append(f"at step {record.step}")
-    if record.died:
-        saved = [m.step for m in view.checkpoints if m.step is not None]
-        since = max(saved) if saved else record.resumed_step
-        lost_after = "its steps" if since is None else f"the steps after step {since}"
-        text = Text(f"{lost_after} were lost")
+    if record.died:  # how far it got is not recorded; its saves say where it was at least
+        known = [m.step for m in view.checkpoints if m.step is not None]
+        known += [s for s in (record.resumed_step, view.next_resumed_step) if s is not None]
+        text = Text("the steps after its last save were lost" if not known else
+                    f"saved up to step {max(known)}: the steps after it were lost")
         if view.next_resumed_step is not None:
             text.append(f" (next resumed at step {view.next_resumed_step})")
         parts.append(text)
