@@ -268,3 +268,37 @@ def test_an_attempt_of_a_process_still_running_here_is_not_called_died(tmp_path:
     assert [(r.attempt, r.outcome, r.noted_by) for r in records] == [
         (0, None, None), (1, "crashed", 2), (2, None, None)
     ]
+
+
+def test_the_ranks_of_a_restarted_job_share_the_leading_ranks_attempt(tmp_path: Path) -> None:
+    """Two ranks of a job (RANK 0 and 1) run the same decorated task, twice: the leading
+    rank claims each life's attempt and the other follows it, so both see 0, then 1, and
+    the history holds two attempts, not four."""
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, time
+        import taskpoint
+        env = taskpoint.TaskEnvironment(name="lives", run_id="job-5")
+
+        @env.task
+        def train() -> int | None:
+            if os.environ["RANK"] == "1":
+                time.sleep(0.5)   # the other rank may start first or last
+            return taskpoint.ctx().attempt
+
+        print("attempt", train(), flush=True)
+        """
+    ))
+    base = {**_clean_env(), "TASKPOINT_ROOT": str(tmp_path / "store")}
+    for life in (0, 1):
+        ranks = [
+            subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**base, "RANK": rank})
+            for rank in ("1", "0")
+        ]
+        outs = [rank.communicate(timeout=120) for rank in ranks]
+        assert [o for o, _ in outs] == [f"attempt {life}\n"] * 2, outs
+    records = read_attempts(Store(str(tmp_path / "store" / "lives.train" / "job-5")))
+    assert [(r.attempt, r.outcome) for r in records] == [(0, "succeeded"), (1, "succeeded")]

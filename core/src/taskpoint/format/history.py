@@ -232,6 +232,29 @@ def claim_attempt(store: Store, first: int) -> int:
     )
 
 
+def newest_claim_since(store: Store, since: float, running_at: float) -> int | None:
+    """The newest attempt, when its claim was made at ``since`` (Unix time) or later and it
+    had not ended by ``running_at``, else ``None``; best effort (a store failure reads as
+    none).
+
+    For a process that follows another's claim instead of making its own (a job's other
+    ranks follow its leading one): an attempt that ended before the process started belongs
+    to an earlier life."""
+    try:
+        names = set(store.list(ATTEMPTS))
+    except CheckpointError:
+        return None
+    taken = sorted(int(name) for name in names if _CLAIM_RE.match(name))
+    if not taken:
+        return None
+    key = _claim_key(taken[-1])
+    started = finite_number(_read(store, key, names, []).get("started"))
+    ended = finite_number(_read(store, f"{key}{_END}", names, []).get("ended"))
+    if started is None or started < since or (ended is not None and ended < running_at):
+        return None
+    return taken[-1]
+
+
 def mark_attempt(store: Store, attempt: int) -> None:
     """Record that ``attempt`` (numbered by its runner) started; best effort."""
     record = _record(started=time.time(), pid=os.getpid(), host=socket.gethostname())

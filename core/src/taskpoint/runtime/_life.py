@@ -29,15 +29,21 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 from types import TracebackType
 
 from taskpoint import preemption, progress
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.errors import CheckpointError
+from taskpoint.format import history
 from taskpoint.format.history import Outcome
+from taskpoint.store.store import Store
 
-__all__ = ["Life", "begin", "current", "format_error"]
+__all__ = [
+    "FOLLOW_S", "PROCESS_STARTED", "RANKS_APART_S", "Life", "begin", "current", "follow_claim", "format_error",
+    "leads",
+]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,46 @@ def format_error(exc: BaseException) -> str:
     """``exc``'s traceback as Python prints it (with its notes and causes), for the
     attempt's end record."""
     return "".join(traceback.format_exception(exc)).rstrip("\n")
+
+
+def _process_started() -> float:
+    """When this process started (Unix time), from ``/proc``; elsewhere, now."""
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/uptime", "rb") as uptime:
+            since_boot = float(uptime.read().split()[0])
+        return time.time() - max(0.0, since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+PROCESS_STARTED = _process_started()
+"""When this process started, Unix time."""
+RANKS_APART_S = 5.0
+"""How far apart the ranks of one job may start and still share an attempt."""
+FOLLOW_S = 30.0
+"""How long a job's other rank waits for its leading rank's claim of the attempt."""
+
+
+def follow_claim(checkpoint_store: Store, previous: int | None) -> int:
+    """The attempt number a job's other rank takes: the one its leading rank claimed for
+    this process's life (the newest claim, made since this process started less
+    :data:`RANKS_APART_S` and not ended before it started), waited for up to :data:`FOLLOW_S`; failing that, the
+    number after ``previous`` (0 first)."""
+    after = 0 if previous is None else previous + 1
+    deadline = time.monotonic() + FOLLOW_S
+    while True:
+        found = history.newest_claim_since(
+            checkpoint_store, PROCESS_STARTED - RANKS_APART_S, PROCESS_STARTED
+        )
+        if found is not None and found >= after:
+            return found
+        if time.monotonic() >= deadline:
+            log.warning("%s: no claim of the attempt by the job's leading rank after %.0f s; "
+                        "numbering this one %d", checkpoint_store.url, FOLLOW_S, after)
+            return after
+        time.sleep(0.2)
 
 
 def leads(env: dict[str, str] | None = None) -> bool:

@@ -181,11 +181,20 @@ class StepBoundary:
             flag = self._vote(flag)
         if flag:
             preemption.relay()
-            life = _life.current() if self._context is None else None
-            if life is not None:  # before the save: a kill at the deadline finds it recorded
-                where = f" at step {step}" if step is not None else ""
-                life.preempted(f"stopping{where} to save", step=step)
+            self._record_stopping(step)
         return flag
+
+    def _record_stopping(self, step: int | None) -> None:
+        """Record the attempt as preempted now, before its preemption save, so that a kill
+        at the grace period's end finds its end recorded (the stop, or the runner, writes
+        the final record after the save). Best effort."""
+        message = f"stopping at step {step} to save" if step is not None else "stopping to save"
+        if self._context is None:
+            life = _life.current()
+            if life is not None:
+                life.preempted(message, step=step)
+        elif self._context.checkpoint is not None and _life.leads():
+            self._context.checkpoint.mark_ended("preempted", f"Preempted: {message}", step=step)
 
     def budget(self) -> float:
         """Seconds a preemption save may take: the grace period left minus

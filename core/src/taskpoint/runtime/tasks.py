@@ -50,7 +50,7 @@ from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.errors import CheckpointError, TaskAttemptError
 from taskpoint.format.archive import check_codec
 from taskpoint.format.history import Outcome
-from taskpoint.runtime import _isolation, step_boundary
+from taskpoint.runtime import _isolation, _life, step_boundary
 from taskpoint.runtime._life import format_error
 from taskpoint.runtime.context import (
     ENV_RUN_ID,
@@ -61,7 +61,7 @@ from taskpoint.runtime.context import (
     root_from,
 )
 from taskpoint.runtime.names import check_name
-from taskpoint.store.store import check_location
+from taskpoint.store.store import Store, check_location
 
 __all__ = ["Isolation", "TaskEnvironment", "new_run_id"]
 
@@ -267,6 +267,10 @@ class Runner:
         after = 0 if previous is None else previous + 1
         if not self.env.checkpoints:
             return self.context(run_id, after)
+        if not _life.leads():  # another rank of a job: its leading rank claims and records
+            store = Store(self.action_url(run_id), self.env.storage_options)
+            number = _life.follow_claim(store, previous)
+            return self._make_context(run_id, number, self._checkpoint(run_id, number))
         checkpoint = self._checkpoint(run_id, None)
         try:
             checkpoint.mark_started()
@@ -402,13 +406,13 @@ class Runner:
     @staticmethod
     def started(context: TaskContext) -> None:
         """Record that the attempt of ``context`` started, in the process that runs it."""
-        if context.checkpoint is not None:
+        if context.checkpoint is not None and _life.leads():
             context.checkpoint.mark_started()
 
     @staticmethod
     def _ended(context: TaskContext, exc: BaseException | None) -> None:
-        """Record the attempt's outcome in the run history."""
-        if context.checkpoint is None:
+        """Record the attempt's outcome in the run history (on the job's leading rank)."""
+        if context.checkpoint is None or not _life.leads():
             return
         if exc is None:
             context.checkpoint.mark_ended("succeeded")
