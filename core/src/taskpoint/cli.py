@@ -219,12 +219,17 @@ def _require(root: str, action: str) -> ActionInfo:
     metavar="FILE", help="Also write the timeline to FILE as an SVG picture.",
 )
 @click.option("--no-verify", is_flag=True, help="Skip reading payloads to check checksums.")
-def show(action: str, root: str | None, as_json: bool, svg: Path | None, no_verify: bool) -> None:
+@click.option("--verbose", is_flag=True, help="Show the traceback of each failed attempt.")
+def show(
+    action: str, root: str | None, as_json: bool, svg: Path | None, no_verify: bool,
+    verbose: bool,
+) -> None:
     """Show ACTION (<task>/<run id>): its attempts, resumes and checkpoints, in time order.
 
     Each attempt with its outcome, host and process, the checkpoint it resumed from and how
     long the restore took; each kept checkpoint with its size, what its save cost and
-    whether its payload is intact (read through and checked against its checksum).
+    whether its payload is intact (read through and checked against its checksum). With
+    --verbose, the traceback each failed attempt's record keeps (--json always has it).
     """
     root = _root(root)
     with _errors():
@@ -235,7 +240,7 @@ def show(action: str, root: str | None, as_json: bool, svg: Path | None, no_veri
                               indent=2))
         return
     console = Console(record=svg is not None, highlight=False)
-    console.print(timeline.render(info, verified))
+    console.print(timeline.render(info, verified, verbose=verbose))
     if svg is not None:
         try:
             console.save_svg(str(svg), title=f"taskpoint show {info.action}")

@@ -77,8 +77,9 @@ ENV_GRACE = "TASKPOINT_GRACE_PERIOD"
 DEFAULT_GRACE_S = 30.0
 """The grace period without ``TASKPOINT_GRACE_PERIOD``: Kubernetes' default."""
 ENV_SAVE = "TASKPOINT_SAVE_ON_PREEMPTION"
-"""``1`` (or ``true``/``yes``/``on``) makes the adapters save on SIGTERM outside a taskpoint
-task too; ``0`` (``false``/``no``/``off``) turns it off inside one."""
+"""``1`` (or ``true``/``yes``/``on``) makes the adapters save on SIGTERM anywhere; ``0``
+(``false``/``no``/``off``) turns it off everywhere. Unset: inside a taskpoint task and in a
+process of the environment contract."""
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -86,8 +87,10 @@ _FALSE = ("0", "false", "no", "off")
 def save_on_preemption(choice: bool | None, *, in_task: bool) -> bool:
     """Whether an adapter turns SIGTERM into a save: ``choice`` when given (the adapter's
     own ``save_on_preemption`` argument), else ``TASKPOINT_SAVE_ON_PREEMPTION`` when set,
-    else whether the code runs inside a taskpoint task (``in_task``), whose runner retries
-    a preempted attempt.
+    else ``in_task``: whether something restarts the code after the signal (callers pass
+    :func:`taskpoint.runtime.context.supervised`: inside a taskpoint task, whose runner
+    retries a preempted attempt, or in a process of the environment contract, which its
+    orchestrator restarts).
 
     Raises:
         ValueError: the variable is set to something other than a yes or a no.

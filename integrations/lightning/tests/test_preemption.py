@@ -199,8 +199,11 @@ def test_sigkill_two_steps_after_the_first_save_resumes_from_it(
     resumed = run(tmp_path, TASKPOINT_ATTEMPT="1", **contract)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert starts(resumed) == [(0, 3)]
-    # (attempts numbered by the environment: no claim records, only the resume's)
-    assert {r.attempt: r.resumed_step for r in records(tmp_path, "lt/k")} == {1: 3}
+    # attempts numbered by the environment; each process records its life, and the killed
+    # one is recorded as died by the next
+    history = records(tmp_path, "lt/k")
+    assert {r.attempt: r.resumed_step for r in history} == {0: None, 1: 3}
+    assert [(r.outcome, r.noted_by) for r in history] == [("crashed", 1), ("succeeded", None)]
     lib.assert_bitwise_equal(torch.load(tmp_path / "final.pt"), reference)
 
 

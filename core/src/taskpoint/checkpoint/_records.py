@@ -31,21 +31,31 @@ class Records:
     _attempt: history.Attempt
 
     def mark_started(self) -> None:
-        """Record that this checkpoint's attempt started (its runner numbered it).
+        """Record that this checkpoint's attempt started, claiming its number from the
+        store first when it has none, and record earlier attempts that died without an
+        end record (see :meth:`taskpoint.format.history.Attempt.started`).
 
-        Best effort, like every run record (see :mod:`taskpoint.format.history`).
+        Raises:
+            CheckpointStoreError: the store failed while claiming a number (writing the
+                record for a given number is best effort, like every run record).
         """
         self._attempt.started()
 
     def mark_ended(
-        self, outcome: history.Outcome, error: str | None = None, *, step: int | None = None
+        self,
+        outcome: history.Outcome,
+        error: str | None = None,
+        *,
+        step: int | None = None,
+        traceback: str | None = None,
     ) -> None:
         """Record how this checkpoint's attempt ended; nothing if it never claimed one.
 
         The record names the training step the attempt reached (``step``, by default the
         one last given to :func:`taskpoint.report_step` in this process) and, for an attempt
         that was preempted or received a preemption signal, whether a save made after the
-        signal committed. Best effort, like every run record (see :mod:`taskpoint.format.history`).
+        signal committed; ``traceback`` is the error's traceback (kept to
+        :data:`taskpoint.format.history.TRACEBACK_CHARS` characters). Best effort, like every run record (see :mod:`taskpoint.format.history`).
 
         Raises:
             ValueError: ``outcome`` is not one of :data:`taskpoint.format.history.OUTCOMES`.
@@ -57,7 +67,7 @@ class Records:
             save = "committed" if self._preemption_saved() else "missed"
         self._attempt.ended(
             outcome, error, step=progress.current_step() if step is None else step,
-            preemption_save=save,
+            preemption_save=save, traceback=traceback,
         )
 
     def _preemption_saved(self) -> bool:

@@ -7,7 +7,7 @@ the names they do not know::
     attempts/<n:06d>              the claim: {"format", "started", "pid", "host"}
     attempts/<n:06d>.resume.json  {"format", "at", "checkpoint", "restore_s", "size", "step"}
     attempts/<n:06d>.end.json     {"format", "ended", "outcome", "error", "step",
-                                   "preemption_save"}
+                                   "preemption_save", "traceback", "noted_by"}
     status.json                   {"format", "state", "attempts", "finished"}
 
 ``outcome`` is ``"succeeded"``, ``"failed"``, ``"preempted"`` or ``"crashed"`` (the attempt's
@@ -16,11 +16,16 @@ reported with :func:`taskpoint.report_step` (``null`` when none was): in an end 
 step the attempt reached, in a resume record the step of the checkpoint it loaded; the
 difference between one attempt's end and the next one's resume is the work the failure
 cost. ``preemption_save`` (``"committed"`` or ``"missed"``) says, for an attempt that
-received a preemption signal, whether a save made after the signal committed. What a save cost is recorded in its
+received a preemption signal, whether a save made after the signal committed.
+``traceback`` (optional) is the error's traceback, at most :data:`TRACEBACK_CHARS` characters
+(the middle of a longer one is left out). An attempt whose process ended without an end
+record (killed by SIGKILL or out of memory, or lost with its node) is recorded by the
+attempt that claims a number after it: ``outcome`` ``"crashed"``, ``ended`` ``null`` (the
+time of death is not known) and ``noted_by``, the attempt that noticed. What a save cost is recorded in its
 manifest's ``stats`` object and handed to :meth:`taskpoint.Checkpoint.on_commit` listeners as
 a :class:`SaveStats`. An :class:`Attempt` is one :class:`taskpoint.Checkpoint`'s attempt:
-its number, claimed from the store at its first save unless its runner gave one, the
-numbers of its saves, and the records it writes.
+its number, claimed from the store when it starts or at its first save unless its runner
+gave one, the numbers of its saves, and the records it writes.
 
 Records are informational: writing one is best effort (a failure is logged, never raised, so
 it cannot hide the task's own outcome), and a garbage record reads as unknown fields.
@@ -53,6 +58,7 @@ __all__ = [
     "ATTEMPTS",
     "OUTCOMES",
     "STATUS",
+    "TRACEBACK_CHARS",
     "Attempt",
     "AttemptRecord",
     "PreemptionSave",
@@ -61,6 +67,7 @@ __all__ = [
     "claim_attempt",
     "finite_number",
     "log_resume",
+    "note_unended",
     "read_attempts",
     "read_status",
     "record_end",
@@ -68,6 +75,7 @@ __all__ = [
     "record_resume",
     "resume_line",
     "steps_lost",
+    "trim_traceback",
 ]
 
 log = logging.getLogger(__name__)
@@ -85,6 +93,9 @@ _CLAIM_RE = re.compile(r"^\d{6,}$")
 _RESUME = ".resume.json"
 _END = ".end.json"
 _MAX_CLAIM_TRIES = 1000
+TRACEBACK_CHARS = 16_000
+"""The most characters of a traceback an end record keeps."""
+_TRACEBACK_HEAD = 2_000
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,10 @@ class AttemptRecord:
         resumed_step: the step of the checkpoint it loaded.
         preemption_save: for an attempt that received a preemption signal, whether a
             save made after the signal committed (``"committed"``) or not (``"missed"``).
+        traceback: the traceback of the error that ended it (at most
+            :data:`TRACEBACK_CHARS` characters).
+        noted_by: for an attempt whose process died without writing its end record, the
+            attempt that found it so and wrote the record in its place.
         unreadable: ``(record key, error)`` for each of its records the store could not
             read (its fields read as unknown).
     """
@@ -177,7 +192,14 @@ class AttemptRecord:
     step: int | None = None
     resumed_step: int | None = None
     preemption_save: str | None = None
+    traceback: str | None = None
+    noted_by: int | None = None
     unreadable: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def died(self) -> bool:
+        """Whether its process died without recording its end (a later attempt did)."""
+        return self.noted_by is not None
 
 
 def _claim_key(attempt: int) -> str:
@@ -218,6 +240,29 @@ def claim_attempt(store: Store, first: int) -> int:
     )
 
 
+def newest_claim_since(store: Store, since: float, running_at: float) -> int | None:
+    """The newest attempt, when its claim was made at ``since`` (Unix time) or later and it
+    had not ended by ``running_at``, else ``None``; best effort (a store failure reads as
+    none).
+
+    For a process that follows another's claim instead of making its own (a job's other
+    ranks follow its leading one): an attempt that ended before the process started belongs
+    to an earlier life."""
+    try:
+        names = set(store.list(ATTEMPTS))
+    except CheckpointError:
+        return None
+    taken = sorted(int(name) for name in names if _CLAIM_RE.match(name))
+    if not taken:
+        return None
+    key = _claim_key(taken[-1])
+    started = finite_number(_read(store, key, names, []).get("started"))
+    ended = finite_number(_read(store, f"{key}{_END}", names, []).get("ended"))
+    if started is None or started < since or (ended is not None and ended < running_at):
+        return None
+    return taken[-1]
+
+
 def mark_attempt(store: Store, attempt: int) -> None:
     """Record that ``attempt`` (numbered by its runner) started; best effort."""
     record = _record(started=time.time(), pid=os.getpid(), host=socket.gethostname())
@@ -241,16 +286,110 @@ def record_end(
     *,
     step: int | None = None,
     preemption_save: PreemptionSave | None = None,
+    traceback: str | None = None,
 ) -> None:
-    """Record how ``attempt`` ended, at which training ``step``, and for a preempted one
-    whether its preemption save committed; best effort."""
+    """Record how ``attempt`` ended, at which training ``step``, for a preempted one
+    whether its preemption save committed, and the ``traceback`` of its error (cut to
+    :data:`TRACEBACK_CHARS` characters); best effort.
+
+    Raises:
+        ValueError: ``outcome`` is not one of :data:`OUTCOMES`.
+    """
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
     record = _record(
         ended=time.time(), outcome=outcome, error=error, step=step,
         preemption_save=preemption_save,
+        traceback=None if traceback is None else trim_traceback(traceback),
     )
     _best_effort(store, f"{_claim_key(attempt)}{_END}", record)
+
+
+def trim_traceback(text: str) -> str:
+    """``text`` cut to at most :data:`TRACEBACK_CHARS` characters: its start (where the
+    traceback begins) and its end (the innermost frames and the error), with a line saying
+    how much of the middle was left out."""
+    if len(text) <= TRACEBACK_CHARS:
+        return text
+    tail = TRACEBACK_CHARS - _TRACEBACK_HEAD - 80
+    cut = len(text) - _TRACEBACK_HEAD - tail
+    return (
+        f"{text[:_TRACEBACK_HEAD]}\n... ({cut} characters left out) ...\n{text[-tail:]}"
+    )
+
+
+DIED = "no end record: killed (SIGKILL, out of memory) or lost with its node"
+"""The error text of an end record another attempt wrote for an attempt that died."""
+
+
+def note_unended(store: Store, by: int) -> list[int]:
+    """Record, for each attempt before ``by`` whose process ended without an end record,
+    that it died (``outcome`` ``"crashed"``, ``noted_by`` ``by``); best effort.
+
+    An attempt whose claim names a live process on this host (another writer of the same
+    action in this process or beside it) is left alone: it has not ended.
+
+    Returns:
+        The attempts recorded as died.
+    """
+    try:
+        names = set(store.list(ATTEMPTS))
+    except CheckpointError as exc:
+        log.warning("could not list the run records at %s: %s", store.url, exc)
+        return []
+    unended = sorted(
+        int(name) for name in names
+        if _CLAIM_RE.match(name) and int(name) < by and f"{name}{_END}" not in names
+    )
+    noted = []
+    for attempt in unended:
+        claim = _read(store, _claim_key(attempt), names, [])
+        if _alive_here(claim):
+            continue
+        record = _record(
+            ended=None, outcome="crashed", error=f"{DIED}; noted by attempt {by}",
+            step=None, preemption_save=None, noted_by=by,
+        )
+        try:
+            created = store.create_exclusive(f"{_claim_key(attempt)}{_END}", record)
+        except CheckpointError as exc:
+            log.warning("could not record attempt %d at %s as died: %s", attempt, store.url, exc)
+            continue
+        if created:
+            noted.append(attempt)
+    if noted:
+        log.info(
+            "%s: attempt%s %s ended without an end record (killed, or lost with its node); "
+            "recorded as died", store.url, "s" if len(noted) > 1 else "",
+            ", ".join(map(str, noted)),
+        )
+    return noted
+
+
+def _alive_here(claim: dict[str, Any]) -> bool:
+    """Whether ``claim`` names a process that still runs on this host."""
+    pid = _integer(claim.get("pid"))
+    if pid is None or pid <= 0 or claim.get("host") != socket.gethostname():
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, owned by someone else
+        return True
+    return _zombie(pid) is not True
+
+
+def _zombie(pid: int) -> bool | None:
+    """Whether ``pid`` is a zombie (ended, not yet reaped); ``None`` where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return bool(fields) and fields[0] == b"Z"
 
 
 def _best_effort(store: Store, key: str, data: bytes) -> None:
@@ -313,6 +452,7 @@ class Attempt:
             if taken:
                 self._check_marker(taken[-1])
             self.number = claim_attempt(self.store, taken[-1] + 1 if taken else 0)
+            note_unended(self.store, self.number)
             if self._resumed is not None:
                 record_resume(self.store, self.number, *self._resumed)
         return self.number
@@ -345,9 +485,20 @@ class Attempt:
         return attempt, self._seq_base + ticket
 
     def started(self) -> None:
-        """Record that the attempt started, if its runner numbered it; best effort."""
-        if self.number is not None:
-            mark_attempt(self.store, self.number)
+        """Record that the attempt started: claim a number from the store first if its
+        runner gave none, else write the claim record for the number it gave (best effort).
+        Either way, earlier attempts that died without an end record are recorded as
+        such (:func:`note_unended`).
+
+        Raises:
+            CheckpointStoreError: the store failed while claiming a number.
+            CheckpointFormatError: a newer taskpoint wrote the newest attempt's claim.
+        """
+        if self.number is None:
+            self.claim()
+            return
+        mark_attempt(self.store, self.number)
+        note_unended(self.store, self.number)
 
     def ended(
         self,
@@ -356,6 +507,7 @@ class Attempt:
         *,
         step: int | None = None,
         preemption_save: PreemptionSave | None = None,
+        traceback: str | None = None,
     ) -> None:
         """Record how the attempt ended, if it has a number; best effort.
 
@@ -365,7 +517,7 @@ class Attempt:
         if self.number is not None:
             record_end(
                 self.store, self.number, outcome, error, step=step,
-                preemption_save=preemption_save,
+                preemption_save=preemption_save, traceback=traceback,
             )
 
     def resumed(self, manifest: Manifest, restore_s: float) -> None:
@@ -403,7 +555,7 @@ def resume_line(
     if ended:
         last = ended[-1]
         lost = steps_lost(last, manifest.step)
-        line += f"; attempt {last.attempt} {last.outcome}"
+        line += f"; attempt {last.attempt} {'died' if last.died else last.outcome}"
         if last.step is not None:
             line += f" at step {last.step}: {lost} step{'' if lost == 1 else 's'} lost"
     return line
@@ -457,6 +609,8 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
                 step=_step(end.get("step")),
                 resumed_step=_step(resume.get("step")),
                 preemption_save=_text(end.get("preemption_save")),
+                traceback=_text(end.get("traceback")),
+                noted_by=_integer(end.get("noted_by")),
                 unreadable=tuple(unreadable),
             )
         )

@@ -54,6 +54,7 @@ STYLES = {
     "failed": "bold red",
     "preempted": "bold yellow",
     "crashed": "bold red",
+    "died": "bold magenta",
     "died (no record)": "bold magenta",
     "running or died": "bold cyan",
     "unfinished": "bold cyan",
@@ -159,8 +160,9 @@ class AttemptView:
     Attributes:
         record: what the attempt's records say (all ``None`` but the number when it has
             none, e.g. an attempt known only from its checkpoints).
-        state: the outcome recorded, or when there is none ``"died (no record)"`` (a later
-            attempt exists), ``"running or died"`` (the newest of an unfinished run) or
+        state: the outcome recorded (``"died"`` for an attempt whose process ended without
+            recording it, as the next attempt found), or when there is none
+            ``"died (no record)"`` (a later attempt exists), ``"running or died"`` (the newest of an unfinished run) or
             ``"no record (run <state>)"`` (the newest of a finished run).
         checkpoints: the kept checkpoints it committed, oldest first.
         next_resumed_step: for an attempt a later one followed, the step that one resumed
@@ -217,7 +219,7 @@ def attempt_views(info: ActionInfo) -> list[AttemptView]:
     views = []
     for attempt in ordered:
         record = records.get(attempt) or AttemptRecord(attempt=attempt)
-        state = record.outcome
+        state = "died" if record.died else record.outcome
         if state is None:
             if attempt != ordered[-1]:
                 state = "died (no record)"
@@ -327,6 +329,9 @@ def to_json(info: ActionInfo, verified: Mapping[str, bool] | None = None) -> dic
             "step": r.step,
             "steps_lost": view.steps_lost,
             "preemption_save": r.preemption_save,
+            "died": r.died,
+            "noted_by": r.noted_by,
+            "traceback": r.traceback,
             "checkpoints": [m.key for m in view.checkpoints],
         })
     timeline = []
@@ -521,7 +526,7 @@ def _event_text(
         line.append(event.damage.key.rpartition("/")[2], style="blue")
         return _join(_lead(when, line), _styled(event.damage.label), event.damage.detail)
     if event.kind == "end":
-        outcome = record.outcome or "ended"
+        outcome = "died" if record.died else record.outcome or "ended"
         line = Text(outcome, style=STYLES.get(outcome, ""))
         if record.error:
             line.append(f": {record.error}")
@@ -540,6 +545,14 @@ def _cost_parts(view: AttemptView) -> list[str | Text]:
         parts.append(Text("preemption save MISSED", style="bold red"))
     if record.step is not None:
         parts.append(f"at step {record.step}")
+    if record.died:  # how far it got is not recorded; its saves say where it was at least
+        known = [m.step for m in view.checkpoints if m.step is not None]
+        known += [s for s in (record.resumed_step, view.next_resumed_step) if s is not None]
+        text = Text("the steps after its last save were lost" if not known else
+                    f"saved up to step {max(known)}: the steps after it were lost")
+        if view.next_resumed_step is not None:
+            text.append(f" (next resumed at step {view.next_resumed_step})")
+        parts.append(text)
     lost = view.steps_lost
     if lost is not None:
         text = Text(f"next resumed at step {view.next_resumed_step}: ")
@@ -599,13 +612,17 @@ def _header(info: ActionInfo, views: list[AttemptView]) -> Line:
     return _join(header, *facts, sep="  ")
 
 
-def render(info: ActionInfo, verified: Mapping[str, bool] | None = None) -> RenderableType:
+def render(
+    info: ActionInfo, verified: Mapping[str, bool] | None = None, *, verbose: bool = False
+) -> RenderableType:
     """The run as a tree: one branch per attempt, its resume and its saves in time order.
 
     Args:
         info: the action, with its attempt records (``info.history``).
         verified: manifest keys mapped to whether the payload is intact (see
             :meth:`ActionInfo.verify`); ``None`` shows checkpoints as unverified.
+        verbose: show under a failed attempt's end the traceback its record keeps
+            (otherwise a note says one is kept).
     """
     views = attempt_views(info)
     kept = {m.key for m in info.checkpoints}
@@ -616,8 +633,14 @@ def render(info: ActionInfo, verified: Mapping[str, bool] | None = None) -> Rend
         branch = tree.add(_attempt_label(view))
         for event in _attempt_events(view, damaged.get(view.attempt, [])):
             line = _event_text(event, view, kept, verified, by_name)
-            if line is not None:
-                branch.add(line)
+            if line is None:
+                continue
+            traceback = view.record.traceback if event.kind == "end" else None
+            if traceback and not verbose:
+                line = _join(line, Text("traceback kept: show --verbose", style="dim"))
+            node = branch.add(line)
+            if traceback and verbose:
+                node.add(Text(traceback, style="dim"))
     problems = [d for d in info.damaged if parse_manifest_name(d.key.rpartition("/")[2]) is None]
     if problems:
         branch = tree.add(Text("records that cannot be read", style="bold red"))

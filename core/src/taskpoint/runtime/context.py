@@ -15,11 +15,18 @@ identity: torchelastic / ``torchrun`` (``TORCHELASTIC_RUN_ID``, attempt from
 ``TORCHELASTIC_RESTART_COUNT``), SLURM (``SLURM_JOB_ID``, attempt from
 ``SLURM_RESTART_COUNT``) and SkyPilot (``SKYPILOT_TASK_ID``). Anywhere else ``ctx()``
 outside a task is ``None``.
+
+Under the environment contract each process is one attempt (one life of the run): the
+first ``ctx()`` of the job's leading process (``RANK`` unset or ``0``) claims its number
+from the store, unless the orchestrator gave one, and records its end when it exits
+(:mod:`taskpoint.runtime._life`); ``ctx().attempt`` then counts the run's lives. Such a
+process saves on SIGTERM by default (:func:`supervised`): its orchestrator restarts it.
 """
 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -28,6 +35,7 @@ from pathlib import Path
 
 from taskpoint import preemption
 from taskpoint.checkpoint.checkpoint import Checkpoint
+from taskpoint.runtime import _life
 from taskpoint.runtime.names import check_name
 from taskpoint.store.store import check_location
 
@@ -42,6 +50,7 @@ __all__ = [
     "environment_context",
     "in_task",
     "root_from",
+    "supervised",
 ]
 
 ENV_ROOT = "TASKPOINT_ROOT"
@@ -157,15 +166,41 @@ def in_task() -> bool:
     return _current.get() is not None
 
 
+def supervised() -> bool:
+    """Whether something restarts this code after a preemption: a taskpoint task's runner
+    (inside ``@env.task``), or the orchestrator the environment contract names (a process
+    with ``TASKPOINT_ACTION``, under torchrun, SLURM or SkyPilot). Where it does, code
+    that can save on SIGTERM does by default (see
+    :func:`taskpoint.preemption.save_on_preemption`).
+
+    Raises:
+        ValueError: an environment contract variable holds an unusable value.
+    """
+    return ctx() is not None
+
+
 def ctx() -> TaskContext | None:
-    """The running task's context; outside any task, the environment contract's or ``None``."""
+    """The running task's context; outside any task, the environment contract's or ``None``.
+
+    The environment contract's context is made at the first call (and again when its
+    variables change): in the job's leading process that claims the attempt number from the
+    store and sets up the records of this process's end (see the module docs).
+
+    Raises:
+        ValueError: an environment contract variable holds an unusable value.
+    """
     current = _current.get()
     if current is not None:
         return current
     global _env_context, _env_key
     key = tuple(os.environ.get(name) for name in _ENV_NAMES)
     if key != _env_key:
-        _env_context, _env_key = environment_context(os.environ), key
+        context = environment_context(os.environ)
+        if context is not None and context.checkpoint is not None and _life.leads():
+            life = _life.begin(context.checkpoint, Preempted)
+            if life is not None:
+                context = dataclasses.replace(context, attempt=context.checkpoint.attempt)
+        _env_context, _env_key = context, key
     return _env_context
 
 
@@ -223,6 +258,9 @@ def _on_preempt(notice: preemption.Notice) -> None:
     """A preemption signal outside :func:`taskpoint.preemption.deferred`: run the attempt's
     ``on_preempt`` callbacks, then end it."""
     context = ctx()
+    life = None if in_task() else _life.current()
+    if life is not None:  # first, so a kill at the grace period's end finds it recorded
+        life.preempted(f"received {notice.signal}; running the on_preempt callbacks")
     if context is not None:
         context._run_preempt_callbacks()
     raise Preempted(f"received signal {notice.signal}; preempt callbacks ran")

@@ -17,7 +17,8 @@ use one)::
         boundary.stop(step, saved=saved)              # raises taskpoint.Preempted
 
 Whether a SIGTERM becomes a save is :func:`taskpoint.preemption.save_on_preemption`'s rule
-(the argument, then ``TASKPOINT_SAVE_ON_PREEMPTION``, then: inside a taskpoint task). When
+(the argument, then ``TASKPOINT_SAVE_ON_PREEMPTION``, then: inside a taskpoint task or a
+process of the environment contract, :func:`taskpoint.runtime.context.supervised`). When
 it does, :meth:`~StepBoundary.begin` puts taskpoint's SIGTERM handler on top and enters
 :func:`taskpoint.preemption.deferred`, so the signal only sets the notice, and the next
 :meth:`~StepBoundary.reached` answers ``True`` on every rank (a flag or'ed across the ranks
@@ -39,7 +40,8 @@ from typing import NoReturn
 from taskpoint import preemption, progress
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.distributed.torch_coordination import AnyRank
-from taskpoint.runtime.context import Preempted, TaskContext, _current, in_task
+from taskpoint.runtime import _life
+from taskpoint.runtime.context import Preempted, TaskContext, _current, in_task, supervised
 
 __all__ = [
     "ASSUMED_RATE",
@@ -120,6 +122,9 @@ def record_preempted(checkpoint: object, message: str, *, step: int | None) -> N
     """
     if not in_task() and isinstance(checkpoint, Checkpoint):
         checkpoint.mark_ended("preempted", f"Preempted: {message}", step=step)
+        life = _life.current()
+        if life is not None and life.checkpoint is not checkpoint:
+            life.preempted(message, step=step)
 
 
 class StepBoundary:
@@ -187,7 +192,9 @@ class StepBoundary:
         self._scope, self._context = scope, context
         if context is not None:
             context.on_end(self.end)
-        self._enabled = preemption.save_on_preemption(self._choice, in_task=context is not None)
+        self._enabled = preemption.save_on_preemption(
+            self._choice, in_task=context is not None or supervised()
+        )
         if not self._enabled:
             return
         if not preemption.install():
@@ -220,7 +227,20 @@ class StepBoundary:
             flag = self._vote(flag)
         if flag:
             preemption.relay()
+            self._record_stopping(step)
         return flag
+
+    def _record_stopping(self, step: int | None) -> None:
+        """Record the attempt as preempted now, before its preemption save, so that a kill
+        at the grace period's end finds its end recorded (the stop, or the runner, writes
+        the final record after the save). Best effort."""
+        message = f"stopping at step {step} to save" if step is not None else "stopping to save"
+        if self._context is None:
+            life = _life.current()
+            if life is not None:
+                life.preempted(message, step=step)
+        elif self._context.checkpoint is not None and _life.leads():
+            self._context.checkpoint.mark_ended("preempted", f"Preempted: {message}", step=step)
 
     def budget(self) -> float:
         """Seconds a preemption save may take: the grace period left minus

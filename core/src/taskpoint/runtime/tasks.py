@@ -23,6 +23,12 @@ variable ``TASKPOINT_ROOT``, then ``.taskpoint/checkpoints`` under the working d
 Each call of a task is one action at ``<root>/<env>.<function>/<run_id>/``; a new run id
 is made per call unless ``TaskEnvironment(run_id=...)`` or ``TASKPOINT_RUN_ID`` names one,
 which re-attaches to that run's checkpoints.
+
+Every attempt claims its number from the action's store as it starts, so a run that an
+orchestrator restarts in a new process (a Kubernetes Job, a SLURM requeue) goes on counting:
+``ctx().attempt`` counts the run's attempts in every process, a retry in the same process
+takes the next number, and an earlier process that died without recording its end is
+recorded as died by the next one. ``retries`` is the budget of each call (each process).
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 from taskpoint import preemption, progress
 from taskpoint.checkpoint.checkpoint import Checkpoint
-from taskpoint.errors import TaskAttemptError
+from taskpoint.errors import CheckpointError, TaskAttemptError
 from taskpoint.format.archive import check_codec
 from taskpoint.format.history import Outcome
-from taskpoint.runtime import _isolation, step_boundary
+from taskpoint.runtime import _isolation, _life, step_boundary
+from taskpoint.runtime._life import format_error
 from taskpoint.runtime.context import (
     ENV_RUN_ID,
     Preempted,
@@ -54,7 +61,7 @@ from taskpoint.runtime.context import (
     root_from,
 )
 from taskpoint.runtime.names import check_name
-from taskpoint.store.store import check_location
+from taskpoint.store.store import Store, check_location
 
 __all__ = ["Isolation", "TaskEnvironment", "new_run_id"]
 
@@ -233,17 +240,54 @@ class Runner:
             self.isolation if isolation is None else isolation,
         )
 
+    def _checkpoint(self, run_id: str, attempt: int | None) -> Checkpoint:
+        return Checkpoint(
+            self.action_url(run_id),
+            attempt=attempt,
+            keep=self.env.keep,
+            codec=self.env.codec,
+            storage_options=self.env.storage_options,
+        )
+
     def context(self, run_id: str, attempt: int) -> TaskContext:
         """The context attempt ``attempt`` of run ``run_id`` runs with."""
-        checkpoint = None
-        if self.env.checkpoints:
-            checkpoint = Checkpoint(
-                self.action_url(run_id),
-                attempt=attempt,
-                keep=self.env.keep,
-                codec=self.env.codec,
-                storage_options=self.env.storage_options,
-            )
+        checkpoint = self._checkpoint(run_id, attempt) if self.env.checkpoints else None
+        return self._make_context(run_id, attempt, checkpoint)
+
+    def claim(self, run_id: str, previous: int | None) -> TaskContext:
+        """Start the next attempt of run ``run_id``: claim its number from the store (after
+        every attempt an earlier process of the run made, and after ``previous``, this
+        process's last one), record its start and record earlier attempts that died
+        without an end record; return its context.
+
+        Without checkpoints the attempts count from 0 in each process. When the store
+        cannot be reached, the attempt takes the number after ``previous`` (0 first) and
+        says so at WARNING: the failure is the first save's to report.
+        """
+        after = 0 if previous is None else previous + 1
+        if not self.env.checkpoints:
+            return self.context(run_id, after)
+        if not _life.leads():  # another rank of a job: its leading rank claims and records
+            store = Store(self.action_url(run_id), self.env.storage_options)
+            number = _life.follow_claim(store, previous)
+            return self._make_context(run_id, number, self._checkpoint(run_id, number))
+        checkpoint = self._checkpoint(run_id, None)
+        try:
+            checkpoint.mark_started()
+            attempt = checkpoint.attempt
+        except CheckpointError as exc:
+            attempt = None
+            log.warning("%s/%s: could not claim an attempt number (%s); numbering this one %d",
+                        self.task, run_id, exc, after)
+        if attempt is None or attempt < after:
+            checkpoint = self._checkpoint(run_id, after)
+            checkpoint.mark_started()
+            attempt = after
+        return self._make_context(run_id, attempt, checkpoint)
+
+    def _make_context(
+        self, run_id: str, attempt: int, checkpoint: Checkpoint | None
+    ) -> TaskContext:
         return TaskContext(
             task=self.task,
             run_id=run_id,
@@ -260,16 +304,19 @@ class Runner:
     def _delay(self, attempt: int) -> float:
         return float(min(30.0, self.backoff * (2 ** (attempt - 1))))
 
-    def _failed(self, context: TaskContext, exc: BaseException) -> bool:
-        """Log a failed attempt; whether another attempt follows."""
+    def _failed(self, context: TaskContext, exc: BaseException, tries: int) -> bool:
+        """Log a failed attempt, the ``tries``-th of this call (from 0); whether another
+        attempt follows. The log names the attempt and the last number this call's retries
+        may reach."""
         again = (
             isinstance(exc, Exception)
             and not getattr(exc, "__taskpoint_fatal__", False)
-            and (context.attempt or 0) < self.retries
+            and tries < self.retries
         )
+        attempt = context.attempt or 0
         log.warning(
             "%s attempt %d/%d failed: %s: %s%s",
-            context.action, context.attempt, self.retries, type(exc).__name__, exc,
+            context.action, attempt, attempt - tries + self.retries, type(exc).__name__, exc,
             "; retrying" if again else "; no retries left",
         )
         return again
@@ -359,13 +406,13 @@ class Runner:
     @staticmethod
     def started(context: TaskContext) -> None:
         """Record that the attempt of ``context`` started, in the process that runs it."""
-        if context.checkpoint is not None:
+        if context.checkpoint is not None and _life.leads():
             context.checkpoint.mark_started()
 
     @staticmethod
     def _ended(context: TaskContext, exc: BaseException | None) -> None:
-        """Record the attempt's outcome in the run history."""
-        if context.checkpoint is None:
+        """Record the attempt's outcome in the run history (on the job's leading rank)."""
+        if context.checkpoint is None or not _life.leads():
             return
         if exc is None:
             context.checkpoint.mark_ended("succeeded")
@@ -375,7 +422,9 @@ class Runner:
             outcome = "preempted"
         elif isinstance(exc, TaskAttemptError):
             outcome = "crashed"
-        context.checkpoint.mark_ended(outcome, f"{type(exc).__name__}: {exc}"[:2000])
+        context.checkpoint.mark_ended(
+            outcome, f"{type(exc).__name__}: {exc}"[:2000], traceback=format_error(exc)
+        )
 
     def _attempt(self, context: TaskContext, args: Any, kwargs: Any) -> Any:
         log.info("%s attempt %d/%d starting", context.action, context.attempt, self.retries)
@@ -416,21 +465,22 @@ class Runner:
     def wrap_sync(self) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             run_id = self.env.resolve_run_id()
-            for attempt in range(self.retries + 1):
-                context = self.context(run_id, attempt)
-                self.started(context)
+            previous: int | None = None
+            for tries in range(self.retries + 1):
+                context = self.claim(run_id, previous)
+                previous = context.attempt
                 try:
                     result = self._attempt(context, args, kwargs)
                 except BaseException as exc:
                     self._ended(context, exc)
-                    if not self._failed(context, exc):
+                    if not self._failed(context, exc, tries):
                         self._finish(context, "failed")
                         raise
                 else:
                     self._ended(context, None)
                     self._finish(context, "succeeded")
                     return result
-                time.sleep(self._delay(attempt + 1))
+                time.sleep(self._delay(tries + 1))
             raise AssertionError("unreachable")  # pragma: no cover
 
         return run
@@ -438,21 +488,23 @@ class Runner:
     def wrap_async(self) -> Callable[..., Awaitable[Any]]:
         async def run(*args: Any, **kwargs: Any) -> Any:
             run_id = self.env.resolve_run_id()
-            for attempt in range(self.retries + 1):
-                context = self.context(run_id, attempt)
-                self.started(context)
+            previous: int | None = None
+            for tries in range(self.retries + 1):
+                context = self.claim(run_id, previous)
+                previous = context.attempt
                 try:
                     result = await self._attempt_async(context, args, kwargs)
                 except BaseException as exc:
                     self._ended(context, exc)
-                    if not self._failed(context, exc):
+                    if not self._failed(context, exc, tries):
                         self._finish(context, "failed")
                         raise
                 else:
                     self._ended(context, None)
                     self._finish(context, "succeeded")
                     return result
-                await asyncio.sleep(self._delay(attempt + 1))
+                await asyncio.sleep(self._delay(tries + 1))
             raise AssertionError("unreachable")  # pragma: no cover
 
         return run
+

@@ -2,7 +2,8 @@
 
 Three modes, chosen at ``on_train_begin`` with :func:`taskpoint.preemption.save_on_preemption`
 (the callback's ``save_on_preemption`` argument, then ``TASKPOINT_SAVE_ON_PREEMPTION``, then
-"inside a taskpoint task, or the Trainer was asked for just-in-time checkpoints"):
+"inside a taskpoint task or a process of the environment contract, or the Trainer was
+asked for just-in-time checkpoints"):
 
 ``"save"``
     SIGTERM becomes a save at the next step boundary. The signal only sets the notice
@@ -174,7 +175,7 @@ class Preemption:
         self.stop, self._ended = None, False
         self._jit_seen = self._jit_settled = False
         jits = _jit_callbacks(handler)
-        asked = context.in_task() or bool(jits)
+        asked = context.supervised() or bool(jits)
         save = preemption.save_on_preemption(self.choice, in_task=asked)
         if save and not guarded:
             if state.is_world_process_zero:

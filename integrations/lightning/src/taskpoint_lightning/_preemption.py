@@ -4,7 +4,7 @@ with :class:`taskpoint.Preempted`.
 
 Whether SIGTERM becomes a save is :func:`taskpoint.preemption.save_on_preemption`'s rule
 (the callback's ``save_on_preemption`` argument, then ``TASKPOINT_SAVE_ON_PREEMPTION``, then
-"inside a taskpoint task"), decided on global rank zero and shared with every rank at
+"inside a taskpoint task or a process of the environment contract"), decided on global rank zero and shared with every rank at
 setup, so all ranks take part in the vote or none does.
 
 How it composes with Lightning's own SIGTERM handling (its ``_SignalConnector``): at setup,
@@ -133,7 +133,9 @@ class Preemption:
             ValueError: ``TASKPOINT_SAVE_ON_PREEMPTION`` or ``TASKPOINT_GRACE_PERIOD`` is
                 set to something unusable.
         """
-        active = preemption.save_on_preemption(choice, in_task=taskpoint.runtime.context.in_task())
+        active = preemption.save_on_preemption(
+            choice, in_task=taskpoint.runtime.context.supervised()
+        )
         if trainer.world_size > 1:
             active = bool(trainer.strategy.broadcast(active, src=0))  # rank zero's rule
         self = cls(active, timeout)
