@@ -374,3 +374,29 @@ def test_a_resume_source_whose_manifest_is_damaged_is_called_damaged_not_pruned(
     detail = {a["attempt"]: a for a in json.loads(out)["attempts_detail"]}
     assert detail[2]["resumed_from_damaged"] is True and detail[2]["resumed_from_kept"] is False
     assert detail[1]["resumed_from_damaged"] is False
+
+
+def test_show_gives_the_runs_goodput_and_its_badput_by_cause(tmp_path: Path, utc: None) -> None:
+    contract_run(tmp_path)
+    code, raw = _invoke("show", ACTION, "--root", str(tmp_path), "--json")
+    assert code == 0, raw
+    figures = json.loads(raw)["goodput"]
+    # 30 s from attempt 0's start to attempt 2's end; attempt 0 reached step 12 and the next
+    # resumed at 10 (2 steps lost), attempt 1 saved at 15 and the next resumed at 15.
+    assert figures["wall_s"] == pytest.approx(30.0)
+    assert figures["steps_lost"] == 2
+    badput = figures["badput_s"]
+    assert set(badput) == {"blocked", "restore", "recomputed", "restart", "other"}
+    assert badput["restore"] == pytest.approx(1.512)
+    assert badput["recomputed"] == pytest.approx(2 * figures["step_s"])
+    assert badput["restart"] is not None and badput["restart"] > 0
+    assert figures["productive_s"] == pytest.approx(20 * figures["step_s"])
+    assert figures["goodput"] == pytest.approx(figures["productive_s"] / 30.0)
+    assert figures["estimated"], "no record holds a step's time: the figures say so"
+
+    code, out = _invoke("show", ACTION, "--root", str(tmp_path), columns=200)
+    assert code == 0, out
+    line = next(line for line in out.splitlines() if line.startswith("goodput"))
+    assert f"goodput {figures['goodput']:.0%} of 30.00s · badput: " in line
+    assert "badput: " in line and "restore 1.51s" in line and "recomputed " in line
+    assert "partly estimated" in line

@@ -32,6 +32,7 @@ from rich.tree import Tree
 
 from taskpoint.format.history import AttemptRecord, finite_number, steps_lost
 from taskpoint.format.manifest import Manifest, parse_manifest_name
+from taskpoint.inspect.goodput import goodput
 
 if TYPE_CHECKING:
     from taskpoint.inspect.inventory import ActionInfo, Damage
@@ -356,7 +357,48 @@ def to_json(info: ActionInfo, verified: Mapping[str, bool] | None = None) -> dic
                 preemption_save=record.preemption_save,
             )
         timeline.append(item)
-    return {"attempts_detail": detail, "timeline": timeline}
+    return {"attempts_detail": detail, "timeline": timeline, "goodput": goodput_json(info)}
+
+
+BADPUT_CAUSES = ("blocked", "restore", "recomputed", "restart", "other")
+"""The causes of badput, in the order ``show`` lists them (see :mod:`taskpoint.inspect.goodput`)."""
+
+
+def goodput_json(info: ActionInfo) -> dict[str, Any]:
+    """The ``goodput`` field of ``taskpoint show --json``: the run's goodput (a fraction),
+    its wall time, the training it kept and its badput by cause, in seconds; ``None`` where
+    the records cannot tell, and under ``estimated`` what they lacked."""
+    cost = goodput(info.history, info.checkpoints)
+    return {
+        "goodput": cost.goodput,
+        "wall_s": cost.wall_s,
+        "productive_s": cost.productive_s,
+        "badput_s": {cause: cost.badput_s.get(cause) for cause in BADPUT_CAUSES},
+        "step_s": cost.step_s,
+        "steps_lost": cost.steps_lost,
+        "estimated": list(cost.missing),
+    }
+
+
+def _goodput_line(info: ActionInfo) -> Line | None:
+    """``goodput 87% of 5m12s · badput: blocked 2.10s, restore 4.00s, ...``, or ``None``
+    while the records give no goodput."""
+    cost = goodput(info.history, info.checkpoints)
+    if cost.goodput is None or cost.wall_s is None:
+        return None
+    causes = [
+        f"{cause} {duration(seconds)}"
+        for cause in BADPUT_CAUSES
+        if (seconds := cost.badput_s.get(cause)) is not None and seconds >= 0.05
+    ]
+    head = Text("goodput ", style="bold")
+    head.append(f"{cost.goodput:.0%} of {duration(cost.wall_s)}")
+    parts: list[str | Text] = [head]
+    if causes:
+        parts.append("badput: " + ", ".join(causes))
+    if cost.missing:
+        parts.append(Text("partly estimated (--json says how)", style="dim"))
+    return _join(*parts)
 
 
 # -- rich ---------------------------------------------------------------------------------
@@ -646,4 +688,7 @@ def render(
         branch = tree.add(Text("records that cannot be read", style="bold red"))
         for damage in problems:
             branch.add(_join(damage.key, _styled(damage.label), damage.detail))
-    return Group(Line([Text(info.url, style="dim")]), tree)
+    summary = _goodput_line(info)
+    if summary is None:
+        return Group(Line([Text(info.url, style="dim")]), tree)
+    return Group(Line([Text(info.url, style="dim")]), tree, summary)
