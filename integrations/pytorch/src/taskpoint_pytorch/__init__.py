@@ -55,13 +55,14 @@ order a function of the epoch (``DistributedSampler.set_epoch``, or a ``generato
 seeded per epoch) and skip the batches already done.
 """
 
+from typing import TYPE_CHECKING
+
 from taskpoint_pytorch._compat import SUPPORTED_TORCH, check_torch_version
 
 check_torch_version()
 
 from taskpoint.distributed.torch_coordination import TorchCoordinator  # noqa: E402
 
-from taskpoint_pytorch._dcp import TaskpointStorageReader, TaskpointStorageWriter  # noqa: E402
 from taskpoint_pytorch._errors import (  # noqa: E402
     StateError,
     StateLayoutError,
@@ -77,6 +78,22 @@ from taskpoint_pytorch.state import (  # noqa: E402
 )
 
 __version__ = "0.1.0"
+
+_LAZY = {"TaskpointStorageReader", "TaskpointStorageWriter"}
+"""Names loaded on first use: they import ``torch.distributed.checkpoint`` (about 3 s of a
+restart's start-up here), which a job that does not save DCP shards never needs."""
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from taskpoint_pytorch import _dcp
+
+        return getattr(_dcp, name)
+    raise AttributeError(f"module 'taskpoint_pytorch' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from taskpoint_pytorch._dcp import TaskpointStorageReader, TaskpointStorageWriter
 
 __all__ = [
     "LAYOUT",

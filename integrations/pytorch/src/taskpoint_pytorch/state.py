@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from taskpoint import CheckpointLike
@@ -51,7 +51,9 @@ from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION, STATE_FILE
 from taskpoint_pytorch._preemption import Preemption
 from taskpoint_pytorch._restore import BundleRestorer, MapLocation
 from taskpoint_pytorch._save import BundleSaver
-from taskpoint_pytorch._sharded import ShardedState
+
+if TYPE_CHECKING:
+    from taskpoint_pytorch._sharded import ShardedState
 
 __all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
 
@@ -139,7 +141,11 @@ class TaskpointState:
             raise ValueError("sharded=True saves are blocking: pass blocking=True")
         self._preemption = Preemption(save_on_preemption, size=self._components.state_bytes)
         self._uploads = self._preemption.uploads
-        self._sharded = ShardedState(self._components, self._preemption) if sharded else None
+        self._sharded: ShardedState | None = None
+        if sharded:  # imports torch.distributed.checkpoint, which only sharded saves need
+            from taskpoint_pytorch._sharded import ShardedState
+
+            self._sharded = ShardedState(self._components, self._preemption)
         self._saver = BundleSaver(self._components, blocking=bool(blocking), uploads=self._uploads)
         self._restorer = BundleRestorer(self._components, self._preemption)
         track(self._uploads)
