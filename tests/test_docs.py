@@ -495,11 +495,14 @@ def _same_show(text: str) -> str:
     (run id, dates, times, durations, host, pid, temporary names, sizes) and without the line breaks and the tree's
     lines, which move with the widths of those."""
     text = RUN_ID.sub("RUN", text)
+    # a temporary folder, before the durations: its random name may end like one ("766s")
+    text = re.sub(r"\b(taskpoint-\w+-)[a-z0-9_]{8}\b", r"\1TEMP", text)
+    # the goodput line's share and causes: which causes pass the shown minimum varies
+    text = re.sub(r"\bgoodput \d+% of (\S+)( · badput: [^·\n]*)?", r"goodput PERCENT of \1", text)
     text = re.sub(r"\d{4}-\d{2}-\d{2}", "DATE", text)
     text = re.sub(r"\d{2}:\d{2}:\d{2}", "TIME", text)
     text = re.sub(r"\+?-?(\d+(\.\d+)?(ms|s)|\d+m\d{2}s|\d+h\d{2}m)\b", "DURATION", text)
     text = re.sub(r"\S+ pid \d+", "HOST pid PID", text)
-    text = re.sub(r"\b(taskpoint-\w+-)[a-z0-9_]{8}\b", r"\1TEMP", text)  # a temporary folder
     text = re.sub(r"\b\d+(\.\d+)? (B|KiB|MiB|GiB)\b", "SIZE", text)  # pickles vary a little
     return re.sub(r"[\s│├└─·]+", "", text)
 
