@@ -36,15 +36,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import s3_server  # noqa: E402
+from _common import s3_server
 
 MODES = ("plain", "blocking", "background")
 
 
 def _child(mode: str, size_mb: int, url: str, options: dict[str, Any]) -> dict[str, float]:
-    import torch
-
     import taskpoint
+    import torch
 
     work = Path(tempfile.mkdtemp(prefix="tp-bench-bg-"))
     state = {"weights": torch.rand(size_mb * 2**20 // 4, generator=torch.Generator().manual_seed(1))}

@@ -23,6 +23,8 @@ import os
 import random
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +116,10 @@ def train(args: argparse.Namespace, rank: int, restart: int, out: Path, *, refer
 
 
 class FailingCheckpoint(RecordingCheckpoint):
+    tried = threading.Event()
+
     def save_sync(self, data: Any) -> None:
+        self.tried.set()
         raise RuntimeError("store unavailable (simulated)")
 
     def load_sync(self) -> Path | None:
@@ -149,6 +154,10 @@ def errors(rank: int, out: Path) -> None:
     attempt("good-restore", lambda: print(rank, state.restore_sync(shared)))
     # Background saves: a failed upload on rank 0 fails every rank's next save.
     attempt("bg-store-fails", lambda: state.save_sync(failing, epoch=3, background=True))
+    # A save asked for while that upload still runs would wait behind it (coalesced) and
+    # return: let the upload fail first, so the next save is the one that hears of it.
+    FailingCheckpoint.tried.wait(60)
+    time.sleep(0.5)
     attempt("bg-next-save", lambda: state.save_sync(shared, epoch=4, background=True))
     attempt("bg-good-save", lambda: state.save_sync(shared, epoch=5, background=True))
     attempt("bg-wait", lambda: state.wait())
