@@ -170,8 +170,13 @@ class Location:
     @property
     def is_async(self) -> bool:
         """Whether the filesystem runs its calls on an event loop (S3, GCS, Azure, HTTP):
-        those calls are watched for stalls (see :meth:`call`)."""
+        those calls are watched for stalls (see :meth:`call`). A wrapper that claims to be
+        asynchronous over a blocking filesystem (fsspec's ``DirFileSystem`` over a local
+        disk) is not: its coroutines would call ones the wrapped filesystem lacks."""
         fs = self.fs
+        wrapped = getattr(fs, "fs", None)
+        if hasattr(wrapped, "protocol") and not getattr(wrapped, "async_impl", False):
+            return False
         return bool(getattr(fs, "async_impl", False)) and getattr(fs, "loop", None) is not None
 
     @property
