@@ -145,6 +145,7 @@ def test_a_save_uploads_only_the_chunks_that_changed(store_url: str, background:
     checkpoint.on_commit(stats.append)
     state = TaskpointState(model, rng=False, blocking=not background)
     state.save_sync(checkpoint, step=1)
+    state.wait()  # else the second save may replace the first still waiting (coalesced)
     with torch.no_grad():
         model[3].weight.add_(1.0)
     state.save_sync(checkpoint, step=2)
