@@ -10,7 +10,7 @@ and habits"); a module imports only from its own layer and the layers below it::
     distributed   several writers of one checkpoint: coordinators, parts, nodes' disks
     format        what a location holds: manifests, archives, trees, retention, history
     store         one location on any fsspec filesystem (the only fsspec importer)
-    base          errors, _types, versions, preemption, progress: they import no layer
+    base          errors, _types, _env, versions, preemption, progress: they import no layer
 
 Every import counts, including those inside functions and under ``TYPE_CHECKING``: a lazy
 import that closes a circle only hides it. Importing a module runs its packages'
@@ -30,8 +30,8 @@ import taskpoint
 PACKAGE = Path(taskpoint.__file__).parent
 
 LAYERS: list[tuple[str, ...]] = [
-    ("taskpoint.errors", "taskpoint._types", "taskpoint.versions", "taskpoint.preemption",
-     "taskpoint.progress"),
+    ("taskpoint.errors", "taskpoint._types", "taskpoint._env", "taskpoint.versions",
+     "taskpoint.preemption", "taskpoint.progress"),
     ("taskpoint.store",),
     ("taskpoint.format",),
     ("taskpoint.distributed",),

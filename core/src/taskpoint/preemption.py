@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import math
 import os
 import signal
 import threading
@@ -51,6 +50,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
+
+from taskpoint._env import seconds_from_env
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -135,19 +136,10 @@ def grace_period(env: Mapping[str, str] | None = None) -> float:
     Raises:
         ValueError: the variable is set but is not a finite number of seconds above 0.
     """
-    value = (os.environ if env is None else env).get(ENV_GRACE)
-    if value is None or value.strip() == "":
-        return DEFAULT_GRACE_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(
-            f"{ENV_GRACE} must be a number of seconds above 0 (the time between the "
-            f"preemption signal and the kill); got {value!r}"
-        )
-    return seconds
+    return seconds_from_env(
+        os.environ if env is None else env, ENV_GRACE, DEFAULT_GRACE_S,
+        "a number of seconds above 0 (the time between the preemption signal and the kill)",
+    )
 
 
 _lock = threading.Lock()

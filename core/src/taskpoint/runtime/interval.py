@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from taskpoint._env import seconds_from_env
 from taskpoint.format.history import AttemptRecord
 
 __all__ = [
@@ -158,19 +159,10 @@ def _prior_from(env: Mapping[str, str], default: float = MTBF_PRIOR_S) -> float:
     Raises:
         ValueError: the variable is set to something other than a positive number.
     """
-    raw = env.get(ENV_MTBF_PRIOR, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{ENV_MTBF_PRIOR} must be a positive number of seconds (e.g. 3600 for a spot "
-            f"fleet that loses a machine an hour); got {raw!r}"
-        )
-    return value
+    return seconds_from_env(
+        env, ENV_MTBF_PRIOR, default,
+        "a positive number of seconds (e.g. 3600 for a spot fleet that loses a machine an hour)",
+    )
 
 
 @dataclass(frozen=True)

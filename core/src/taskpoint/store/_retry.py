@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from taskpoint._env import seconds_from_env
 from taskpoint.errors import CheckpointError, CheckpointStoreError
 from taskpoint.store._faults import is_denied, is_transient
 
@@ -119,18 +120,9 @@ class RetryPolicy:
 
 
 def _stall_from_env() -> float:
-    raw = os.environ.get(STALL_TIMEOUT_ENV)
-    if raw is None or not raw.strip():
-        return _DEFAULT_STALL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{STALL_TIMEOUT_ENV} must be a positive number of seconds; got {raw!r}"
-        )
-    return value
+    return seconds_from_env(
+        os.environ, STALL_TIMEOUT_ENV, _DEFAULT_STALL_S, "a positive number of seconds"
+    )
 
 
 def run(
