@@ -33,8 +33,12 @@ Example::
         train_step(step)
         interval.step_done()
         if interval.due():
-            stats = checkpoint.save_sync(state)     # or a background save
-            interval.saved(blocked_s=stats.blocked_s, upload_s=stats.upload_s)
+            began = time.monotonic()
+            checkpoint.save_sync(state, background=True)
+            interval.saved(blocked_s=time.monotonic() - began, upload_s=last_upload_s)
+
+(``last_upload_s``: the ``upload_s`` of the newest :class:`taskpoint.SaveStats` a
+:meth:`taskpoint.Checkpoint.on_commit` listener received; ``save_sync`` returns nothing.)
 """
 
 from __future__ import annotations
