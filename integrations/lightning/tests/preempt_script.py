@@ -19,7 +19,8 @@ At the start of the batch after ``STEP`` of an attempt that did not resume:
 ``--exit-hard`` the process then ends with ``os._exit(3)`` as soon as ``fit`` raises),
 ``--kill-group-at`` SIGKILLs the process group (the upload process with it, as a lost
 machine would). ``--step-sleep`` makes each step
-take that long (first attempt); ``--slow-uploads`` makes every upload after the first stall that long.
+take that long and ``--slow-uploads`` makes every upload after the first stall that long (both
+in the first attempt only).
 Global rank zero writes the final weights to OUT (rank R > 0 to ``OUT`` with ``-rankR``
 before its suffix); every rank of an attempt prints ``STARTED <epoch> <step> rank <R>``, and
 ``ENDED <step> rank <R> <exception type>`` when training ends on an exception; the rank
@@ -141,7 +142,7 @@ def train(argv: list[str]) -> dict[str, torch.Tensor]:
     context = taskpoint.ctx()
     assert context is not None and context.checkpoint is not None, "no taskpoint context"
     ckpt: taskpoint.Checkpoint = context.checkpoint
-    if args.slow_uploads:
+    if args.slow_uploads and context.attempt == 0:
         ckpt = taskpoint.Checkpoint(
             ckpt.url, attempt=context.attempt, progress=SlowUploads(ckpt.url, args.slow_uploads)
         )

@@ -159,10 +159,11 @@ def test_sigterm_saves_at_that_step_and_the_retry_resumes_there_exactly(
 def test_a_grace_period_too_short_for_the_save_keeps_the_previous_checkpoint(
     tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
-    # Uploads after the first stall 2.5 s; 3 s of grace leave 2 s, and step 6's upload is
-    # still in flight at the stop (step 8): the preemption save is skipped.
+    # Uploads after the first stall 8 s; 3 s of grace leave 2 s to wait for step 6's upload,
+    # still in flight at the stop (step 8) however slowly the steps run: the preemption
+    # save is skipped.
     done = run(
-        tmp_path, "--task", "--sigterm-at", "7", "--slow-uploads", "2.5",
+        tmp_path, "--task", "--sigterm-at", "7", "--slow-uploads", "8",
         TASKPOINT_GRACE_PERIOD="3",
     )
     assert done.returncode == 0, done.stderr[-4000:]
