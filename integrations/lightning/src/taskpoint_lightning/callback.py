@@ -24,6 +24,7 @@ import logging
 import os
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from taskpoint import CheckpointLike
 from taskpoint.checkpoint.mirror import FolderMirror
 from taskpoint.distributed.coordination import check_timeout
 
+from taskpoint_lightning._interval import TimedSaves, check_time_interval
 from taskpoint_lightning._mirroring import Fit, Mirroring, Nodes, describe
 from taskpoint_lightning._on_exception import ExceptionFiles
 from taskpoint_lightning._preemption import Preemption
@@ -75,6 +77,22 @@ def _at_step_boundary(trainer: pl.Trainer) -> bool:
     return not (callable(should_accumulate) and should_accumulate())
 
 
+def _check_alone(timed: object, kwargs: dict[str, Any], owner: str) -> None:
+    """``train_time_interval`` excludes ``every_n_train_steps`` and ``every_n_epochs``, as
+    in ``ModelCheckpoint``.
+
+    Raises:
+        ValueError: either is set as well.
+    """
+    for name in ("every_n_train_steps", "every_n_epochs"):
+        value = kwargs.get(name)
+        if value:
+            raise ValueError(
+                f"{owner}: train_time_interval={timed!r} and {name}={value!r} are mutually "
+                "exclusive (as in Lightning's ModelCheckpoint): save by time or by count"
+            )
+
+
 class _TaskpointMirror(Mirroring):
     """The adapter's behaviour, mixed into a Lightning ``ModelCheckpoint`` class.
 
@@ -103,7 +121,15 @@ class _TaskpointMirror(Mirroring):
                 f"{type(self).__name__}: preempt_timeout must be a number of seconds >= 0 or "
                 f"None; got {preempt_timeout!r}"
             )
+        timed = check_time_interval(kwargs.pop("train_time_interval", None), type(self).__name__)
+        if timed is not None:
+            _check_alone(timed, kwargs, type(self).__name__)
+            # Lightning's triggers as for a time interval (no saves at epoch ends unless
+            # asked), its own time check then switched off: this callback's runs instead.
+            kwargs["train_time_interval"] = timedelta(seconds=1)
+        self._timed = TimedSaves(timed)
         super().__init__(*args, **kwargs)
+        self._train_time_interval = None
         self._blocking = blocking
         self._preempt_timeout = preempt_timeout
         self._save_on_preemption = save_on_preemption
@@ -138,6 +164,25 @@ class _TaskpointMirror(Mirroring):
         """The store checkpoint that ``dirpath`` is mirrored to."""
         return self._taskpoint
 
+    @property
+    def save_interval(self) -> taskpoint.SaveInterval | None:
+        """The interval of the saves by training time (``train_time_interval``), made at
+        setup; its :attr:`~taskpoint.SaveInterval.choice` says what it chose and from what.
+        ``None`` without ``train_time_interval``, or before setup."""
+        return self._timed.interval
+
+    @property
+    def state_key(self) -> str:
+        """``ModelCheckpoint``'s key for this callback's state, naming
+        ``train_time_interval`` as given (``"auto"`` stays ``"auto"`` whatever it chooses)."""
+        return self._generate_state_key(  # type: ignore[attr-defined,no-any-return]
+            monitor=self.monitor,  # type: ignore[attr-defined]
+            mode=self.mode,  # type: ignore[attr-defined]
+            every_n_train_steps=self._every_n_train_steps,  # type: ignore[attr-defined]
+            every_n_epochs=self._every_n_epochs,  # type: ignore[attr-defined]
+            train_time_interval=self._timed.key(),
+        )
+
     # -- setup ------------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -157,6 +202,7 @@ class _TaskpointMirror(Mirroring):
         if self._nodes is None and self.dirpath is not None:
             self._nodes = self._find_nodes(trainer, Path(self.dirpath))
         if stage == "fit":
+            self._timed.start(self._taskpoint)
             if self._fit is not None:
                 self._fit.stop.close()
             files = ExceptionFiles.find(trainer, self, os.fspath(self.dirpath or "."))
@@ -170,20 +216,54 @@ class _TaskpointMirror(Mirroring):
         batch_idx: int,
     ) -> None:
         taskpoint.report_step(trainer.global_step)
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # type: ignore[misc]
-        self._mirror(trainer)
+        with self._timed.measured(self._save_token):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # type: ignore[misc]
+            if _at_step_boundary(trainer) and self._timed.due(trainer):
+                self._save_on_time(trainer)
+            self._mirror(trainer)
         fit = self._fit
         if fit is not None and _at_step_boundary(trainer) and fit.stop.requested():
             where = f"after batch {batch_idx} of epoch {trainer.current_epoch}"
             fit.stop.stop(trainer, self, where=where, checkpoint=self._taskpoint)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
-        self._mirror(trainer)
+        with self._timed.measured(self._save_token):
+            super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
+            self._mirror(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_validation_end(trainer, pl_module)  # type: ignore[misc]
-        self._mirror(trainer)
+        with self._timed.measured(self._save_token):
+            super().on_validation_end(trainer, pl_module)  # type: ignore[misc]
+            self._mirror(trainer)
+
+    # -- saves by training time (train_time_interval, see _interval) ---------------------
+
+    def _save_on_time(self, trainer: pl.Trainer) -> None:
+        """The timed save every rank agreed on, as ``ModelCheckpoint`` saves at a step:
+        top-k and ``last``; none twice at one step, none outside fitting; deferred to the
+        validation's end while the monitored metric is not logged yet."""
+        if self._should_skip_saving_checkpoint(trainer):  # type: ignore[attr-defined]
+            return
+        candidates = self._monitor_candidates(trainer)  # type: ignore[attr-defined]
+        if self.monitor is not None and self.monitor not in candidates:  # type: ignore[attr-defined]
+            self._defer_save_until_validation = True
+            return
+        self._save_topk_checkpoint(trainer, candidates)  # type: ignore[attr-defined]
+        self._save_last_checkpoint(trainer, candidates)
+
+    def _save_token(self) -> tuple[object, ...]:
+        """Changes with every save Lightning makes and every mirror started."""
+        return (
+            self._last_global_step_saved, self._last_checkpoint_saved, self._timed.mirrors
+        )
+
+    def _mirrored(self) -> None:
+        super()._mirrored()
+        # A background upload through the checkpoint (one writer) ends at its commit, which
+        # the save interval hears of; a part of several writers' runs in the mirror's thread.
+        self._timed.mirror_started(
+            background=self._nodes is None and not self._uploads.blocking
+        )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)  # type: ignore[misc]
@@ -361,6 +441,26 @@ class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
     (implements ``state_dict``/``load_state_dict``, as torchdata's
     ``StatefulDataLoader`` does).
 
+    Saves by training time: ``train_time_interval`` (a ``timedelta``) saves the top-k
+    and ``last`` checkpoints once that much time has passed since the last save, whatever
+    made it, at a step boundary: in automatic and manual optimization alike (Lightning's
+    own check runs in automatic optimization only). ``train_time_interval="auto"``
+    chooses the interval with :class:`taskpoint.SaveInterval`: Young and Daly's
+    ``sqrt(2 x cost x mean time between failures)``, from what a save costs training here
+    (the hook's time, the snapshot for the upload included, plus what the background upload
+    takes from the steps beside it) and the run's failures in the store's attempt records
+    (until there are some, a prior: ``TASKPOINT_MTBF_PRIOR_S``, four hours by default),
+    within 2% of training time and an hour at most. The first save then comes at the first
+    step, to measure its cost. For other bounds pass
+    ``taskpoint.SaveInterval.for_checkpoint(checkpoint, "auto", mtbf_prior_s=...,
+    max_overhead=..., max_interval_s=...)`` itself. Global rank zero's clock decides and
+    every rank saves at the same step (one ``strategy.broadcast`` per step boundary). As
+    in ``ModelCheckpoint``, it excludes ``every_n_train_steps`` and ``every_n_epochs``.
+    With a preemption warning (SIGTERM turned into a save) the interval only has to cover
+    the failures that come without one. :attr:`save_interval` tells what was chosen and
+    why; each change is logged at INFO and recorded in the attempt's records
+    (``taskpoint show``).
+
     Resume with :func:`taskpoint_lightning.resume_ckpt_path`.
 
     Args:
@@ -383,11 +483,16 @@ class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
             each step of a mirror (the uploads included).
         **kwargs: ``ModelCheckpoint``'s keyword arguments: ``dirpath``, ``filename``,
             ``monitor``, ``save_last`` (``True`` or ``"link"``), ``save_top_k``,
-            ``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval``, ...
+            ``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval`` (a
+            ``timedelta``, ``"auto"`` or a :class:`taskpoint.SaveInterval`; see above), ...
 
     Raises:
-        TypeError: ``checkpoint`` is not checkpoint-like (``None`` included).
-        ValueError: ``preempt_timeout`` is negative, ``timeout`` not positive; at setup,
+        TypeError: ``checkpoint`` is not checkpoint-like (``None`` included), or
+            ``train_time_interval`` is neither a ``timedelta``, ``"auto"`` nor a
+            :class:`taskpoint.SaveInterval`.
+        ValueError: ``preempt_timeout`` is negative, ``timeout`` not positive,
+            ``train_time_interval`` not positive or set with ``every_n_train_steps`` or
+            ``every_n_epochs``, ``TASKPOINT_MTBF_PRIOR_S`` unusable; at setup,
             ``dirpath`` is not a local folder, or ``TASKPOINT_SAVE_ON_PREEMPTION`` /
             ``TASKPOINT_GRACE_PERIOD`` hold something unusable.
         taskpoint.Preempted: a SIGTERM stopped training (after its save committed or
