@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from taskpoint.distributed.coordination import check_timeout
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from taskpoint_hf import _hooks
+from taskpoint_hf._interval import SaveEvery, TimedSaves, check_save_every
 from taskpoint_hf._mirror import OutputMirror, marks, written_dir
 from taskpoint_hf._preemption import Preemption
 from taskpoint_hf.resume import _step
@@ -96,6 +98,26 @@ class TaskpointTrainerCallback(TrainerCallback):
     existing name. A resumed run writes an existing ``checkpoint-N`` again, in place: files
     an upload's snapshot still shares get copies of their own first.
 
+    Saves by time: with ``save_every_s`` the callback also asks the Trainer to save
+    (``control.should_save`` at a step end) once that many seconds of training have passed
+    since the last save, whatever made it, beside ``save_strategy``/``save_steps``; the
+    Trainer writes ``checkpoint-N`` as for any save (``save_total_limit`` applies), so it
+    works under ``save_strategy="no"`` too, but not with ``"best"``, whose own decision
+    replaces every other one after evaluating. ``save_every_s="auto"`` chooses the interval
+    with :class:`taskpoint.SaveInterval`: Young and Daly's ``sqrt(2 x cost x mean time
+    between failures)``, from what a save costs training here (the time from the step's end
+    to the end of ``on_save``, plus what the background upload takes from the steps beside
+    it) and the run's failures in the store's attempt records (until there are some, a prior:
+    ``TASKPOINT_MTBF_PRIOR_S``, four hours by default), within 2% of training time and an
+    hour at most. The first save then comes at the first step, to measure its cost. For
+    other bounds pass ``taskpoint.SaveInterval.for_checkpoint(checkpoint, "auto",
+    mtbf_prior_s=..., max_overhead=..., max_interval_s=...)`` itself. In a distributed job
+    world process zero's clock decides and every rank saves at the same step (one broadcast
+    per step). With a preemption warning (SIGTERM turned into a save) the interval only has
+    to cover the failures that come without one. :attr:`save_interval` tells what was chosen
+    and why; each change is logged at INFO and recorded in the attempt's records
+    (``taskpoint show``).
+
     Resume with :func:`~taskpoint_hf.restore_last_checkpoint`.
 
     Args:
@@ -115,11 +137,17 @@ class TaskpointTrainerCallback(TrainerCallback):
         save_on_preemption: whether SIGTERM becomes a save; ``None`` decides with
             :func:`taskpoint.preemption.save_on_preemption` (inside a task, or when the
             Trainer has ``enable_jit_checkpoint``).
+        save_every_s: save also once this many seconds of training have passed since the
+            last save; ``"auto"`` to choose the interval from the save's cost and the run's
+            failures; a :class:`taskpoint.SaveInterval` of your own (other bounds, another
+            clock); ``None`` (the default): by ``save_strategy`` only.
 
     Raises:
-        TypeError: ``checkpoint`` lacks the checkpoint methods, or ``output_dir`` is not a
-            path.
-        ValueError: ``preempt_timeout`` is negative, or ``timeout`` not positive.
+        TypeError: ``checkpoint`` lacks the checkpoint methods, ``output_dir`` is not a
+            path, or ``save_every_s`` is neither seconds, ``"auto"`` nor a
+            :class:`taskpoint.SaveInterval`.
+        ValueError: ``preempt_timeout`` is negative, ``timeout`` or ``save_every_s`` not
+            positive, or ``TASKPOINT_MTBF_PRIOR_S`` unusable.
     """
 
     def __init__(
@@ -131,6 +159,7 @@ class TaskpointTrainerCallback(TrainerCallback):
         preempt_timeout: float | None = 60.0,
         timeout: float = 600.0,
         save_on_preemption: bool | None = None,
+        save_every_s: SaveEvery | None = None,
     ) -> None:
         if not isinstance(checkpoint, CheckpointLike):
             raise TypeError(
@@ -146,6 +175,7 @@ class TaskpointTrainerCallback(TrainerCallback):
             raise ValueError(
                 f"preempt_timeout must be a number of seconds >= 0 or None; got {preempt_timeout!r}"
             )
+        self._timed = TimedSaves(check_save_every(save_every_s))
         self._checkpoint = checkpoint
         self._output_dir = Path(os.fspath(output_dir)) if output_dir is not None else None
         self._saves = OutputMirror(checkpoint, blocking=blocking, timeout=check_timeout(timeout))
@@ -161,6 +191,13 @@ class TaskpointTrainerCallback(TrainerCallback):
             f"TaskpointTrainerCallback({self._checkpoint!r}, output_dir={self._output_dir!r}, "
             f"blocking={self._saves.uploads.blocking})"
         )
+
+    @property
+    def save_interval(self) -> taskpoint.SaveInterval | None:
+        """The interval of the saves by time (``save_every_s``), made when training
+        begins; its :attr:`~taskpoint.SaveInterval.choice` says what it chose and from
+        what. ``None`` without ``save_every_s``, or before training."""
+        return self._timed.interval
 
     @property
     def output_dir(self) -> Path | None:
@@ -220,6 +257,7 @@ class TaskpointTrainerCallback(TrainerCallback):
         trainer = _hooks.calling_trainer(self)
         guarded = trainer is not None and _hooks.guard_train(trainer, self._training_failed)
         self._saves.start(folder)
+        self._timed.start(self._checkpoint)
         self._preemption.begin(handler, state, self._on_preempt, guarded=guarded)
         if (
             state.is_world_process_zero
@@ -253,8 +291,15 @@ class TaskpointTrainerCallback(TrainerCallback):
             taskpoint.CheckpointError: the previous background upload failed (on world
                 process zero; the store keeps the checkpoint before it).
         """
+        began = time.monotonic()
         self._saves.written(state.global_step)
         self._saves.save(self._folder(args), state, state.global_step)
+        # One writer's background upload goes on until its commit, which the interval hears of.
+        background = (
+            state.is_world_process_zero and self._saves.nodes is None
+            and not self._saves.uploads.blocking
+        )
+        self._timed.saved(began, background=background)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -267,6 +312,7 @@ class TaskpointTrainerCallback(TrainerCallback):
             args, state, control, gather=self._saves.gather, settle=self._saves.settle,
             estimate=self._saves.estimate,
         )
+        self._timed.at_step_end(control)
         self._next(args, state, control)
 
     def on_epoch_end(
@@ -274,6 +320,7 @@ class TaskpointTrainerCallback(TrainerCallback):
     ) -> None:
         """Unshare ``checkpoint-N`` if the Trainer is about to write it again."""
         self._preemption.at_epoch_end(state, control)
+        self._timed.asked(control)
         self._next(args, state, control)
 
     def on_evaluate(
@@ -282,6 +329,7 @@ class TaskpointTrainerCallback(TrainerCallback):
         """Unshare ``checkpoint-N`` if the Trainer is about to write it again
         (``save_strategy="best"`` decides to save only after evaluating)."""
         best = str(getattr(args.save_strategy, "value", args.save_strategy)) == "best"
+        self._timed.before_save(control)
         self._saves.unshare_next(written_dir(args.output_dir), state.global_step, saving=best)
 
     def on_log(
@@ -294,6 +342,7 @@ class TaskpointTrainerCallback(TrainerCallback):
     ) -> None:
         """Add the figures of the saves committed since the last log to ``logs``, where the
         Trainer's ``on_log`` could not be hooked (otherwise the hook has added them)."""
+        self._timed.before_save(control)
         if logs is not None and self._logs.hooked() is None:
             self._add_figures(state, control, logs)
 
