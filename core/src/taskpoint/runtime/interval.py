@@ -69,6 +69,8 @@ __all__ = [
     "MTBF_PRIOR_S",
     "IntervalChoice",
     "SaveInterval",
+    "SaveSchedule",
+    "check_every",
     "mean_time_between_failures",
     "young_daly",
 ]
@@ -163,6 +165,29 @@ def mean_time_between_failures(
             observed += end - record.started
         failures += _lost_work(record, current)
     return (prior_s + observed) / (1 + failures), failures, observed
+
+
+def check_every(every: object, name: str = "every") -> float | Literal["auto"]:
+    """``every`` as a save interval: a positive, finite number of seconds or ``"auto"``.
+
+    Args:
+        every: the value given.
+        name: the argument's name, for the error (an adapter's ``every_s``).
+
+    Raises:
+        ValueError: anything else (a bool, a string other than ``"auto"``, 0, a negative or
+            infinite number), naming ``name`` and the value.
+    """
+    if every == "auto":
+        return "auto"
+    if (
+        isinstance(every, bool)
+        or not isinstance(every, (int, float))
+        or not math.isfinite(every)
+        or every <= 0
+    ):
+        raise ValueError(f'{name} must be a positive number of seconds or "auto"; got {every!r}')
+    return float(every)
 
 
 def _prior_from(env: Mapping[str, str], default: float = MTBF_PRIOR_S) -> float:
@@ -261,6 +286,8 @@ class SaveInterval:
         max_overhead: the largest share of training time automatic saves may cost, in (0, 1).
         max_interval_s: the longest automatic interval, seconds.
         clock: seconds, monotonic (:func:`time.monotonic`); tests pass a fake one.
+        since: the clock's reading when training started (or resumed), from which the
+            first interval counts; ``None``: now.
 
     Raises:
         ValueError: an argument is out of range, or ``TASKPOINT_MTBF_PRIOR_S`` is unusable.
@@ -276,16 +303,9 @@ class SaveInterval:
         max_overhead: float = MAX_OVERHEAD,
         max_interval_s: float = MAX_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        since: float | None = None,
     ) -> None:
-        if every != "auto" and (
-            isinstance(every, bool)
-            or not isinstance(every, (int, float))
-            or not math.isfinite(every)
-            or every <= 0
-        ):
-            raise ValueError(
-                f'every must be a positive number of seconds or "auto"; got {every!r}'
-            )
+        check_every(every)
         if not (isinstance(max_overhead, (int, float)) and 0 < max_overhead < 1):
             raise ValueError(f"max_overhead must be a fraction in (0, 1); got {max_overhead!r}")
         if not (isinstance(max_interval_s, (int, float)) and 0 < max_interval_s < math.inf):
@@ -308,7 +328,7 @@ class SaveInterval:
         self._lock = threading.RLock()
         self._history: Sequence[AttemptRecord] = tuple(history)
         self._current = current
-        self._since = clock()  # when the last save took its state, or the start
+        self._since = clock() if since is None else since  # the last save's state, or the start
         self._last_step: float | None = None
         self._step_s: float | None = None  # running mean of a step with no upload beside it
         self._uploading_until: float | None = None
@@ -330,6 +350,7 @@ class SaveInterval:
         mtbf_prior_s: float | None = None,
         max_overhead: float = MAX_OVERHEAD,
         max_interval_s: float = MAX_INTERVAL_S,
+        since: float | None = None,
     ) -> SaveInterval:
         """The interval of the saves made through ``checkpoint``.
 
@@ -348,13 +369,14 @@ class SaveInterval:
             mtbf_prior_s: the prior mean time between failures (see the class).
             max_overhead: the largest share of training time automatic saves may cost.
             max_interval_s: the longest automatic interval, seconds.
+            since: the clock's reading when training started (``None``: now).
 
         Raises:
             ValueError: as the constructor.
         """
         interval = cls(
             every, clock=clock, mtbf_prior_s=mtbf_prior_s, max_overhead=max_overhead,
-            max_interval_s=max_interval_s,
+            max_interval_s=max_interval_s, since=since,
         )
         if isinstance(checkpoint, Checkpoint):
             if interval._auto:
@@ -534,6 +556,83 @@ class _Recorder:
             return
         self._last = choice
         self._checkpoint.record_interval(choice.to_record())
+
+
+class SaveSchedule:
+    """Which of an adapter's step boundaries save: every N steps, every N seconds (or
+    ``"auto"``), either, or both (a save happens when either says so, and any save
+    restarts the time).
+
+    Holds the :class:`SaveInterval` of the checkpoint and ``every_s`` last given
+    (:meth:`SaveInterval.for_checkpoint`), made anew when either changes. The first interval
+    counts from :meth:`start` (the adapter calls it when training starts or resumes: after
+    its restore), else from the first boundary.
+
+    Args:
+        clock: seconds, monotonic, for the interval (tests pass a fake one).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._interval: SaveInterval | None = None
+        self._checkpoint: object = None
+        self._every_s: float | str | None = None
+        self._started: float | None = None
+
+    def start(self) -> None:
+        """Training starts (or resumes) now: the first interval counts from here."""
+        self._started = self.clock()
+
+    @property
+    def interval(self) -> SaveInterval | None:
+        """The interval in use (``None`` before a call with ``every_s``)."""
+        return self._interval
+
+    def due(
+        self,
+        checkpoint: object,
+        counter: int | None,
+        every: int | None,
+        every_s: float | Literal["auto"] | None,
+        agree: Callable[[bool], bool] | None = None,
+    ) -> bool:
+        """A step boundary: whether it saves. Without ``every`` and ``every_s``, always;
+        with an unusable ``counter`` (``None``), always (the save then says what is wrong);
+        else when ``counter`` is a multiple of ``every`` or the interval is due. With
+        ``every_s`` the step is timed and ``agree`` (every rank's collective returning
+        rank 0's value) is called once, whatever the steps say, so every rank makes the
+        same calls.
+
+        Args:
+            checkpoint: where the saves go.
+            counter: the loop's step (or chunk, epoch) counter.
+            every: save when ``counter`` is a multiple of it (validated by the adapter).
+            every_s: seconds of training between saves, or ``"auto"``.
+            agree: see :meth:`SaveInterval.due`.
+
+        Raises:
+            ValueError: ``every_s`` is not a positive number of seconds or ``"auto"``.
+        """
+        interval = None
+        if every_s is not None:
+            every_s = check_every(every_s, "every_s")
+            interval = self._interval
+            if interval is None or self._checkpoint is not checkpoint or self._every_s != every_s:
+                interval = SaveInterval.for_checkpoint(
+                    checkpoint, every_s, clock=self.clock, since=self._started
+                )
+                self._interval, self._checkpoint, self._every_s = interval, checkpoint, every_s
+            interval.step_done()
+        by_time = interval.due(agree) if interval is not None else False
+        if counter is None or (every is None and interval is None):
+            return True
+        return by_time or (every is not None and counter % every == 0)
+
+    def saved(self, *, blocked_s: float, background: bool = False) -> None:
+        """A save was made at a boundary (whichever rule asked for it): restart the time
+        and measure the save (see :meth:`SaveInterval.saved`)."""
+        if self._interval is not None:
+            self._interval.saved(blocked_s=max(0.0, blocked_s), background=background)
 
 
 def _mix(old: float, new: float) -> float:
