@@ -11,6 +11,7 @@ from taskpoint import Checkpoint
 from taskpoint.format.history import AttemptRecord, claim_attempt, read_attempts, record_end
 from taskpoint.runtime.interval import (
     MTBF_PRIOR_S,
+    IntervalChoice,
     SaveInterval,
     mean_time_between_failures,
     young_daly,
@@ -320,3 +321,12 @@ def test_the_public_names() -> None:
 
     assert taskpoint.SaveInterval is SaveInterval
     assert taskpoint.IntervalChoice is SaveInterval("auto").choice.__class__
+
+
+def test_a_garbage_interval_record_reads_as_unknown() -> None:
+    assert IntervalChoice.from_record({"interval_s": "soon", "rule": "fixed"}) is None
+    assert IntervalChoice.from_record({"interval_s": 5.0}) is None
+    choice = IntervalChoice.from_record({"interval_s": 5.0, "rule": "young-daly", "failures": True})
+    assert choice is not None and choice.failures == 0 and choice.save_cost_s is None
+    full = IntervalChoice(120.0, "young-daly", 2.0, 3600.0, 1, 50.0, 3600.0)
+    assert IntervalChoice.from_record(full.to_record()) == full
