@@ -247,13 +247,14 @@ def test_a_preempted_life_whose_save_committed_lost_nothing(
     now = [1_700_000_000.0]
     monkeypatch.setattr("taskpoint.format.history.time.time", lambda: now[0])
     store = Store(tmp_path.as_uri())
-    for number in range(4):
+    for number, saved in enumerate(["committed", "committed", "committed", "missed"]):
         claim_attempt(store, number)
         now[0] += 60.0
-        record_end(store, number, "preempted", preemption_save="committed")
+        record_end(store, number, "preempted", preemption_save=saved)  # type: ignore[arg-type]
     monkeypatch.undo()
     choice = _first_auto_save(Checkpoint(tmp_path.as_uri()), FakeClock(), 1.0).choice
-    assert choice.failures == 0
+    assert choice.failures == 1, "only the preemption whose save was missed lost work"
+    assert choice.observed_s == pytest.approx(240.0)
 
 
 def test_a_background_uploads_cost_counts_until_its_commit(tmp_path: Path) -> None:
