@@ -166,10 +166,12 @@ def test_auto_from_the_knob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_bad_intervals_are_named(tmp_path: Path) -> None:
     ckpt = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}")
-    with pytest.raises(TypeError, match=r"save_every_s takes .*got '10'"):
+    with pytest.raises(ValueError, match=r"save_every_s must be .* or \"auto\"; got '10'"):
         TaskpointTrainerCallback(ckpt, save_every_s="10")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"positive number of seconds; got -1"):
+    with pytest.raises(ValueError, match=r"save_every_s must be a positive number .*got -1"):
         TaskpointTrainerCallback(ckpt, save_every_s=-1)
+    with pytest.raises(ValueError, match=r"got True"):
+        TaskpointTrainerCallback(ckpt, save_every_s=True)
 
 
 @pytest.mark.slow

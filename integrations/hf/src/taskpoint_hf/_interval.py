@@ -16,38 +16,33 @@ upload running in the background is measured by the interval itself, until its c
 
 from __future__ import annotations
 
-import math
 import time
-from typing import Literal, Union
+from typing import Literal
 
 from taskpoint import CheckpointLike, SaveInterval
 from taskpoint.distributed import broadcast_from_zero
+from taskpoint.runtime.interval import check_every
 from transformers import TrainerControl
 
 __all__ = ["SaveEvery", "TimedSaves", "check_save_every"]
 
-SaveEvery = Union[float, Literal["auto"], SaveInterval]
+SaveEvery = float | Literal["auto"] | SaveInterval
 """What ``save_every_s`` accepts."""
 
 
 def check_save_every(value: object) -> SaveEvery | None:
-    """``value`` if ``save_every_s`` accepts it.
+    """``value`` if ``save_every_s`` accepts it (seconds as a ``float``).
 
     Raises:
-        TypeError: it is neither ``None``, a number, ``"auto"`` nor a
-            :class:`taskpoint.SaveInterval`.
-        ValueError: a number that is not positive and finite.
+        ValueError: it is neither ``None``, a positive finite number of seconds, ``"auto"``
+            nor a :class:`taskpoint.SaveInterval`.
     """
-    if value is None or value == "auto" or isinstance(value, SaveInterval):
-        return value  # type: ignore[return-value]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            "save_every_s takes a number of seconds, \"auto\" (an interval chosen from the "
-            f"save's cost and the run's failures) or a taskpoint.SaveInterval; got {value!r}"
-        )
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"save_every_s must be a positive number of seconds; got {value!r}")
-    return float(value)
+    if value is None or isinstance(value, SaveInterval):
+        return value
+    try:
+        return check_every(value, "save_every_s")
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or a taskpoint.SaveInterval)") from None
 
 
 class TimedSaves:

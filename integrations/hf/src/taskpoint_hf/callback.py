@@ -143,11 +143,12 @@ class TaskpointTrainerCallback(TrainerCallback):
             clock); ``None`` (the default): by ``save_strategy`` only.
 
     Raises:
-        TypeError: ``checkpoint`` lacks the checkpoint methods, ``output_dir`` is not a
-            path, or ``save_every_s`` is neither seconds, ``"auto"`` nor a
-            :class:`taskpoint.SaveInterval`.
-        ValueError: ``preempt_timeout`` is negative, ``timeout`` or ``save_every_s`` not
-            positive, or ``TASKPOINT_MTBF_PRIOR_S`` unusable.
+        TypeError: ``checkpoint`` lacks the checkpoint methods, or ``output_dir`` is not a
+            path.
+        ValueError: ``preempt_timeout`` is negative, ``timeout`` not positive,
+            ``save_every_s`` neither positive seconds, ``"auto"`` nor a
+            :class:`taskpoint.SaveInterval`; when training begins, ``TASKPOINT_MTBF_PRIOR_S``
+            is unusable.
     """
 
     def __init__(
@@ -390,7 +391,11 @@ class TaskpointTrainerCallback(TrainerCallback):
     ) -> None:
         """Add the figures of the saves committed since the last log to ``logs``."""
         if state.is_world_process_zero:
-            logs.update(self._saves.figures(state, control, self._preemption.stopping))
+            figures = self._saves.figures(state, control, self._preemption.stopping)
+            interval = self._timed.interval
+            if figures and interval is not None:  # the interval now, beside the save's cost
+                figures.update(interval.choice.metrics())
+            logs.update(figures)
 
     def _next(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> None:
         """The Trainer may write ``checkpoint-N`` next: unshare it, note when."""

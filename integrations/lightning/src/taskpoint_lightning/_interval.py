@@ -16,13 +16,12 @@ restarts the interval; the upload running in the background is measured by the
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Literal
 
 import taskpoint
 from taskpoint import CheckpointLike, SaveInterval
@@ -32,9 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TimeInterval", "TimedSaves", "check_time_interval"]
 
-log = logging.getLogger(__name__)
-
-TimeInterval = Union[timedelta, Literal["auto"], SaveInterval]
+TimeInterval = timedelta | Literal["auto"] | SaveInterval
 """What ``train_time_interval`` accepts."""
 
 
@@ -47,7 +44,7 @@ def check_time_interval(value: object, owner: str) -> TimeInterval | None:
         ValueError: a ``timedelta`` that is not positive.
     """
     if value is None or value == "auto" or isinstance(value, SaveInterval):
-        return value  # type: ignore[return-value]
+        return value
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
         if not (math.isfinite(seconds) and seconds > 0):
@@ -102,7 +99,7 @@ class TimedSaves:
         if self.interval is not None or self.spec is None or isinstance(self.spec, SaveInterval):
             return
         every: float | Literal["auto"] = (
-            "auto" if self.spec == "auto" else self.spec.total_seconds()  # type: ignore[union-attr]
+            "auto" if self.spec == "auto" else self.spec.total_seconds()
         )
         if isinstance(checkpoint, taskpoint.Checkpoint):
             self.interval = SaveInterval.for_checkpoint(checkpoint, every)
@@ -129,16 +126,23 @@ class TimedSaves:
         self._background = background
 
     @contextmanager
-    def measured(self, saved: Callable[[], Hashable]) -> Iterator[None]:
+    def measured(self, trainer: pl.Trainer, saved: Callable[[], Hashable]) -> Iterator[None]:
         """Time the block; when ``saved()`` changed across it (Lightning saved, or a mirror
         started), tell the interval what training waited, and whether an upload goes on
-        in the background until its commit."""
+        in the background until its commit; on global rank zero, log the interval then in
+        force to the Trainer's loggers (``taskpoint/interval_s``, and for ``"auto"`` its
+        inputs: :meth:`taskpoint.IntervalChoice.metrics`)."""
         interval = self.interval
         if interval is None:
             yield
             return
         before, mirrors, began = saved(), self.mirrors, time.monotonic()
         yield
-        if saved() != before:
-            background = self.mirrors != mirrors and self._background
-            interval.saved(blocked_s=max(0.0, time.monotonic() - began), background=background)
+        if saved() == before:
+            return
+        background = self.mirrors != mirrors and self._background
+        interval.saved(blocked_s=max(0.0, time.monotonic() - began), background=background)
+        if trainer.is_global_zero:
+            metrics = interval.choice.metrics()
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)

@@ -129,7 +129,7 @@ class _TaskpointMirror(Mirroring):
             kwargs["train_time_interval"] = timedelta(seconds=1)
         self._timed = TimedSaves(timed)
         super().__init__(*args, **kwargs)
-        self._train_time_interval = None
+        self._train_time_interval: timedelta | None = None
         self._blocking = blocking
         self._preempt_timeout = preempt_timeout
         self._save_on_preemption = save_on_preemption
@@ -216,7 +216,7 @@ class _TaskpointMirror(Mirroring):
         batch_idx: int,
     ) -> None:
         taskpoint.report_step(trainer.global_step)
-        with self._timed.measured(self._save_token):
+        with self._timed.measured(trainer, self._save_token):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # type: ignore[misc]
             if _at_step_boundary(trainer) and self._timed.due(trainer):
                 self._save_on_time(trainer)
@@ -227,12 +227,12 @@ class _TaskpointMirror(Mirroring):
             fit.stop.stop(trainer, self, where=where, checkpoint=self._taskpoint)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        with self._timed.measured(self._save_token):
+        with self._timed.measured(trainer, self._save_token):
             super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
             self._mirror(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        with self._timed.measured(self._save_token):
+        with self._timed.measured(trainer, self._save_token):
             super().on_validation_end(trainer, pl_module)  # type: ignore[misc]
             self._mirror(trainer)
 
@@ -361,7 +361,7 @@ class _TaskpointMirror(Mirroring):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
-        key: str = self.state_key  # type: ignore[attr-defined]
+        key: str = self.state_key
         self._rng_for_train_start = load_from_checkpoint(trainer, checkpoint, key)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
