@@ -55,7 +55,7 @@ def test_saves_every_interval_of_training_time(tmp_path: Path) -> None:
     restored = ckpt.load_sync()
     assert restored is not None and checkpoints(restored) == [3, 6, 9, 12]
     assert callback.save_interval is not None
-    assert callback.save_interval.choice.interval_s == 25.0
+    assert callback.save_interval.interval_s == 25.0
 
 
 def test_alongside_save_steps_and_restarted_by_every_save(tmp_path: Path) -> None:
@@ -134,13 +134,13 @@ def test_auto_saves_more_often_after_failures(
 
     new, failing = (runs[n][0].save_interval for n in ("new", "failing"))
     assert new is not None and failing is not None
-    assert new.choice.failures == 0 and failing.choice.failures == 60
-    assert new.choice.mtbf_s == pytest.approx(4 * 3600, rel=0.01)  # the prior
-    assert failing.choice.mtbf_s is not None and failing.choice.mtbf_s < 4 * 3600 / 50
+    assert new.failures == 0 and failing.failures == 60
+    assert new.mtbf_s == pytest.approx(4 * 3600, rel=0.01)  # the prior
+    assert failing.mtbf_s is not None and failing.mtbf_s < 4 * 3600 / 50
     # The first save comes at the first step, to measure its cost; then the interval.
     new_steps, failing_steps = runs["new"][1].steps, runs["failing"][1].steps
     assert new_steps[0] == 1 and failing_steps[0] == 1
-    assert failing.choice.interval_s < new.choice.interval_s
+    assert failing.interval_s < new.interval_s
     assert len(failing_steps) > len(new_steps)
 
 
@@ -152,16 +152,20 @@ def test_auto_from_the_knob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     ckpt = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}")
     callback = TaskpointTrainerCallback(ckpt, tmp_path / "out", save_every_s="auto")
     assert callback.save_interval is None
-    saves = SavedSteps()
+    saves, logged = SavedSteps(), kit.LogRecorder()
     trainer = kit.classifier_trainer(
-        tmp_path / "out", callbacks=[Tick(clock), saves, callback], save_strategy="no",
+        tmp_path / "out", callbacks=[logged, Tick(clock), saves, callback], save_strategy="no",
         save_total_limit=None,
     )
     trainer.train()
     assert callback.save_interval is not None
-    assert callback.save_interval.choice.mtbf_s == pytest.approx(1800, rel=0.01)
-    assert callback.save_interval.choice.rule != "fixed"
+    assert callback.save_interval.mtbf_s == pytest.approx(1800, rel=0.01)
+    assert callback.save_interval.rule != "fixed"
     assert saves.steps[0] == 1  # the first save measures the cost
+    # The interval and its inputs reach the logs beside the saves' figures.
+    figures = [entry for entry in logged.logs if "taskpoint/interval_s" in entry]
+    assert figures and all("taskpoint/upload_s" in entry for entry in figures)
+    assert figures[-1]["taskpoint/mtbf_s"] == pytest.approx(1800, rel=0.01)
 
 
 def test_bad_intervals_are_named(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ The clock is a fake one that advances at each batch start (:class:`Tick`): no te
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 import taskpoint
 import taskpoint_lightning_testlib as lib
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from taskpoint import SaveInterval
 from taskpoint_lightning import TaskpointModelCheckpoint
 
@@ -88,7 +90,7 @@ def test_saves_every_interval_of_training_time(tmp_path: Path, module: type) -> 
     # 30 s after the start, then 30 s after each save (25 s reached within the next step);
     # none at the epochs' ends (as ModelCheckpoint with train_time_interval).
     assert saved_steps(dirpath) == [3, 6, 9]
-    assert mc.save_interval is interval
+    assert mc.save_interval == interval.choice
     restored = ckpt.load_sync()
     assert restored is not None and saved_steps(restored) == [3, 6, 9]
 
@@ -104,8 +106,8 @@ def test_a_timedelta_saves_under_manual_optimization(tmp_path: Path) -> None:
     fit(mc, Clock(), ManualModule(), default_root_dir=tmp_path)
     assert saved_steps(dirpath) == list(range(1, 11))
     assert mc.save_interval is not None
-    assert mc.save_interval.choice.rule == "fixed"
-    assert mc.save_interval.choice.interval_s == pytest.approx(1e-6)
+    assert mc.save_interval.rule == "fixed"
+    assert mc.save_interval.interval_s == pytest.approx(1e-6)
     # Lightning's state key names the timedelta as ModelCheckpoint does.
     assert "train_time_interval': datetime.timedelta(microseconds=1)" in mc.state_key
 
@@ -139,13 +141,13 @@ def test_auto_saves_more_often_after_failures(
 
     new, failing = (runs[n][0].save_interval for n in ("new", "failing"))
     assert new is not None and failing is not None
-    assert new.choice.failures == 0 and failing.choice.failures == 60
-    assert new.choice.mtbf_s == pytest.approx(4 * 3600, rel=0.01)  # the prior
-    assert failing.choice.mtbf_s is not None and failing.choice.mtbf_s < 4 * 3600 / 50
-    assert failing.choice.save_cost_s is not None and failing.choice.save_cost_s > 0
+    assert new.failures == 0 and failing.failures == 60
+    assert new.mtbf_s == pytest.approx(4 * 3600, rel=0.01)  # the prior
+    assert failing.mtbf_s is not None and failing.mtbf_s < 4 * 3600 / 50
+    assert failing.save_cost_s is not None and failing.save_cost_s > 0
     # The first save comes at the first step, to measure its cost; then the interval.
     assert runs["new"][1][0] == 1 and runs["failing"][1][0] == 1
-    assert failing.choice.interval_s < new.choice.interval_s
+    assert failing.interval_s < new.interval_s
     assert len(runs["failing"][1]) > len(runs["new"][1])
 
 
@@ -156,12 +158,17 @@ def test_auto_from_the_knob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     ckpt = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}")
     mc = TaskpointModelCheckpoint(ckpt, dirpath=tmp_path / "ckpts", train_time_interval="auto")
     assert mc.save_interval is None  # made at setup
-    fit(mc, Clock(), lib.TinyModule(), default_root_dir=tmp_path)
+    logger = CSVLogger(tmp_path / "logs", name="", version="")
+    fit(mc, Clock(), lib.TinyModule(), default_root_dir=tmp_path, logger=logger)
     assert mc.save_interval is not None
-    assert mc.save_interval.choice.mtbf_s == pytest.approx(1800, rel=0.01)
-    assert mc.save_interval.choice.rule != "fixed"
+    assert mc.save_interval.mtbf_s == pytest.approx(1800, rel=0.01)
+    assert mc.save_interval.rule != "fixed"
     assert "train_time_interval': 'auto'" in mc.state_key
     assert saved_steps(tmp_path / "ckpts")[0] == 1  # the first save measures the cost
+    # The interval and its inputs reach the loggers beside the saves' figures.
+    with (tmp_path / "logs" / "metrics.csv").open() as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("taskpoint/interval_s")]
+    assert rows and float(rows[-1]["taskpoint/mtbf_s"]) == pytest.approx(1800, rel=0.01)
 
 
 def test_bad_intervals_are_named(tmp_path: Path) -> None:

@@ -194,11 +194,13 @@ class TaskpointTrainerCallback(TrainerCallback):
         )
 
     @property
-    def save_interval(self) -> taskpoint.SaveInterval | None:
-        """The interval of the saves by time (``save_every_s``), made when training
-        begins; its :attr:`~taskpoint.SaveInterval.choice` says what it chose and from
-        what. ``None`` without ``save_every_s``, or before training."""
-        return self._timed.interval
+    def save_interval(self) -> taskpoint.IntervalChoice | None:
+        """The interval of the saves by time (``save_every_s``) now in force, and for
+        ``"auto"`` what it was chosen from (its ``metrics()`` are the ``taskpoint/*``
+        figures logged beside each save). ``None`` without ``save_every_s``, or before
+        training begins. Local to this rank: world process zero's decides."""
+        interval = self._timed.interval
+        return None if interval is None else interval.choice
 
     @property
     def output_dir(self) -> Path | None:

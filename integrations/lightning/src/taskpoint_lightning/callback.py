@@ -165,11 +165,14 @@ class _TaskpointMirror(Mirroring):
         return self._taskpoint
 
     @property
-    def save_interval(self) -> taskpoint.SaveInterval | None:
-        """The interval of the saves by training time (``train_time_interval``), made at
-        setup; its :attr:`~taskpoint.SaveInterval.choice` says what it chose and from what.
-        ``None`` without ``train_time_interval``, or before setup."""
-        return self._timed.interval
+    def save_interval(self) -> taskpoint.IntervalChoice | None:
+        """The interval of the saves by training time (``train_time_interval``) now in
+        force, and for ``"auto"`` what it was chosen from (its ``metrics()`` are the
+        ``taskpoint/*`` figures logged beside each save). ``None`` without
+        ``train_time_interval``, or before setup. Local to this rank: global rank zero's
+        decides."""
+        interval = self._timed.interval
+        return None if interval is None else interval.choice
 
     @property
     def state_key(self) -> str:
