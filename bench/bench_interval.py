@@ -2,8 +2,8 @@
 saved at fixed intervals from very short to very long, at the frameworks' defaults, and at
 ``every_s="auto"``; goodput against interval, per failure rate.
 
-Run: uv run python bench/bench_interval.py [--scale 0.02] [--failures 3] [--step-s 0.025]
-        [--size-mb 8] [--intervals 1,3,10,30,100,300,1000] [--mtbfs 30,120,600]
+Run: uv run python bench/bench_interval.py [--scale 0.015] [--failures 3] [--step-s 0.025]
+        [--size-mb 8] [--intervals 1,3,10,30,100,300] [--mtbfs 30,120,600]
         [--autos default,schedule] [--seed 0] [--json PATH] [--svg PATH]
      uv run python bench/bench_interval.py --replot PATH.json [--svg PATH] [--note TEXT]
 
@@ -14,9 +14,9 @@ after each failure as an orchestrator restarts a pod, on SeaweedFS S3 on loopbac
 goodput and badput by cause accounted the same way (see that module's docstring).
 
 Scaled to the machine. The failure rates are real-world ones (``--mtbfs``: a mean time
-between failures of 30 s, 2 min and 10 min); the sweep runs them ``--scale`` times faster
-(0.02: a real minute is 1.2 s here). A step of the job (``--step-s``, 25 ms of "compute"
-on ``--size-mb`` of state) stands for one real training step of ``step_s / scale`` (1.25 s
+between failures of 30 s, 2 min and 10 min); the sweep runs them ``--scale`` times as fast
+(0.015: a real minute is 0.9 s here). A step of the job (``--step-s``, 25 ms of "compute"
+on ``--size-mb`` of state) stands for one real training step of ``step_s / scale`` (1.67 s
 by default), so a step count means the same here and at full scale, and so do the
 frameworks' defaults, which count steps:
 
@@ -29,8 +29,10 @@ beside it) is what the machine makes of ``--size-mb``: it is printed, with the r
 stands for at this scale (cost / scale). What does not scale is the restart: a new process
 imports torch and taskpoint (a few seconds on 2 cores), which stands for minutes at full
 scale. It costs every interval of a schedule the same (the same failures at the same
-steps), so besides goodput the bench prints goodput net of restarts and restores, the part
-an interval can change.
+steps) but for noise, so besides goodput the bench prints a net goodput: the uninterrupted
+run's time over itself plus what the interval decides (time blocked in saves, steps
+recomputed, steps slowed by the uploads beside them), without restarts, restores and the
+first start.
 
 The failures: per schedule, ``--failures`` (K) failures over K mean times between failures
 of training (the run's length: ``K x MTBF x scale / step_s`` steps). Their times are a
@@ -51,6 +53,10 @@ The variants of each schedule:
   ``MTBF_PRIOR_S x scale``: what a job that sets nothing gets);
 - ``auto+prior``: the same with the prior set to the schedule's own MTBF (scaled), as a
   platform's figure would set it (``--autos`` picks which of the two run).
+
+Auto's other bounds stay the library's: its longest interval (an hour) is longer than any
+run here either way, and its overhead bound (2% of training time) is a share, which scaling
+leaves alone. Auto's interval on the plot is its mean over the run (steps over saves).
 
 Reported per schedule: goodput (the uninterrupted run's time over the run's wall time) of
 every variant, the best fixed interval in hindsight (fixed and defaults), each auto's goodput
@@ -101,8 +107,9 @@ LIGHTNING_EPOCH_STEPS = 1250
 images) at a global batch of 1024."""
 TRAINER_SAVE_STEPS = 500
 """Hugging Face ``Trainer``'s default ``save_steps``."""
-INTERVALS = (1, 3, 10, 30, 100, 300, 1000)
-"""The fixed intervals (steps), about half a decade apart."""
+INTERVALS = (1, 3, 10, 30, 100, 300)
+"""The fixed intervals (steps), about half a decade apart; the frameworks' defaults
+add 500 steps and an epoch (past every run's end: a save at the end only)."""
 KINDS = ("sigkill", "exception")
 """The failures drawn by default: those without a warning."""
 MTBF_PRIOR_S = 4 * 3600.0
@@ -189,6 +196,20 @@ def variants(intervals: Sequence[int], autos: Sequence[str], mtbf_scaled_s: floa
         else:
             raise ValueError(f"--autos takes default and/or schedule; got {which!r}")
     return out
+
+
+def estimate_s(mtbfs: Sequence[float], intervals: Sequence[int], autos: Sequence[str],
+               failures: int, scale: float, step_s: float, start_s: float) -> float:
+    """About how long a sweep takes (seconds), if a life starts in ``start_s``: per
+    schedule its reference run and each distinct run, ``failures + 1`` lives' starts and
+    its steps (a fifth more for saves and recomputed steps)."""
+    total = 0.0
+    for mtbf in mtbfs:
+        steps = run_steps(mtbf, failures, scale, step_s)
+        runs = len({v.key(steps) for v in variants(intervals, autos, mtbf * scale, scale)})
+        total += start_s + steps * step_s + runs * ((failures + 1) * start_s
+                                                     + 1.2 * steps * step_s)
+    return total
 
 
 def verdict(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -434,7 +455,12 @@ def run_schedule(mtbf_s: float, args: argparse.Namespace, base: dict[str, str],
                          folder / "reference", [], args.grace, 0, limit)
     ref = view(reference.lives[-1])
     assert ref.end is not None
-    print(f"  uninterrupted run {ref.end - ref.spawn:.1f} s", flush=True)
+    start = min(t0 for t0, _ in ref.steps.values()) - ref.spawn
+    autos = args.autos if auto_ok else []
+    print(f"  uninterrupted run {ref.end - ref.spawn:.1f} s, {start:.1f} s of it the start; "
+          f"at that, this schedule takes about "
+          f"{estimate_s([mtbf_s], args.intervals, autos, args.failures, args.scale, args.step_s, start) / 60:.1f} min",
+          flush=True)
     rows: list[dict[str, Any]] = []
     done: dict[str, dict[str, Any]] = {}
     for variant in variants(args.intervals, args.autos, mtbf_scaled, args.scale):
@@ -507,7 +533,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mtbfs", type=_floats, default=list(MTBFS_S),
                         help="real mean times between failures (s), one schedule each")
-    parser.add_argument("--scale", type=float, default=0.02,
+    parser.add_argument("--scale", type=float, default=0.015,
                         help="seconds here per real second")
     parser.add_argument("--failures", type=int, default=3, help="failures per schedule")
     parser.add_argument("--kinds", type=_names, default=list(KINDS),
@@ -550,6 +576,10 @@ def main() -> None:
           f"({LIGHTNING_EPOCH_STEPS * args.step_s / args.scale / 60:.0f} min at real scale), "
           f"Trainer's default {TRAINER_SAVE_STEPS} steps "
           f"({TRAINER_SAVE_STEPS * args.step_s / args.scale / 60:.0f} min)", flush=True)
+    guess = estimate_s(args.mtbfs, args.intervals, args.autos if auto_ok else [],
+                       args.failures, args.scale, args.step_s, 4.0)
+    print(f"expect about {guess / 60:.0f} min if a life starts in 4 s (each schedule's "
+          "reference run tells)", flush=True)
     folder = Path(tempfile.mkdtemp(prefix="tp-bench-interval-"))
     server: Weed | Moto | None = None
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
