@@ -582,7 +582,8 @@ def main() -> None:
           "reference run tells)", flush=True)
     folder = Path(tempfile.mkdtemp(prefix="tp-bench-interval-"))
     server: Weed | Moto | None = None
-    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
+    results: dict[str, Any] = {"args": {k: ",".join(map(str, v)) if isinstance(v, list)
+                                        else str(v) for k, v in vars(args).items()},
                                "load_start": load_start, "schedules": [],
                                "note": args.note}
     started = time.time()
