@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import pytest
+from taskpoint import Checkpoint
 from taskpoint.format.history import AttemptRecord, claim_attempt, read_attempts, record_end
 from taskpoint.runtime.interval import (
     MTBF_PRIOR_S,
@@ -181,3 +183,140 @@ def test_the_current_attempt_is_running_not_failed(tmp_path: Path) -> None:
     assert failures == 1
     assert observed == pytest.approx(500.0)
     assert mtbf == pytest.approx(750.0)
+
+
+# -- the public API over a real checkpoint: history, commits, rank agreement, records --------
+
+
+def _lives(store_root: Path, monkeypatch: pytest.MonkeyPatch, lives: list[tuple[float, str]]) -> None:
+    """Write the attempt records of earlier process lives with the real record functions,
+    under a fake wall clock (no sleeping): each ran its seconds, then ended with its outcome."""
+    now = [1_700_000_000.0]
+    monkeypatch.setattr("taskpoint.format.history.time.time", lambda: now[0])
+    store = Store(store_root.as_uri())
+    for number, (ran, outcome) in enumerate(lives):
+        assert claim_attempt(store, number) == number
+        now[0] += ran
+        record_end(store, number, outcome)  # type: ignore[arg-type]
+        now[0] += 1.0  # the restart
+    monkeypatch.undo()
+
+
+def _first_auto_save(checkpoint: Checkpoint, clock: FakeClock, cost_s: float) -> SaveInterval:
+    interval = SaveInterval.for_checkpoint(checkpoint, "auto", clock=clock)
+    checkpoint.save_sync(b"state")
+    interval.saved(blocked_s=cost_s)
+    return interval
+
+
+def test_a_new_run_uses_the_prior(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TASKPOINT_MTBF_PRIOR_S", "1800")
+    clock = FakeClock()
+    interval = _first_auto_save(Checkpoint(tmp_path.as_uri()), clock, 1.0)
+    choice = interval.choice
+    assert (choice.mtbf_s, choice.failures, choice.prior_s) == (1800.0, 0, 1800.0)
+    assert choice.interval_s == pytest.approx(math.sqrt(2 * 1.0 * 1800.0))
+    explicit = SaveInterval.for_checkpoint(
+        Checkpoint((tmp_path / "other").as_uri()), "auto", mtbf_prior_s=7200.0, clock=clock
+    )
+    explicit.saved(blocked_s=1.0)
+    assert explicit.choice.mtbf_s == 7200.0
+
+
+def test_the_interval_falls_as_the_runs_failures_come_often_and_rises_as_they_get_rare(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's own attempt records, read from its store, set the mean time between
+    failures: six crashes a minute apart shorten the interval below a new run's, six a
+    day apart lengthen it."""
+    clock = FakeClock()
+    new_run = _first_auto_save(Checkpoint((tmp_path / "new").as_uri()), clock, 1.0).choice
+    _lives(tmp_path / "stormy", monkeypatch, [(60.0, "crashed")] * 6)
+    stormy = _first_auto_save(Checkpoint((tmp_path / "stormy").as_uri()), clock, 1.0).choice
+    _lives(tmp_path / "calm", monkeypatch, [(86_400.0, "failed")] * 6)
+    calm = _first_auto_save(Checkpoint((tmp_path / "calm").as_uri()), clock, 1.0).choice
+    assert stormy.failures == calm.failures == 6
+    assert stormy.observed_s == pytest.approx(6 * 60.0)
+    assert stormy.interval_s < new_run.interval_s < calm.interval_s
+
+
+def test_a_preempted_life_whose_save_committed_lost_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [1_700_000_000.0]
+    monkeypatch.setattr("taskpoint.format.history.time.time", lambda: now[0])
+    store = Store(tmp_path.as_uri())
+    for number in range(4):
+        claim_attempt(store, number)
+        now[0] += 60.0
+        record_end(store, number, "preempted", preemption_save="committed")
+    monkeypatch.undo()
+    choice = _first_auto_save(Checkpoint(tmp_path.as_uri()), FakeClock(), 1.0).choice
+    assert choice.failures == 0
+
+
+def test_a_background_uploads_cost_counts_until_its_commit(tmp_path: Path) -> None:
+    """A background save through a real checkpoint: the steps that ran while its upload
+    was in flight (held until the test lets it go) count what they lost, up to the
+    commit the interval hears of; the steps after it run at full speed again."""
+    release = threading.Event()
+
+    def held(_moved: int) -> None:
+        release.wait(30)
+
+    checkpoint = Checkpoint(tmp_path.as_uri(), progress=held)
+    clock = FakeClock()
+    interval = SaveInterval.for_checkpoint(checkpoint, "auto", mtbf_prior_s=36_000.0, clock=clock)
+    _train(interval, clock, 5, 1.0)  # a plain step takes 1 s
+    source = tmp_path.parent / f"{tmp_path.name}-payload"
+    source.write_bytes(b"x" * 100_000)
+    checkpoint.save_sync(source, background=True)
+    interval.saved(blocked_s=0.1, background=True)
+    assert interval.choice.save_cost_s == pytest.approx(0.1), "provisional: the time blocked"
+    assert not interval.due()
+    _train(interval, clock, 3, 1.5)  # beside the upload each step takes 0.5 s more
+    assert interval.save_cost_s is None, "the upload is still in flight"
+    release.set()
+    assert checkpoint.wait(30)
+    _train(interval, clock, 3, 1.0)
+    assert interval.save_cost_s == pytest.approx(0.1 + 3 * 0.5)
+    assert interval.choice.interval_s == pytest.approx(math.sqrt(2 * 1.6 * 36_000.0))
+
+
+def test_due_follows_rank_zeros_answer() -> None:
+    clock = FakeClock()
+    interval = SaveInterval(10, clock=clock)
+    clock.advance(11)
+    assert interval.due()
+    assert not interval.due(agree=lambda mine: False), "rank 0 says not yet"
+    clock.advance(-5)
+    asked: list[bool] = []
+    assert interval.due(agree=lambda mine: asked.append(mine) or True), "rank 0 says now"
+    assert asked == [False], "one call, with this rank's own answer"
+
+
+def test_the_choice_is_recorded_for_taskpoint_show(tmp_path: Path) -> None:
+    checkpoint = Checkpoint(tmp_path.as_uri())
+    clock = FakeClock()
+    interval = SaveInterval.for_checkpoint(checkpoint, "auto", mtbf_prior_s=3600.0, clock=clock)
+    checkpoint.save_sync(b"first")
+    interval.saved(blocked_s=2.0)
+    checkpoint.save_sync(b"second")  # the commit records the choice in force
+    (record,) = read_attempts(Store(tmp_path.as_uri()))
+    assert record.interval is not None
+    assert record.interval["every"] == "auto"
+    assert record.interval["rule"] == "young-daly"
+    assert record.interval["interval_s"] == pytest.approx(120.0)
+    assert record.interval["save_cost_s"] == pytest.approx(2.0)
+    assert record.interval["prior_s"] == 3600.0
+    metrics = interval.choice.metrics()
+    assert metrics["taskpoint/interval_s"] == pytest.approx(120.0)
+    assert metrics["taskpoint/save_cost_s"] == pytest.approx(2.0)
+    assert SaveInterval(600).choice.metrics() == {"taskpoint/interval_s": 600.0}
+
+
+def test_the_public_names() -> None:
+    import taskpoint
+
+    assert taskpoint.SaveInterval is SaveInterval
+    assert taskpoint.IntervalChoice is SaveInterval("auto").choice.__class__

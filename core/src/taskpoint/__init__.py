@@ -37,6 +37,7 @@ from taskpoint.errors import (
 from taskpoint.format.history import SaveStats
 from taskpoint.progress import report_step
 from taskpoint.runtime.context import Preempted, TaskContext, ctx
+from taskpoint.runtime.interval import IntervalChoice, SaveInterval
 from taskpoint.runtime.tasks import TaskEnvironment
 from taskpoint.store.store import RetryPolicy
 from taskpoint.versions import require_version
@@ -56,10 +57,12 @@ __all__ = [
     "CheckpointStoreError",
     "CheckpointUnsafeError",
     "Coordinator",
+    "IntervalChoice",
     "PartsCommit",
     "Preempted",
     "RetryPolicy",
     "SaveInput",
+    "SaveInterval",
     "SaveStats",
     "StoreCoordinator",
     "TaskAttemptError",

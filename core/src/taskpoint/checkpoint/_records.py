@@ -1,13 +1,15 @@
 """The run records a :class:`~taskpoint.Checkpoint` writes and reads for its runner.
 
 :class:`Records` gives ``Checkpoint`` its record methods: ``mark_started`` and
-``mark_ended`` for the attempt saving through it, ``mark_finished`` and ``status`` for the
-action as a whole. The records and their keys are :mod:`taskpoint.format.history`'s; what
+``mark_ended`` for the attempt saving through it (and ``record_interval``, the save interval
+it chose), ``mark_finished`` and ``status`` for the action as a whole, ``attempts`` for the
+run's attempts. The records and their keys are :mod:`taskpoint.format.history`'s; what
 is decided here is what an attempt's end record says about its preemption save.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from taskpoint import preemption, progress
@@ -85,6 +87,23 @@ class Records:
         own outcome. ``taskpoint gc``/``rm`` treat actions without this record as unfinished.
         """
         history.record_finished(self._store, state, attempts)
+
+    def attempts(self) -> list[history.AttemptRecord]:
+        """The run's attempt records (this checkpoint's attempt's too, once claimed),
+        ascending: when each started and how it ended (see
+        :func:`taskpoint.format.history.read_attempts`).
+
+        Raises:
+            CheckpointStoreError: the store failed to list the records.
+        """
+        return history.read_attempts(self._store)
+
+    def record_interval(self, choice: Mapping[str, Any]) -> None:
+        """Record the save interval this checkpoint's attempt chose and its inputs
+        (:meth:`taskpoint.IntervalChoice.to_record`), for ``taskpoint show``; nothing if
+        the attempt has no number yet. Best effort, like every run record."""
+        if self._attempt.number is not None:
+            history.record_interval(self._store, self._attempt.number, dict(choice))
 
     def status(self) -> dict[str, Any] | None:
         """The record :meth:`mark_finished` wrote, or ``None`` while the action is unfinished.

@@ -8,6 +8,9 @@ the names they do not know::
     attempts/<n:06d>.resume.json  {"format", "at", "checkpoint", "restore_s", "size", "step"}
     attempts/<n:06d>.end.json     {"format", "ended", "outcome", "error", "step",
                                    "preemption_save", "traceback", "noted_by"}
+    attempts/<n:06d>.interval.json  {"format", "at", "every", "interval_s", "rule",
+                                   "save_cost_s", "mtbf_s", "failures", "observed_s",
+                                   "prior_s"}
     status.json                   {"format", "state", "attempts", "finished"}
 
 ``outcome`` is ``"succeeded"``, ``"failed"``, ``"preempted"`` or ``"crashed"`` (the attempt's
@@ -15,7 +18,10 @@ process died: a signal or an exit without an outcome). ``step`` is a training st
 reported with :func:`taskpoint.report_step` (``null`` when none was): in an end record the
 step the attempt reached, in a resume record the step of the checkpoint it loaded; the
 difference between one attempt's end and the next one's resume is the work the failure
-cost. ``preemption_save`` (``"committed"`` or ``"missed"``) says, for an attempt that
+cost. The interval record (optional) says how often the attempt saved by time: the
+interval last chosen (``every`` is the seconds asked for, or ``"auto"``) and what it was chosen
+from (see :class:`taskpoint.IntervalChoice`); it is rewritten when the choice changes.
+``preemption_save`` (``"committed"`` or ``"missed"``) says, for an attempt that
 received a preemption signal, whether a save made after the signal committed.
 ``traceback`` (optional) is the error's traceback, at most :data:`TRACEBACK_CHARS` characters
 (the middle of a longer one is left out). An attempt whose process ended without an end
@@ -72,6 +78,7 @@ __all__ = [
     "read_status",
     "record_end",
     "record_finished",
+    "record_interval",
     "record_resume",
     "resume_line",
     "steps_lost",
@@ -92,6 +99,7 @@ PreemptionSave = Literal["committed", "missed"]
 _CLAIM_RE = re.compile(r"^\d{6,}$")
 _RESUME = ".resume.json"
 _END = ".end.json"
+_INTERVAL = ".interval.json"
 _MAX_CLAIM_TRIES = 1000
 TRACEBACK_CHARS = 16_000
 """The most characters of a traceback an end record keeps."""
@@ -174,6 +182,8 @@ class AttemptRecord:
             :data:`TRACEBACK_CHARS` characters).
         noted_by: for an attempt whose process died without writing its end record, the
             attempt that found it so and wrote the record in its place.
+        interval: the save interval it last chose by time, as its interval record holds it
+            (:meth:`taskpoint.IntervalChoice.to_record`); ``None`` when it saved by steps only.
         unreadable: ``(record key, error)`` for each of its records the store could not
             read (its fields read as unknown).
     """
@@ -194,6 +204,7 @@ class AttemptRecord:
     preemption_save: str | None = None
     traceback: str | None = None
     noted_by: int | None = None
+    interval: dict[str, Any] | None = None
     unreadable: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -303,6 +314,13 @@ def record_end(
         traceback=None if traceback is None else trim_traceback(traceback),
     )
     _best_effort(store, f"{_claim_key(attempt)}{_END}", record)
+
+
+def record_interval(store: Store, attempt: int, choice: dict[str, Any]) -> None:
+    """Record the save interval ``attempt`` chose and its inputs (``choice``: JSON-ready
+    fields, :meth:`taskpoint.IntervalChoice.to_record`), replacing the one recorded before;
+    best effort."""
+    _best_effort(store, f"{_claim_key(attempt)}{_INTERVAL}", _record(at=time.time(), **choice))
 
 
 def trim_traceback(text: str) -> str:
@@ -592,6 +610,7 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
         claim = _read(store, key, names, unreadable)
         resume = _read(store, f"{key}{_RESUME}", names, unreadable)
         end = _read(store, f"{key}{_END}", names, unreadable)
+        interval = _read(store, f"{key}{_INTERVAL}", names, unreadable)
         outcome = end.get("outcome")
         records.append(
             AttemptRecord(
@@ -611,6 +630,7 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
                 preemption_save=_text(end.get("preemption_save")),
                 traceback=_text(end.get("traceback")),
                 noted_by=_integer(end.get("noted_by")),
+                interval=_interval(interval),
                 unreadable=tuple(unreadable),
             )
         )
@@ -641,6 +661,14 @@ def finite_number(value: object) -> float | None:
     except OverflowError:
         return None
     return number if math.isfinite(number) else None
+
+
+def _interval(record: dict[str, Any]) -> dict[str, Any] | None:
+    """An interval record's fields (without ``format``), or ``None`` for none or garbage
+    (a record without a finite ``interval_s``)."""
+    if finite_number(record.get("interval_s")) is None:
+        return None
+    return {k: v for k, v in record.items() if k != "format"}
 
 
 def _integer(value: object) -> int | None:

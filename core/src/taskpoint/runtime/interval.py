@@ -23,22 +23,26 @@ period, the save committed) loses no work and does not count towards ``M``: with
 preemption warning, the interval only matters for the failures that come without one.
 
 The clock is :func:`time.monotonic` unless given; under several ranks each rank holds a
-:class:`SaveInterval` and the adapter takes rank 0's :meth:`SaveInterval.due` for all
-(one collective), so every rank saves at the same step.
+:class:`SaveInterval` and the adapter passes its collective to :meth:`SaveInterval.due`
+(``agree``), which hands rank 0's answer to every rank (one call), so every rank saves at
+the same step.
 
-Example::
+Example (an adapter's loop; ``taskpoint_pytorch`` and ``taskpoint_sklearn`` do this for
+``every_s=``)::
 
-    interval = SaveInterval("auto", history=read_attempts(store))
+    interval = SaveInterval.for_checkpoint(checkpoint, "auto")
     for step in range(start, steps):
         train_step(step)
         interval.step_done()
         if interval.due():
             began = time.monotonic()
             checkpoint.save_sync(state, background=True)
-            interval.saved(blocked_s=time.monotonic() - began, upload_s=last_upload_s)
+            interval.saved(blocked_s=time.monotonic() - began, background=True)
 
-(``last_upload_s``: the ``upload_s`` of the newest :class:`taskpoint.SaveStats` a
-:meth:`taskpoint.Checkpoint.on_commit` listener received; ``save_sync`` returns nothing.)
+:meth:`SaveInterval.for_checkpoint` reads the run's history from a
+:class:`taskpoint.Checkpoint`'s store and listens to its commits, so a background upload
+counts until it commits; the choice is recorded in the attempt's records and shown by
+``taskpoint show``, and :meth:`IntervalChoice.metrics` gives it as ``taskpoint/*`` figures.
 """
 
 from __future__ import annotations
@@ -46,13 +50,17 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from taskpoint._env import seconds_from_env
-from taskpoint.format.history import AttemptRecord
+from taskpoint.checkpoint.checkpoint import Checkpoint
+from taskpoint.checkpoint.mirror import PREFIX
+from taskpoint.errors import CheckpointError
+from taskpoint.format.history import AttemptRecord, SaveStats
 
 __all__ = [
     "ENV_MTBF_PRIOR",
@@ -61,6 +69,8 @@ __all__ = [
     "MTBF_PRIOR_S",
     "IntervalChoice",
     "SaveInterval",
+    "SaveSchedule",
+    "check_every",
     "mean_time_between_failures",
     "young_daly",
 ]
@@ -82,6 +92,7 @@ MAX_INTERVAL_S = 3600.0
 
 _LOSSES = frozenset({"failed", "crashed", "died"})
 _EWMA = 0.2  # weight of the newest sample in the running step-time and cost estimates
+_RECORD_CHANGE = 0.1  # how far the interval moves before its record is rewritten
 
 
 def young_daly(cost_s: float, mtbf_s: float) -> float:
@@ -156,6 +167,29 @@ def mean_time_between_failures(
     return (prior_s + observed) / (1 + failures), failures, observed
 
 
+def check_every(every: object, name: str = "every") -> float | Literal["auto"]:
+    """``every`` as a save interval: a positive, finite number of seconds or ``"auto"``.
+
+    Args:
+        every: the value given.
+        name: the argument's name, for the error (an adapter's ``every_s``).
+
+    Raises:
+        ValueError: anything else (a bool, a string other than ``"auto"``, 0, a negative or
+            infinite number), naming ``name`` and the value.
+    """
+    if every == "auto":
+        return "auto"
+    if (
+        isinstance(every, bool)
+        or not isinstance(every, (int, float))
+        or not math.isfinite(every)
+        or every <= 0
+    ):
+        raise ValueError(f'{name} must be a positive number of seconds or "auto"; got {every!r}')
+    return float(every)
+
+
 def _prior_from(env: Mapping[str, str], default: float = MTBF_PRIOR_S) -> float:
     """The prior mean time between failures: ``TASKPOINT_MTBF_PRIOR_S`` when set, else
     ``default``.
@@ -183,6 +217,8 @@ class IntervalChoice:
         mtbf_s: the mean time between failures used (``None`` for a fixed interval).
         failures: failures that lost work in the run's history.
         observed_s: seconds of the run's history the estimate saw.
+        prior_s: the prior mean time between failures, seconds (``None`` for a fixed
+            interval).
     """
 
     interval_s: float
@@ -191,6 +227,7 @@ class IntervalChoice:
     mtbf_s: float | None = None
     failures: int = 0
     observed_s: float = 0.0
+    prior_s: float | None = None
 
     def describe(self) -> str:
         """One line for logs and ``taskpoint show``."""
@@ -198,14 +235,46 @@ class IntervalChoice:
             return f"every {self.interval_s:g} s (fixed)"
         cost = "unmeasured" if self.save_cost_s is None else f"{self.save_cost_s:.3g} s"
         mtbf = f"{self.mtbf_s:.0f} s" if self.mtbf_s is not None else "unknown"
+        prior = "" if self.prior_s is None else f", prior {self.prior_s:.0f} s"
         return (
             f"every {self.interval_s:.1f} s ({self.rule}: save cost {cost}, mean time between "
-            f"failures {mtbf} from {self.failures} failure(s) in {self.observed_s:.0f} s)"
+            f"failures {mtbf} from {self.failures} failure(s) in {self.observed_s:.0f} s"
+            f"{prior})"
         )
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON-ready fields an attempt's interval record keeps (``every``: the
+        seconds asked for, or ``"auto"``), as ``taskpoint show --json`` prints them."""
+        return {
+            "every": self.interval_s if self.rule == "fixed" else "auto",
+            "interval_s": round(self.interval_s, 6),
+            "rule": self.rule,
+            "save_cost_s": None if self.save_cost_s is None else round(self.save_cost_s, 6),
+            "mtbf_s": None if self.mtbf_s is None else round(self.mtbf_s, 3),
+            "failures": self.failures,
+            "observed_s": round(self.observed_s, 3),
+            "prior_s": self.prior_s,
+        }
+
+    def metrics(self) -> dict[str, float]:
+        """The choice as ``taskpoint/<name>`` metrics, beside a save's figures (an
+        adapter's logger, a dashboard): ``interval_s`` always; ``save_cost_s``,
+        ``mtbf_s`` and ``failures`` for an automatic interval, those known."""
+        out = {f"{PREFIX}interval_s": float(self.interval_s)}
+        if self.rule != "fixed":
+            out[f"{PREFIX}failures"] = float(self.failures)
+            if self.save_cost_s is not None:
+                out[f"{PREFIX}save_cost_s"] = float(self.save_cost_s)
+            if self.mtbf_s is not None:
+                out[f"{PREFIX}mtbf_s"] = float(self.mtbf_s)
+        return out
 
 
 class SaveInterval:
     """Decides at each step boundary whether a save is due, by training time.
+
+    Thread-safe: a checkpoint's commit listener (:meth:`committed`) may run in an upload
+    thread while training calls the other methods.
 
     Args:
         every: seconds of training between saves (a positive number), or ``"auto"``.
@@ -217,6 +286,8 @@ class SaveInterval:
         max_overhead: the largest share of training time automatic saves may cost, in (0, 1).
         max_interval_s: the longest automatic interval, seconds.
         clock: seconds, monotonic (:func:`time.monotonic`); tests pass a fake one.
+        since: the clock's reading when training started (or resumed), from which the
+            first interval counts; ``None``: now.
 
     Raises:
         ValueError: an argument is out of range, or ``TASKPOINT_MTBF_PRIOR_S`` is unusable.
@@ -232,16 +303,9 @@ class SaveInterval:
         max_overhead: float = MAX_OVERHEAD,
         max_interval_s: float = MAX_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        since: float | None = None,
     ) -> None:
-        if every != "auto" and (
-            isinstance(every, bool)
-            or not isinstance(every, (int, float))
-            or not math.isfinite(every)
-            or every <= 0
-        ):
-            raise ValueError(
-                f'every must be a positive number of seconds or "auto"; got {every!r}'
-            )
+        check_every(every)
         if not (isinstance(max_overhead, (int, float)) and 0 < max_overhead < 1):
             raise ValueError(f"max_overhead must be a fraction in (0, 1); got {max_overhead!r}")
         if not (isinstance(max_interval_s, (int, float)) and 0 < max_interval_s < math.inf):
@@ -250,22 +314,82 @@ class SaveInterval:
             )
         self._auto = every == "auto"
         self._fixed = 0.0 if every == "auto" else float(every)
-        self._prior = _prior_from(os.environ) if mtbf_prior_s is None else float(mtbf_prior_s)
-        if not (math.isfinite(self._prior) and self._prior > 0):
-            raise ValueError(f"mtbf_prior_s must be a positive number; got {mtbf_prior_s!r}")
+        self._prior = _prior_from(os.environ) if mtbf_prior_s is None else mtbf_prior_s
+        if isinstance(self._prior, bool) or not (
+            isinstance(self._prior, (int, float)) and math.isfinite(self._prior) and self._prior > 0
+        ):
+            raise ValueError(
+                f"mtbf_prior_s must be a positive number of seconds; got {mtbf_prior_s!r}"
+            )
+        self._prior = float(self._prior)
         self._max_overhead = float(max_overhead)
         self._max_interval = float(max_interval_s)
         self._clock = clock
+        self._lock = threading.RLock()
         self._history: Sequence[AttemptRecord] = tuple(history)
         self._current = current
-        self._since = clock()  # when the last save took its state, or the start
+        self._since = clock() if since is None else since  # the last save's state, or the start
         self._last_step: float | None = None
         self._step_s: float | None = None  # running mean of a step with no upload beside it
         self._uploading_until: float | None = None
         self._taken = 0.0  # seconds the running upload has taken from steps so far
         self._blocked: float | None = None
         self._cost: float | None = None
+        self._pending = 0  # background saves whose commit has not been heard of yet
+        self._listening = False
+        self._recorder: _Recorder | None = None
         self._choice = self._choose()
+
+    @classmethod
+    def for_checkpoint(
+        cls,
+        checkpoint: object,
+        every: float | Literal["auto"],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        mtbf_prior_s: float | None = None,
+        max_overhead: float = MAX_OVERHEAD,
+        max_interval_s: float = MAX_INTERVAL_S,
+        since: float | None = None,
+    ) -> SaveInterval:
+        """The interval of the saves made through ``checkpoint``.
+
+        For a :class:`taskpoint.Checkpoint`, ``"auto"`` reads the run's attempt history
+        from its store (a store failure is logged and the prior is used), and the interval
+        listens to its commits (:meth:`taskpoint.Checkpoint.on_commit`): a background
+        save's upload is measured until it commits, and the choice is recorded in the
+        attempt's records for ``taskpoint show``. Any other checkpoint-like object (a
+        Flyte checkpoint, say) has no history: ``"auto"`` uses the prior, and a save costs
+        the time training was blocked.
+
+        Args:
+            checkpoint: where the saves go.
+            every: seconds of training between saves, or ``"auto"``.
+            clock: seconds, monotonic.
+            mtbf_prior_s: the prior mean time between failures (see the class).
+            max_overhead: the largest share of training time automatic saves may cost.
+            max_interval_s: the longest automatic interval, seconds.
+            since: the clock's reading when training started (``None``: now).
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        interval = cls(
+            every, clock=clock, mtbf_prior_s=mtbf_prior_s, max_overhead=max_overhead,
+            max_interval_s=max_interval_s, since=since,
+        )
+        if isinstance(checkpoint, Checkpoint):
+            if interval._auto:
+                try:
+                    interval.failures_seen(checkpoint.attempts(), checkpoint.attempt)
+                except CheckpointError as exc:
+                    log.warning(
+                        "cannot read the run history at %s (%s); the save interval uses the "
+                        "prior mean time between failures, %.0f s", checkpoint.url, exc,
+                        interval._prior,
+                    )
+            interval.listen(checkpoint)
+        return interval
 
     def __repr__(self) -> str:
         return f"SaveInterval({self._choice.describe()})"
@@ -281,34 +405,58 @@ class SaveInterval:
         measured yet)."""
         return self._cost
 
+    def listen(self, checkpoint: Checkpoint) -> None:
+        """Hear of ``checkpoint``'s commits (:meth:`committed`): background saves'
+        uploads end at their commit, and the choice is recorded in the attempt's records.
+        :meth:`for_checkpoint` does this; a second call for the same interval adds nothing."""
+        with self._lock:
+            if self._listening:
+                return
+            self._listening = True
+            self._recorder = _Recorder(checkpoint)
+        checkpoint.on_commit(self.committed)
+
     def step_done(self) -> None:
         """A training step finished: time it. Steps that ran beside an upload count what
         they took beyond a plain step towards that save's cost."""
-        now = self._clock()
-        if self._last_step is not None:
-            took = now - self._last_step
-            if self._uploading_until is not None and self._last_step < self._uploading_until:
-                if self._step_s is not None:
-                    self._taken += max(0.0, took - self._step_s)
-            else:
-                self._step_s = took if self._step_s is None else _mix(self._step_s, took)
-        if self._uploading_until is not None and now >= self._uploading_until:
-            self._finish_cost()
-        self._last_step = now
+        with self._lock:
+            now = self._clock()
+            if self._last_step is not None:
+                took = now - self._last_step
+                if self._uploading_until is not None and self._last_step < self._uploading_until:
+                    if self._step_s is not None:
+                        self._taken += max(0.0, took - self._step_s)
+                else:
+                    self._step_s = took if self._step_s is None else _mix(self._step_s, took)
+            if self._uploading_until is not None and now >= self._uploading_until:
+                self._finish_cost()
+            self._last_step = now
 
-    def due(self) -> bool:
+    def due(self, agree: Callable[[bool], bool] | None = None) -> bool:
         """Whether a save is due now: the interval has passed since the last save (or the
-        start). The first automatic save, whose cost is not known yet, is due at once."""
-        return self._clock() - self._since >= self._choice.interval_s
+        start). The first automatic save, whose cost is not known yet, is due at once.
 
-    def saved(self, *, blocked_s: float, upload_s: float = 0.0) -> None:
+        Args:
+            agree: under several ranks, the adapter's collective that hands global rank 0's
+                value to every rank (one call, made on every rank): every rank then answers
+                as rank 0's clock says, so all save at the same step.
+        """
+        with self._lock:
+            local = self._clock() - self._since >= self._choice.interval_s
+        return bool(agree(local)) if agree is not None else local
+
+    def saved(self, *, blocked_s: float, upload_s: float = 0.0, background: bool = False) -> None:
         """A save committed (blocking) or was handed to the background: restart the
         interval and measure its cost.
 
         Args:
             blocked_s: seconds training waited for the save call.
             upload_s: seconds its upload runs beside training (0 for a blocking save);
-                the steps in that window count what they lose towards the cost.
+                the steps in that window count what they lose towards the cost. Ignored
+                with ``background`` on a listening interval.
+            background: its upload runs beside training until it commits. An interval that
+                listens to the checkpoint's commits (:meth:`for_checkpoint`) counts the steps
+                until then; another one counts ``upload_s`` (the time blocked alone if 0).
 
         Raises:
             ValueError: a duration is negative or not finite.
@@ -316,21 +464,45 @@ class SaveInterval:
         for name, value in (("blocked_s", blocked_s), ("upload_s", upload_s)):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0; got {value!r}")
-        now = self._clock()
-        if self._uploading_until is not None:
-            self._finish_cost()
-        self._since = now
-        self._last_step = now
-        self._blocked = blocked_s
-        if upload_s > 0:
-            self._uploading_until, self._taken = now + upload_s, 0.0
-        else:
-            self._finish_cost()
+        with self._lock:
+            now = self._clock()
+            if self._uploading_until is not None:
+                self._finish_cost()
+            self._since = now
+            self._last_step = now
+            self._blocked = blocked_s
+            if background and self._listening:
+                self._pending += 1
+                if self._pending > 0:  # else its commit came before this call
+                    self._uploading_until, self._taken = math.inf, 0.0
+                    self._update()  # a first save's cost: the time blocked, until it commits
+                    return
+                self._pending = 0
+                self._finish_cost()
+            elif upload_s > 0:
+                self._uploading_until, self._taken = now + upload_s, 0.0
+            else:
+                self._finish_cost()
+
+    def committed(self, stats: SaveStats) -> None:
+        """A save through the checkpoint committed (its ``on_commit`` listener): a
+        background save's upload ends now, so the steps from here on run at full speed
+        again (a save it replaced, ``stats.coalesced``, ends with it); the choice is
+        recorded in the attempt's records when it changed."""
+        with self._lock:
+            if stats.background:
+                self._pending -= 1 + stats.coalesced
+                if self._pending <= 0 and self._uploading_until is not None:
+                    self._uploading_until = self._clock()
+            choice, recorder = self._choice, self._recorder
+        if recorder is not None:
+            recorder.note(choice)
 
     def failures_seen(self, history: Sequence[AttemptRecord], current: int | None = None) -> None:
         """The run's history changed (a new attempt began): recompute the interval."""
-        self._history, self._current = tuple(history), current
-        self._update()
+        with self._lock:
+            self._history, self._current = tuple(history), current
+            self._update()
 
     def _finish_cost(self) -> None:
         if self._blocked is None:
@@ -352,15 +524,115 @@ class SaveInterval:
         mtbf, failures, observed = mean_time_between_failures(
             self._history, prior_s=self._prior, current=self._current
         )
-        if self._cost is None:
-            return IntervalChoice(0.0, "first-save", None, mtbf, failures, observed)
-        interval, rule = young_daly(self._cost, mtbf), "young-daly"
-        floor = self._cost / self._max_overhead
+        cost = self._cost if self._cost is not None else self._blocked  # first, provisional
+        if cost is None:
+            return IntervalChoice(0.0, "first-save", None, mtbf, failures, observed, self._prior)
+        interval, rule = young_daly(cost, mtbf), "young-daly"
+        floor = cost / self._max_overhead
         if interval < floor:
             interval, rule = floor, "overhead"
         if interval > self._max_interval:
             interval, rule = self._max_interval, "max-interval"
-        return IntervalChoice(interval, rule, self._cost, mtbf, failures, observed)
+        return IntervalChoice(interval, rule, cost, mtbf, failures, observed, self._prior)
+
+
+class _Recorder:
+    """Writes a listening interval's choice to its checkpoint's attempt records, when it
+    changed enough to matter (another rule, a failure more, the interval moved by
+    :data:`_RECORD_CHANGE` or more); from the thread that committed."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self._checkpoint = checkpoint
+        self._last: IntervalChoice | None = None
+
+    def note(self, choice: IntervalChoice) -> None:
+        last = self._last
+        if last is not None and (
+            last.rule == choice.rule
+            and last.failures == choice.failures
+            and abs(choice.interval_s - last.interval_s)
+            < _RECORD_CHANGE * max(last.interval_s, 1e-9)
+        ):
+            return
+        self._last = choice
+        self._checkpoint.record_interval(choice.to_record())
+
+
+class SaveSchedule:
+    """Which of an adapter's step boundaries save: every N steps, every N seconds (or
+    ``"auto"``), either, or both (a save happens when either says so, and any save
+    restarts the time).
+
+    Holds the :class:`SaveInterval` of the checkpoint and ``every_s`` last given
+    (:meth:`SaveInterval.for_checkpoint`), made anew when either changes. The first interval
+    counts from :meth:`start` (the adapter calls it when training starts or resumes: after
+    its restore), else from the first boundary.
+
+    Args:
+        clock: seconds, monotonic, for the interval (tests pass a fake one).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._interval: SaveInterval | None = None
+        self._checkpoint: object = None
+        self._every_s: float | str | None = None
+        self._started: float | None = None
+
+    def start(self) -> None:
+        """Training starts (or resumes) now: the first interval counts from here."""
+        self._started = self.clock()
+
+    @property
+    def interval(self) -> SaveInterval | None:
+        """The interval in use (``None`` before a call with ``every_s``)."""
+        return self._interval
+
+    def due(
+        self,
+        checkpoint: object,
+        counter: int | None,
+        every: int | None,
+        every_s: float | Literal["auto"] | None,
+        agree: Callable[[bool], bool] | None = None,
+    ) -> bool:
+        """A step boundary: whether it saves. Without ``every`` and ``every_s``, always;
+        with an unusable ``counter`` (``None``), always (the save then says what is wrong);
+        else when ``counter`` is a multiple of ``every`` or the interval is due. With
+        ``every_s`` the step is timed and ``agree`` (every rank's collective returning
+        rank 0's value) is called once, whatever the steps say, so every rank makes the
+        same calls.
+
+        Args:
+            checkpoint: where the saves go.
+            counter: the loop's step (or chunk, epoch) counter.
+            every: save when ``counter`` is a multiple of it (validated by the adapter).
+            every_s: seconds of training between saves, or ``"auto"``.
+            agree: see :meth:`SaveInterval.due`.
+
+        Raises:
+            ValueError: ``every_s`` is not a positive number of seconds or ``"auto"``.
+        """
+        interval = None
+        if every_s is not None:
+            every_s = check_every(every_s, "every_s")
+            interval = self._interval
+            if interval is None or self._checkpoint is not checkpoint or self._every_s != every_s:
+                interval = SaveInterval.for_checkpoint(
+                    checkpoint, every_s, clock=self.clock, since=self._started
+                )
+                self._interval, self._checkpoint, self._every_s = interval, checkpoint, every_s
+            interval.step_done()
+        by_time = interval.due(agree) if interval is not None else False
+        if counter is None or (every is None and interval is None):
+            return True
+        return by_time or (every is not None and counter % every == 0)
+
+    def saved(self, *, blocked_s: float, background: bool = False) -> None:
+        """A save was made at a boundary (whichever rule asked for it): restart the time
+        and measure the save (see :meth:`SaveInterval.saved`)."""
+        if self._interval is not None:
+            self._interval.saved(blocked_s=max(0.0, blocked_s), background=background)
 
 
 def _mix(old: float, new: float) -> float:

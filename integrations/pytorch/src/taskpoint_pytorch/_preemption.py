@@ -10,6 +10,11 @@ the ranks agree whether any received it. If one did, the call saves at once, wha
 every N steps calls ``save_sync(..., every=N)`` at every step, so the stop lands at the
 next step, not the next save.
 
+``every_s`` saves by training time (:class:`taskpoint.runtime.interval.SaveSchedule`):
+each call times the step, and a save is due once ``every_s`` seconds passed since the last
+save (or the interval ``"auto"`` chose); under ``torch.distributed`` rank 0's clock decides
+for every rank with one collective, so all save at the same step.
+
 Deadlines: a background save waiting behind the upload in flight is replaced by the
 preemption save (it goes first); the upload in flight is finished first (within the time
 left); a save that took longer last time than the time left (or, with none timed yet in
@@ -27,10 +32,12 @@ import logging
 import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import Literal
 
 from taskpoint import preemption, progress
 from taskpoint.checkpoint.mirror import UploadThread, note_coalesced
-from taskpoint.distributed import broadcast_from_zero, rank_and_size
+from taskpoint.distributed import broadcast_from_zero, is_distributed, rank_and_size
+from taskpoint.runtime.interval import SaveSchedule
 from taskpoint.runtime.step_boundary import StepBoundary, estimate_save_s
 
 __all__ = ["Preemption", "Turn"]
@@ -89,6 +96,7 @@ class Preemption:
         self.size = size  # the state's bytes, for a fresh process's first estimate
         self.uploads: UploadThread = _TimedUploads(self)
         self.boundary = StepBoundary(save_on_preemption, settle=self._settle)
+        self.schedule = SaveSchedule()  # which boundaries save: every N steps and/or seconds
         self.last_save_s: float | None = None  # how long the last save took, call to commit
         self.turn_started: float | None = None
         self.job_started = False
@@ -99,16 +107,25 @@ class Preemption:
         counter = step_of(epoch, step)
         if counter is not None:
             progress.report_step(counter)
+        self.schedule.start()  # ``every_s`` counts from here
         self.boundary.begin()
 
     def reached(
-        self, checkpoint: object, epoch: int, step: int, every: int | None
+        self,
+        checkpoint: object,
+        epoch: int,
+        step: int,
+        every: int | None,
+        every_s: float | Literal["auto"] | None = None,
     ) -> Turn:
         """A ``save_sync`` call (every rank): report the step, agree whether a rank was
-        preempted, and say what the call does.
+        preempted, and say what the call does: save when ``every`` (steps) or ``every_s``
+        (seconds of training since the last save, or ``"auto"``; rank 0's clock decides
+        for every rank, one collective) says so, or when neither is given.
 
         Raises:
-            ValueError: ``every`` is not a positive int, or a counter is negative.
+            ValueError: ``every`` is not a positive int, ``every_s`` not a positive number
+                of seconds or ``"auto"``, or a counter is negative.
             TypeError: a counter is not an int.
             taskpoint.Preempted: a rank was preempted and the save cannot fit in the time
                 left (or an upload in flight did not finish within it): none is made.
@@ -117,7 +134,8 @@ class Preemption:
             raise ValueError(f"every must be a positive int (steps between saves); got {every!r}")
         counter = step_of(epoch, step)
         if not self.boundary.reached(counter):
-            return Turn(self, save=every is None or counter is None or counter % every == 0)
+            agree = broadcast_from_zero if is_distributed() else None
+            return Turn(self, save=self.schedule.due(checkpoint, counter, every, every_s, agree))
         rank = rank_and_size()[0]
         reason = broadcast_from_zero(self._room(checkpoint) if rank == 0 else "")
         if reason:
@@ -185,8 +203,11 @@ class Turn:
         owner = self._owner
         started, owner.turn_started = owner.turn_started, None
         if self._stop is None:
-            if exc is None and not owner.job_started and started is not None:
-                owner.last_save_s = time.monotonic() - started
+            if exc is None and started is not None:
+                blocked = time.monotonic() - started
+                if not owner.job_started:
+                    owner.last_save_s = blocked
+                owner.schedule.saved(blocked_s=blocked, background=owner.job_started)
             return
         step, checkpoint = self._stop
         rank = rank_and_size()[0]

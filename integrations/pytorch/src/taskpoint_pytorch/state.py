@@ -39,10 +39,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
-from taskpoint import CheckpointLike
+from taskpoint import CheckpointLike, IntervalChoice
 from taskpoint.checkpoint.mirror import track
 from torch import nn
 
@@ -169,6 +169,7 @@ class TaskpointState:
         extra: Mapping[str, Any] | None = None,
         background: bool | None = None,
         every: int | None = None,
+        every_s: float | Literal["auto"] | None = None,
     ) -> bool:
         """Commit the current state to ``checkpoint``, blocking until it is durable.
 
@@ -177,7 +178,10 @@ class TaskpointState:
         state's ``save_on_preemption``) a signal that reached any rank since the last
         call makes this call save at once, wait for the commit within the grace period
         left, and raise :class:`taskpoint.Preempted`: the next attempt resumes at this
-        step. A loop that saves every N steps calls it at every step with ``every=N``.
+        step. A loop that saves every N steps calls it at every step with ``every=N``; one
+        that saves every N seconds of training, with ``every_s=N`` (``every_s="auto"``:
+        an interval chosen from what a save costs and how often the run fails; see
+        :class:`taskpoint.SaveInterval`). Given both, it saves when either says so.
 
         Args:
             checkpoint: a :class:`taskpoint.Checkpoint` or any ``CheckpointLike``.
@@ -190,10 +194,20 @@ class TaskpointState:
                 thread (``None``: the opposite of the state's ``blocking``). A save while the
                 previous background save still runs waits for it first.
             every: save only when the counter is a multiple of ``every`` (or on a
-                preemption); ``None``: save now.
+                preemption); ``None``: save now, unless ``every_s`` is given.
+            every_s: save once this many seconds of training passed since the last save
+                (any save: by steps, by time), or ``"auto"`` for the interval Young/Daly
+                chooses from the measured cost of a save (time blocked, plus what its
+                background upload took from the steps it ran beside) and the run's mean
+                time between failures (its attempt history in the store; the prior
+                ``TASKPOINT_MTBF_PRIOR_S`` until there is one), within 2% of training
+                time and one hour. Each call times the step, so call it at every step.
+                Under ``torch.distributed`` rank 0's clock decides for every rank (one
+                collective per call). With a preemption warning a SIGTERM saves anyway:
+                the interval only matters for failures without one.
 
         Returns:
-            Whether it saved (``False``: ``every`` said not yet).
+            Whether it saved (``False``: ``every``/``every_s`` said not yet).
 
         Under ``torch.distributed`` every rank must call this; only global rank 0 writes,
         and every rank returns once the commit is done (a background save: once rank 0
@@ -202,14 +216,15 @@ class TaskpointState:
         Raises:
             TypeError: ``checkpoint`` is not checkpoint-like, or a value (in ``extra``, a
                 model's extra state, ...) would not load with ``weights_only=True``.
-            ValueError: a negative or non-int counter, or ``every`` below 1.
+            ValueError: a negative or non-int counter, ``every`` below 1, or ``every_s``
+                not a positive number of seconds or ``"auto"``.
             taskpoint.CheckpointError: the store failed (on rank 0; this save's, or a
                 background save's before it), or :class:`StateError` on the other ranks
                 when rank 0 failed.
             taskpoint.Preempted: a rank received SIGTERM; the preemption save committed,
                 failed (chained) or could not fit in the grace period left (none made).
         """
-        turn = self._preemption.reached(checkpoint, epoch, step, every)
+        turn = self._preemption.reached(checkpoint, epoch, step, every, every_s)
         if not turn.save:
             return False
         with turn:
@@ -228,11 +243,12 @@ class TaskpointState:
         extra: Mapping[str, Any] | None = None,
         background: bool | None = None,
         every: int | None = None,
+        every_s: float | Literal["auto"] | None = None,
     ) -> bool:
         """Async :meth:`save_sync`: the upload is awaited; serialisation, and under
         ``torch.distributed`` the collectives, run on the calling thread. A background save
         returns once the copy is taken, as :meth:`save_sync`'s does."""
-        turn = self._preemption.reached(checkpoint, epoch, step, every)
+        turn = self._preemption.reached(checkpoint, epoch, step, every, every_s)
         if not turn.save:
             return False
         with turn:
@@ -241,6 +257,15 @@ class TaskpointState:
             else:
                 await self._saver.save(checkpoint, epoch, step, extra, background)
         return True
+
+    @property
+    def save_interval(self) -> IntervalChoice | None:
+        """The time interval ``every_s`` asked for, and for ``"auto"`` what it was chosen
+        from (:class:`taskpoint.IntervalChoice`; its ``metrics()`` are ``taskpoint/*``
+        figures for a logger); ``None`` before a call with ``every_s``. Local to this
+        rank: rank 0's decides."""
+        interval = self._preemption.schedule.interval
+        return None if interval is None else interval.choice
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the background save in flight (if any) has committed.

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from taskpoint import CheckpointLike, report_step
+from taskpoint import CheckpointLike, IntervalChoice, report_step
+from taskpoint.runtime.interval import SaveSchedule
 from taskpoint.runtime.step_boundary import StepBoundary
 
 from taskpoint_sklearn.bundle import PartialFitBundle
@@ -107,6 +108,7 @@ class TaskpointSklearnCheckpoint:
         self._filename = filename_for(format, filename)
         self._boundary = StepBoundary(save_on_preemption, ranks=False)
         self._last_save_s: float | None = None  # how long the last save took
+        self._schedule = SaveSchedule()  # which chunks save: every N chunks and/or seconds
 
     def __repr__(self) -> str:
         return f"TaskpointSklearnCheckpoint({self._checkpoint!r}, format={self._format!r})"
@@ -128,7 +130,13 @@ class TaskpointSklearnCheckpoint:
             raise TypeError(f"save() takes a PartialFitBundle; got {type(bundle).__name__}")
         return encode(bundle.to_payload(), self._format, self._allowed)
 
-    def save_sync(self, bundle: PartialFitBundle, *, every: int | None = None) -> bool:
+    def save_sync(
+        self,
+        bundle: PartialFitBundle,
+        *,
+        every: int | None = None,
+        every_s: float | Literal["auto"] | None = None,
+    ) -> bool:
         """Commit ``bundle`` as the newest checkpoint, blocking until it is durable.
 
         The bundle is serialised before this returns, so it is a snapshot: training may
@@ -140,27 +148,38 @@ class TaskpointSklearnCheckpoint:
         save at once and raise :class:`taskpoint.Preempted` once it committed; the next
         attempt resumes at this chunk. A save that took longer last time than the grace
         period left is skipped (the newest earlier checkpoint stays). A loop that saves
-        every N chunks calls it after every chunk with ``every=N``.
+        every N chunks calls it after every chunk with ``every=N``; one that saves every N
+        seconds of training, with ``every_s=N``, or ``every_s="auto"`` for an interval
+        chosen from what a save costs and how often the run fails
+        (:class:`taskpoint.SaveInterval`). Given both, it saves when either says so.
 
         Args:
             bundle: the bundle, its ``progress`` set for the chunk just done.
             every: save only when ``bundle.progress`` is a multiple of ``every`` (or on a
-                preemption); ``None``: save now.
+                preemption); ``None``: save now, unless ``every_s`` is given.
+            every_s: save once this many seconds of training passed since the last save,
+                or ``"auto"``: Young/Daly's interval from the measured cost of a save and
+                the run's mean time between failures (its attempt history in the store;
+                the prior ``TASKPOINT_MTBF_PRIOR_S`` until there is one), within 2% of
+                training time and one hour. Each call times the chunk, so call it after
+                every chunk. With a preemption warning a SIGTERM saves anyway: the
+                interval only matters for failures without one.
 
         Returns:
-            Whether it saved (``False``: ``every`` said not yet).
+            Whether it saved (``False``: ``every``/``every_s`` said not yet).
 
         Raises:
             TypeError: ``bundle`` is not a :class:`PartialFitBundle`, or holds an object
                 the format cannot represent.
-            ValueError: ``every`` is not a positive int.
+            ValueError: ``every`` is not a positive int, or ``every_s`` not a positive
+                number of seconds or ``"auto"``.
             UntrustedTypesError: a skops bundle holds a type a restore would refuse
                 (nothing is saved; pass it in ``trusted`` if you trust it).
             taskpoint.CheckpointError: the store failed.
             taskpoint.Preempted: SIGTERM arrived; the save committed, failed (chained) or
                 did not fit in the grace period left (none made).
         """
-        step, action = self._boundary_at(bundle, every)
+        step, action = self._boundary_at(bundle, every, every_s)
         if action == "skip":
             return False
         started = time.monotonic()
@@ -176,9 +195,15 @@ class TaskpointSklearnCheckpoint:
         self._saved(step, action, started, None, bundle, len(data))
         return True
 
-    async def save(self, bundle: PartialFitBundle, *, every: int | None = None) -> bool:
+    async def save(
+        self,
+        bundle: PartialFitBundle,
+        *,
+        every: int | None = None,
+        every_s: float | Literal["auto"] | None = None,
+    ) -> bool:
         """Async :meth:`save_sync`: serialises now, then awaits the checkpoint's upload."""
-        step, action = self._boundary_at(bundle, every)
+        step, action = self._boundary_at(bundle, every, every_s)
         if action == "skip":
             return False
         started = time.monotonic()
@@ -194,11 +219,19 @@ class TaskpointSklearnCheckpoint:
         self._saved(step, action, started, None, bundle, len(data))
         return True
 
+    @property
+    def save_interval(self) -> IntervalChoice | None:
+        """The time interval ``every_s`` asked for, and for ``"auto"`` what it was chosen
+        from (:class:`taskpoint.IntervalChoice`); ``None`` before a call with ``every_s``."""
+        interval = self._schedule.interval
+        return None if interval is None else interval.choice
+
     def _boundary_at(
-        self, bundle: PartialFitBundle, every: int | None
+        self, bundle: PartialFitBundle, every: int | None,
+        every_s: float | Literal["auto"] | None,
     ) -> tuple[int | None, Literal["save", "skip", "stop"]]:
         """Report the step, and say what a save call does: ``save``, ``skip`` (``every``
-        says not yet) or ``stop`` (save, then stop); raise :class:`taskpoint.Preempted`
+        or ``every_s`` says not yet) or ``stop`` (save, then stop); raise :class:`taskpoint.Preempted`
         at once when a preemption save would not fit in the time left."""
         if not isinstance(bundle, PartialFitBundle):
             raise TypeError(f"save() takes a PartialFitBundle; got {type(bundle).__name__}")
@@ -208,7 +241,7 @@ class TaskpointSklearnCheckpoint:
         valid = isinstance(progress, int) and not isinstance(progress, bool) and progress >= 0
         step = progress if valid else None
         if not self._boundary.reached(step):
-            due = every is None or step is None or step % every == 0
+            due = self._schedule.due(self._checkpoint, step, every, every_s)
             return step, "save" if due else "skip"
         if not self._boundary.fits(self._last_save_s):
             took = "" if self._last_save_s is None else f"the last save took {self._last_save_s:.1f} s, "
@@ -231,6 +264,7 @@ class TaskpointSklearnCheckpoint:
         """After a save: time it, log it; for a preemption save, stop."""
         if error is None:
             self._last_save_s = time.monotonic() - started
+            self._schedule.saved(blocked_s=self._last_save_s)
             assert bundle is not None
             log.debug(
                 "saved %s bundle of %s at progress %d (%d bytes) in %.2fs",
@@ -314,6 +348,7 @@ class TaskpointSklearnCheckpoint:
         """Training starts at ``bundle``: report its progress and defer SIGTERM to the
         next :meth:`save_sync`."""
         report_step(bundle.progress)
+        self._schedule.start()  # ``every_s`` counts from here
         self._boundary.begin()
 
     def resume_sync(
