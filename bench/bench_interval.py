@@ -410,10 +410,15 @@ def _print_row(r: dict[str, Any], exact: bool) -> None:
          f"{b['restart'] + b['restore']:5.1f}  other {b['other']:+5.1f}"
          + ("" if exact else "  NOT EXACT")
          + (f"  (the run of {r['same_run_as']})" if r.get("same_run_as") else ""))
-    for choice in r.get("auto_choices", []):
-        note(f"{'':<28}attempt {choice.get('attempt')}: every "
-             f"{choice.get('interval_s', float('nan')):.2f} s ({choice.get('rule')}, save cost "
-             f"{choice.get('save_cost_s')}, mtbf {choice.get('mtbf_s')})")
+    for c in r.get("auto_choices", []):  # scaled seconds, as the library saw them
+        note(f"{'':<28}attempt {c.get('attempt')} chose every {_num(c.get('interval_s'))} s "
+             f"({c.get('rule')}): save cost {_num(c.get('save_cost_s'))} s, MTBF "
+             f"{_num(c.get('mtbf_s'))} s from {c.get('failures')} failure(s) in "
+             f"{_num(c.get('observed_s'))} s")
+
+
+def _num(value: object) -> str:
+    return f"{value:.3g}" if isinstance(value, (int, float)) else "?"
 
 
 def summary_line(sched: dict[str, Any], load: float) -> str:
@@ -421,7 +426,7 @@ def summary_line(sched: dict[str, Any], load: float) -> str:
     v = sched["verdict"]
     best = v["best"]
     head = (f"MTBF {sched['mtbf_s']:g} s ({sched['mtbf_scaled_s']:.2f} s scaled, "
-            f"{len(sched['schedule'])} failures, {sched['steps']} steps): best fixed ")
+            f"{len(sched['schedule'])} failure(s), {sched['steps']} steps): best fixed ")
     parts = [head + ("none" if best is None else f"{best['label']} {best['goodput']:.3f}")]
     if not v["autos"]:
         parts.append("auto not run")
@@ -601,12 +606,14 @@ def main() -> None:
             sched["load_end"] = load
             results["schedules"].append(sched)
             lines.append(summary_line(sched, load))
-            blocked = [r for r in sched["rows"] if r.get("saves") and r["group"] == "fixed"]
-            if blocked:  # the save's cost, as the cheapest-blocking fixed interval saw it
-                cost = min(r["badput_s"]["blocked"] / r["saves"] for r in blocked)
+            fixed = [r for r in sched["rows"] if r.get("saves") and r["group"] == "fixed"]
+            if fixed:  # the final wait for the last upload weighs least where saves are most
+                most = max(fixed, key=lambda r: r["saves"])
+                cost = most["badput_s"]["blocked"] / most["saves"]
                 sched["blocked_per_save_s"] = cost
-                print(f"  a save blocked training {cost * 1000:.0f} ms at least (stands for "
-                      f"{cost / args.scale:.1f} s at real scale)", flush=True)
+                print(f"  a save blocked training {cost * 1000:.0f} ms ({most['label']}'s "
+                      f"blocked time over its saves; {cost / args.scale:.1f} s at real scale)",
+                      flush=True)
         load_end = os.getloadavg()
         results["load_end"] = load_end
         results["duration_s"] = time.time() - started
