@@ -238,6 +238,56 @@ def verdict(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "autos": autos}
 
 
+NONE = "\u2013"  # an en dash: no figure
+
+
+def _mtbf_text(seconds: float) -> str:
+    return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
+
+
+def tables(results: dict[str, Any]) -> str:
+    """The guide's two Markdown tables of ``results``: per schedule the best fixed
+    interval, each auto against it and the defaults; then goodput per interval."""
+    out = ["| MTBF (scaled) | best fixed (goodput) | auto | auto / best | auto+prior | / best "
+           "| Lightning | Trainer | targets |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for sched in results["schedules"]:
+        v = sched["verdict"]
+        goodput = {r["label"]: r.get("goodput") for r in sched["rows"]}
+        best = v["best"]
+        cells = [f"{_mtbf_text(sched['mtbf_s'])} ({sched['mtbf_scaled_s']:.2g} s)",
+                 NONE if best is None else f"{best['label']} ({best['goodput']:.3f})"]
+        verdicts = []
+        for label in ("auto", "auto+prior"):
+            a = v["autos"].get(label)
+            if a is None:
+                cells += [NONE, NONE]
+                continue
+            cells += [f"{a['goodput']:.3f}", f"{a['ratio_to_best']:.2f}"]
+            ok = a["within_5pct"] and all(a["above_defaults"].values())
+            verdicts.append(f"{label} {'PASS' if ok else 'MISS'}")
+        for label in ("Lightning: every epoch", "Trainer: every 500 steps"):
+            cells.append(NONE if goodput.get(label) is None else f"{goodput[label]:.3f}")
+        cells.append(", ".join(verdicts) or NONE)
+        out.append("| " + " | ".join(cells) + " |")
+    intervals = sorted({r["every_steps"] for s in results["schedules"] for r in s["rows"]
+                        if r["group"] == "fixed" and r.get("every_steps")})
+    head = [str(n) for n in intervals] + ["500 (Trainer)", "epoch (Lightning)", "auto",
+                                          "auto+prior"]
+    out += ["", "| MTBF | " + " | ".join(head) + " |",
+            "| --- |" + " ---: |" * len(head)]
+    for sched in results["schedules"]:
+        by = {r["label"]: r for r in sched["rows"]}
+        labels = [f"every {n}" for n in intervals] + [
+            "Trainer: every 500 steps", "Lightning: every epoch", "auto", "auto+prior"]
+        cells = []
+        for label in labels:
+            r = by.get(label, {})
+            cells.append(NONE if r.get("goodput") is None else f"{r['goodput']:.3f}")
+        out.append(f"| {_mtbf_text(sched['mtbf_s'])} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
 # -- the plot (pure) ----------------------------------------------------------------------
 
 _FIXED, _DEFAULT, _AUTO = "#3f51b5", "#f0883e", ("#2e7d32", "#c2185b")
@@ -563,6 +613,7 @@ def main() -> None:
         if args.note:
             results["note"] = args.note
         args.svg.write_text(figure(results))
+        print(tables(results))
         print(f"plot written to {args.svg}")
         return
     if not set(args.kinds) <= {"sigkill", "exception", "sigterm"}:
@@ -623,6 +674,7 @@ def main() -> None:
             print(line, flush=True)
         print(f"load average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}; "
               f"the sweep took {results['duration_s'] / 60:.1f} min", flush=True)
+        print("\nfor docs/benchmarks.md:\n" + tables(results), flush=True)
         if args.json:
             args.json.write_text(json.dumps(results, indent=1, default=str))
         args.svg.write_text(figure(results))

@@ -125,3 +125,17 @@ def test_the_plot_marks_auto_in_every_schedule(sweep: ModuleType) -> None:
     titles = [t.text or "" for p in diamonds for t in p.iter(f"{ns}title")]
     assert sum("auto:" in t for t in titles) == 2
     assert len(list(root.iter(f"{ns}polyline"))) == 2  # one line of fixed intervals a panel
+
+
+def test_the_tables_are_ready_for_the_guide(sweep: ModuleType) -> None:
+    rows = [{**r, "every_steps": int(r["label"].split()[1])} if r["group"] == "fixed"
+            and "error" not in r else r for r in _rows()]
+    schedules = [{"mtbf_s": m, "mtbf_scaled_s": m * 0.015, "rows": rows,
+                  "verdict": sweep.verdict(rows)} for m in (30, 600)]
+    text = sweep.tables({"schedules": schedules})
+    lines = text.splitlines()
+    assert lines[2].startswith("| 30 s (0.45 s) | every 10 (0.600) | 0.580 | 0.97 | 0.550 | 0.92 |")
+    assert lines[2].endswith("| 0.400 | 0.400 | auto PASS, auto+prior MISS |")
+    assert lines[3].startswith("| 10 min (9 s) |")
+    assert lines[5].startswith("| MTBF | 1 | 10 | 100 | 500 (Trainer) | epoch (Lightning) |")
+    assert lines[7] == ("| 30 s | 0.500 | 0.600 | 0.400 | 0.400 | 0.400 | 0.580 | 0.550 |")
