@@ -99,6 +99,7 @@ from bench_goodput import (
     start_store,
     view,
 )
+from taskpoint.runtime.interval import MTBF_PRIOR_S
 
 MTBFS_S = (30.0, 120.0, 600.0)
 """The real-world mean times between failures of the three schedules (seconds)."""
@@ -112,9 +113,6 @@ INTERVALS = (1, 3, 10, 30, 100, 300)
 add 500 steps and an epoch (past every run's end: a save at the end only)."""
 KINDS = ("sigkill", "exception")
 """The failures drawn by default: those without a warning."""
-MTBF_PRIOR_S = 4 * 3600.0
-"""The library's prior mean time between failures (``taskpoint.runtime.interval``'s), for
-scaling it when the running library cannot be asked."""
 ASSET = Path(__file__).resolve().parent.parent / "docs" / "assets" / "bench-interval.svg"
 
 
