@@ -400,3 +400,34 @@ def test_show_gives_the_runs_goodput_and_its_badput_by_cause(tmp_path: Path, utc
     assert f"goodput {figures['goodput']:.0%} of 30.00s · badput: " in line
     assert "badput: " in line and "restore 1.51s" in line and "recomputed " in line
     assert "partly estimated" in line
+
+
+def test_show_gives_each_attempts_save_interval_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attempt that saved by time (``every_s="auto"`` in the adapters) records the
+    interval it chose and its inputs; ``show`` prints them under the attempt, ``--json``
+    gives the record."""
+    monkeypatch.setenv("TASKPOINT_MTBF_PRIOR_S", "3600")
+    url = f"file://{tmp_path}/train.fit/20251009T085320Z-3f2a9c"
+    checkpoint = Checkpoint(url)
+    now = [0.0]
+    interval = taskpoint.SaveInterval.for_checkpoint(checkpoint, "auto", clock=lambda: now[0])
+    checkpoint.save_sync(b"first")
+    interval.saved(blocked_s=2.0)
+    now[0] += 200.0
+    checkpoint.save_sync(b"second")  # commits with the interval chosen from the first
+    action = "train.fit/20251009T085320Z-3f2a9c"
+    code, out = _invoke("show", action, "--root", str(tmp_path), columns=200)
+    assert code == 0, out
+    assert (
+        "save interval  every 120.0 s (young-daly: save cost 2 s, mean time between failures "
+        "3600 s from 0 failure(s) in 0 s, prior 3600 s)"
+    ) in out
+    code, out = _invoke("show", action, "--root", str(tmp_path), "--json")
+    assert code == 0, out
+    (detail,) = json.loads(out)["attempts_detail"]
+    assert detail["save_interval"]["every"] == "auto"
+    assert detail["save_interval"]["rule"] == "young-daly"
+    assert detail["save_interval"]["interval_s"] == pytest.approx(120.0)
+    assert detail["save_interval"]["mtbf_s"] == pytest.approx(3600.0)

@@ -11,6 +11,7 @@ from taskpoint import Checkpoint
 from taskpoint.format.history import AttemptRecord, claim_attempt, read_attempts, record_end
 from taskpoint.runtime.interval import (
     MTBF_PRIOR_S,
+    IntervalChoice,
     SaveInterval,
     mean_time_between_failures,
     young_daly,
@@ -246,13 +247,14 @@ def test_a_preempted_life_whose_save_committed_lost_nothing(
     now = [1_700_000_000.0]
     monkeypatch.setattr("taskpoint.format.history.time.time", lambda: now[0])
     store = Store(tmp_path.as_uri())
-    for number in range(4):
+    for number, saved in enumerate(["committed", "committed", "committed", "missed"]):
         claim_attempt(store, number)
         now[0] += 60.0
-        record_end(store, number, "preempted", preemption_save="committed")
+        record_end(store, number, "preempted", preemption_save=saved)  # type: ignore[arg-type]
     monkeypatch.undo()
     choice = _first_auto_save(Checkpoint(tmp_path.as_uri()), FakeClock(), 1.0).choice
-    assert choice.failures == 0
+    assert choice.failures == 1, "only the preemption whose save was missed lost work"
+    assert choice.observed_s == pytest.approx(240.0)
 
 
 def test_a_background_uploads_cost_counts_until_its_commit(tmp_path: Path) -> None:
@@ -320,3 +322,12 @@ def test_the_public_names() -> None:
 
     assert taskpoint.SaveInterval is SaveInterval
     assert taskpoint.IntervalChoice is SaveInterval("auto").choice.__class__
+
+
+def test_a_garbage_interval_record_reads_as_unknown() -> None:
+    assert IntervalChoice.from_record({"interval_s": "soon", "rule": "fixed"}) is None
+    assert IntervalChoice.from_record({"interval_s": 5.0}) is None
+    choice = IntervalChoice.from_record({"interval_s": 5.0, "rule": "young-daly", "failures": True})
+    assert choice is not None and choice.failures == 0 and choice.save_cost_s is None
+    full = IntervalChoice(120.0, "young-daly", 2.0, 3600.0, 1, 50.0, 3600.0)
+    assert IntervalChoice.from_record(full.to_record()) == full

@@ -33,6 +33,7 @@ from rich.tree import Tree
 from taskpoint.format.history import AttemptRecord, finite_number, steps_lost
 from taskpoint.format.manifest import Manifest, parse_manifest_name
 from taskpoint.inspect.goodput import goodput
+from taskpoint.runtime.interval import IntervalChoice
 
 if TYPE_CHECKING:
     from taskpoint.inspect.inventory import ActionInfo, Damage
@@ -333,6 +334,7 @@ def to_json(info: ActionInfo, verified: Mapping[str, bool] | None = None) -> dic
             "died": r.died,
             "noted_by": r.noted_by,
             "traceback": r.traceback,
+            "save_interval": r.interval,
             "checkpoints": [m.key for m in view.checkpoints],
         })
     timeline = []
@@ -603,6 +605,14 @@ def _cost_parts(view: AttemptView) -> list[str | Text]:
     return parts
 
 
+def _interval_line(record: AttemptRecord) -> Line | None:
+    """How often the attempt saved by time, and why (its interval record), if it did."""
+    choice = None if record.interval is None else IntervalChoice.from_record(record.interval)
+    if choice is None:
+        return None
+    return _join(Text("save interval", style="bold"), choice.describe(), sep="  ")
+
+
 def _lead(when: Text, line: Text) -> Text:
     """An event's time and what happened, kept on one line."""
     if not when:
@@ -673,6 +683,9 @@ def render(
     tree = Tree(_header(info, views), guide_style="dim")
     for view in views:
         branch = tree.add(_attempt_label(view))
+        interval = _interval_line(view.record)
+        if interval is not None:
+            branch.add(interval)
         for event in _attempt_events(view, damaged.get(view.attempt, [])):
             line = _event_text(event, view, kept, verified, by_name)
             if line is None:

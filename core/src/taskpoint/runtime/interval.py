@@ -60,7 +60,7 @@ from taskpoint._env import seconds_from_env
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.checkpoint.mirror import PREFIX
 from taskpoint.errors import CheckpointError
-from taskpoint.format.history import AttemptRecord, SaveStats
+from taskpoint.format.history import AttemptRecord, SaveStats, finite_number
 
 __all__ = [
     "ENV_MTBF_PRIOR",
@@ -255,6 +255,23 @@ class IntervalChoice:
             "observed_s": round(self.observed_s, 3),
             "prior_s": self.prior_s,
         }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> IntervalChoice | None:
+        """The choice an interval record holds (:meth:`to_record`); ``None`` when the record
+        lacks a finite ``interval_s`` or a ``rule`` (other fields it lacks read as
+        unknown)."""
+        interval, rule = finite_number(record.get("interval_s")), record.get("rule")
+        if interval is None or not isinstance(rule, str):
+            return None
+        failures = record.get("failures")
+        return cls(
+            interval, rule, finite_number(record.get("save_cost_s")),
+            finite_number(record.get("mtbf_s")),
+            failures if isinstance(failures, int) and not isinstance(failures, bool) else 0,
+            finite_number(record.get("observed_s")) or 0.0,
+            finite_number(record.get("prior_s")),
+        )
 
     def metrics(self) -> dict[str, float]:
         """The choice as ``taskpoint/<name>`` metrics, beside a save's figures (an
