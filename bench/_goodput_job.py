@@ -10,7 +10,9 @@ every element changing at every step (an optimizer step: the gradient of each te
 scalar drawn from torch's global RNG, so an exact resume must restore the RNG too); the
 accelerator's compute is a sleep of ``BENCH_STEP_S`` per step, the CPU idling as it does
 while a GPU computes. ``BENCH_STEPS`` steps in all, a save every ``BENCH_EVERY`` steps and
-after the last step.
+after the last step. On the taskpoint side ``BENCH_EVERY_S`` (seconds, or ``auto``), when
+set, replaces ``BENCH_EVERY``: ``save_sync(ckpt, step=step, every_s=...)`` at every step, a
+save by training time (:mod:`bench_interval`'s sweep).
 
 ``BENCH_SIDE`` picks how it checkpoints:
 
@@ -140,8 +142,9 @@ class _Steps:
 
 
 def run_taskpoint(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
-                  total: int, every: int) -> int:
-    """The guide's loop under the environment contract; returns the step reached."""
+                  total: int, every: int, every_s: str | None = None) -> int:
+    """The guide's loop under the environment contract, saving every ``every`` steps or,
+    with ``every_s`` (seconds or ``"auto"``), by training time; returns the step reached."""
     t0 = time.time()  # the restore counts from loading the checkpoint library, as plain's
     import taskpoint
     from taskpoint_pytorch import TaskpointState
@@ -153,24 +156,30 @@ def run_taskpoint(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
     resume = state.restore_sync(ckpt)
     start = resume.step if resume else 0
     log.write(ev="restore", t0=t0, t1=time.time(), step=start)
+    by_time: dict[str, Any] = {}
+    if every_s is not None:
+        by_time["every_s"] = every_s if every_s == "auto" else float(every_s)
     step = start
+    saved = True  # a life that trains no step has nothing new to save
     for step in range(start + 1, total + 1):
         steps.run(step, model, opt)
         t0 = time.time()
         log.write(ev="save", s=step, t0=t0)
         try:
-            saved = state.save_sync(ckpt, step=step, every=every)
+            if by_time:
+                saved = state.save_sync(ckpt, step=step, **by_time)
+            else:
+                saved = state.save_sync(ckpt, step=step, every=every)
         except BaseException:  # a Preempted after the preemption save, or a store error
             log.write(ev="save", s=step, t0=t0, t1=time.time(), preempt=True, saved=True)
             raise
         log.write(ev="save", s=step, t0=t0, t1=time.time(), preempt=False, saved=saved)
     t0 = time.time()
     log.write(ev="save", s=step, t0=t0)
-    if step % every:
+    if not saved:  # the last step's call did not save: the end must
         state.save_sync(ckpt, step=step)
     state.wait()
-    log.write(ev="save", s=step, t0=t0, t1=time.time(), preempt=False,
-              saved=bool(step % every))
+    log.write(ev="save", s=step, t0=t0, t1=time.time(), preempt=False, saved=not saved)
     return step
 
 
@@ -250,7 +259,8 @@ def main() -> None:
     steps = _Steps(log, float(env["BENCH_STEP_S"]), int(fail) if fail else None)
     model, opt = build(float(env["BENCH_SIZE_MB"]), int(env["BENCH_SEED"]))
     if side == "taskpoint":
-        reached = run_taskpoint(log, steps, model, opt, total, every)
+        reached = run_taskpoint(log, steps, model, opt, total, every,
+                                env.get("BENCH_EVERY_S") or None)
     elif side == "plain":
         reached = run_plain(log, steps, model, opt, total, every)
     elif side == "none":

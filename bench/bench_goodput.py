@@ -464,6 +464,40 @@ def _stop(signum: int, frame: object) -> None:
     raise SystemExit(f"stopped by signal {signum}")
 
 
+def start_store() -> Weed | Moto:
+    """The S3 server the lives store on: SeaweedFS on loopback without a volume limit
+    (every save of this state is new bytes: tens of GB over the whole bench), moto where
+    the ``weed`` binary cannot run (printed)."""
+    try:
+        return Weed(volumes=0)
+    except Exception as exc:
+        print(f"SeaweedFS unavailable ({exc}); falling back to moto", flush=True)
+        return Moto()
+
+
+def job_env(server: Weed | Moto, size_mb: float, step_s: float, seed: int) -> dict[str, str]:
+    """The environment every life of every side starts with: this process's, the S3
+    server's credentials and endpoint, and the job's ``BENCH_*`` sizes."""
+    options: dict[str, Any] = server.options
+    return {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": options["key"],
+        "AWS_SECRET_ACCESS_KEY": options["secret"],
+        "AWS_ENDPOINT_URL_S3": options["client_kwargs"]["endpoint_url"],
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+        "BENCH_SIZE_MB": str(size_mb), "BENCH_STEP_S": str(step_s),
+        "BENCH_SEED": str(seed), "BENCH_BUCKET": "bench",
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH")])),
+    }
+
+
+def kill_lives() -> None:
+    """Kill every life still running (the bench is ending, or was stopped)."""
+    for group in list(_LIVE):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=float, default=200, help="state size (MiB)")
@@ -499,24 +533,10 @@ def main() -> None:
                                "schedule": [asdict(f) for f in failures],
                                "load_start": load_start}
     try:
-        try:  # every save of this state is new bytes: tens of GB over the whole bench
-            server = Weed(volumes=0)
-        except Exception as exc:
-            print(f"SeaweedFS unavailable ({exc}); falling back to moto", flush=True)
-            server = Moto()
+        server = start_store()
         options: dict[str, Any] = server.options
-        endpoint = options["client_kwargs"]["endpoint_url"]
         prefix = uuid.uuid4().hex[:8]
-        base = {
-            **os.environ,
-            "AWS_ACCESS_KEY_ID": options["key"],
-            "AWS_SECRET_ACCESS_KEY": options["secret"],
-            "AWS_ENDPOINT_URL_S3": endpoint, "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "BENCH_SIZE_MB": str(args.size_mb), "BENCH_STEP_S": str(args.step_s),
-            "BENCH_SEED": str(args.seed), "BENCH_BUCKET": "bench",
-            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH")])),
-        }
+        base = job_env(server, args.size_mb, args.step_s, args.seed)
         print(f"store s3:// ({server.name} on 127.0.0.1); state {args.size_mb:g} MiB, "
               f"{args.steps} steps of {args.step_s:g} s compute; schedule: "
               + ", ".join(f"{f.kind}@{f.step}" for f in failures), flush=True)
@@ -591,9 +611,7 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1, default=str))
     finally:
-        for group in list(_LIVE):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
+        kill_lives()
         if server is not None:
             server.stop()
         if args.keep:
