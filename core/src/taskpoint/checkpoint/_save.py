@@ -640,7 +640,7 @@ class Saves:
         saver: writes and commits one save.
         catalog: the location's committed checkpoints (the saver's).
         attempt: the checkpoint's attempt, which numbers the saves.
-        options: the checkpoint's constructor arguments, for the upload process.
+        destination: where and how the upload process commits these saves.
         background_upload: where background saves upload: ``"process"`` or ``"thread"``.
         when_busy: what a background save asked for during an upload does: ``"coalesce"``
             or ``"wait"`` (see :class:`taskpoint.Checkpoint`).
@@ -652,7 +652,7 @@ class Saves:
         catalog: Catalog,
         attempt: Attempt,
         *,
-        options: dict[str, Any],
+        destination: _uploader.Destination,
         background_upload: str,
         when_busy: WhenBusy = "coalesce",
     ) -> None:
@@ -660,7 +660,7 @@ class Saves:
         self.saver = saver
         self._catalog = catalog
         self._attempt = attempt
-        self._options = options
+        self._destination = destination
         self._background_upload = background_upload
         self.process_uploads = 0
         """How many saves were sent to the upload process."""
@@ -737,7 +737,7 @@ class Saves:
             worker = self._worker() if background else None
             if worker is not None:
                 request = _uploader.Request(
-                    self._options, attempt, seq, source, frozenset(self._catalog.intact),
+                    self._destination, attempt, seq, source, frozenset(self._catalog.intact),
                     nice=nice,
                 )
                 self.process_uploads += 1
@@ -774,7 +774,7 @@ class Saves:
         if self._catalog.store.is_memory:
             return False  # memory:// lives in this process alone
         try:
-            pickle.dumps(self._options)
+            pickle.dumps(self._destination)
         except Exception:  # storage_options holding a live client object, say
             self._background_upload = "thread"
             return False

@@ -10,7 +10,8 @@ One upload process serves a whole Python process (a job, or one attempt of it): 
 :class:`taskpoint.Checkpoint` hands its background saves to :func:`shared`'s
 :class:`Worker`, which starts the child (running :func:`main`) at the first background
 save, without waiting for it, and keeps it until interpreter exit (or a fork, whose child
-starts its own). The child commits each request in a thread of its own, so the checkpoints
+starts its own). The child runs :mod:`taskpoint.checkpoint._upload_child`, which commits
+each request with a :class:`~taskpoint.checkpoint._save.Saver` built from it. The child commits each request in a thread of its own, so the checkpoints
 of one job never queue behind one another; each checkpoint sends one save at a time. The
 child runs with the environment (credentials, endpoints) the parent had when it started
 it: once the parent's storage environment (:data:`STORE_ENV_PREFIXES`: credentials,
@@ -53,10 +54,11 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from taskpoint.errors import CheckpointError
+from taskpoint.store.store import RetryPolicy
 
 __all__ = [
-    "DEFAULT_UPLOAD_NICE", "STORE_ENV_PREFIXES", "UPLOAD_NICE_ENV", "Request", "Worker",
-    "WorkerDied", "main", "shared", "upload_nice", "warm_up",
+    "BOOTSTRAP", "CHILD_MODULE", "DEFAULT_UPLOAD_NICE", "STORE_ENV_PREFIXES", "UPLOAD_NICE_ENV",
+    "Destination", "Request", "Worker", "WorkerDied", "main", "shared", "upload_nice",
 ]
 
 log = logging.getLogger(__name__)
@@ -64,30 +66,33 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<QQ")  # the request's number, the pickle's size in bytes
 _READY = 0
 """The number of the child's first frame, which says it is ready; requests count from 1."""
-_CHILD = (
-    "import os, sys, threading\n"
-    "def _warm():\n"
+CHILD_MODULE = "taskpoint.checkpoint._upload_child"
+"""The module the upload process runs (:mod:`taskpoint.checkpoint._upload_child`): its
+:func:`~taskpoint.checkpoint._upload_child.warm_up` before the child says it is ready, then
+its :func:`~taskpoint.checkpoint._upload_child.run`. It is named here, not
+imported: it sits above this module (it commits with :mod:`taskpoint.checkpoint._save`,
+which hands requests to this one); ``tests/test_layers.py`` reads the name and checks the
+code it imports."""
+BOOTSTRAP = (
+    "import importlib, os, sys, threading\n"
+    "loaded = []\n"
+    "def _load():\n"
     "    try:\n"
     "        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),\n"
     "                       min(os.getpriority(os.PRIO_PROCESS, 0) + int(sys.argv[1]), 19))\n"
     "    except OSError:\n"
     "        pass\n"
-    "    import taskpoint.checkpoint.checkpoint\n"
-    "    from taskpoint.checkpoint._uploader import warm_up\n"
-    "    warm_up(sys.argv[2:])\n"
-    "_t = threading.Thread(target=_warm)\n_t.start()\n_t.join()\n"
-    "import fsspec.asyn\nfsspec.asyn.get_loop()\n"
-    "from taskpoint.checkpoint._uploader import main\n"
-    "from taskpoint.checkpoint.checkpoint import commit_request\n"
-    "raise SystemExit(main(commit_request))\n"
+    "    loaded.append(importlib.import_module(sys.argv[2]))\n"
+    "    loaded[0].warm_up(sys.argv[3:])\n"
+    "_t = threading.Thread(target=_load)\n_t.start()\n_t.join()\n"
+    "raise SystemExit(loaded[0].run())\n"
 )
-"""The child's program, given the nice increment of its start-up and the storage protocols
-to import before it is ready. The imports (a few seconds of CPU) run on a thread at that
-lower priority, so they never compete with the training loop; the main thread, which
-starts each request's thread and fsspec's event loop thread (where an object store's
-transfers run), keeps the parent's priority. It names the handler only here,
-as text: this module sits below :mod:`taskpoint.checkpoint.checkpoint` and never imports
-it."""
+"""The child's program, given the nice increment of its start-up, :data:`CHILD_MODULE` and
+the storage protocols to import before it is ready. It imports only the standard library
+itself; the child's imports (a few seconds of CPU) run on a thread at that lower priority,
+so they never compete with the training loop, while the main thread, which starts each
+request's thread and fsspec's event loop thread (where an object store's transfers run),
+keeps the parent's priority."""
 UPLOAD_NICE_ENV = "TASKPOINT_UPLOAD_NICE"
 """The environment variable that sets how far below the training loop background uploads
 run (a nice increment, 0 to 19; see :func:`upload_nice`)."""
@@ -133,17 +138,6 @@ CLOSE_WAIT_S = 30.0
 """How long :func:`close_shared` waits, by default, for the child to finish its requests."""
 
 
-def warm_up(protocols: list[str]) -> None:
-    """Import, before the child says it is ready, each storage backend of ``protocols``
-    (fsspec's, e.g. ``s3``). A protocol that does not import is left for the request to
-    report."""
-    import fsspec
-
-    for protocol in protocols:
-        with contextlib.suppress(Exception):
-            fsspec.get_filesystem_class(protocol)
-
-
 def _set_thread_nice(nice: int) -> None:
     """Lower the calling thread's priority ``nice`` below the process's (0: unchanged)."""
     if nice <= 0:
@@ -158,11 +152,25 @@ class WorkerDied(CheckpointError):
 
 
 @dataclass(frozen=True)
+class Destination:
+    """Where and how the upload process commits one checkpoint's saves: what it builds
+    that checkpoint's :class:`~taskpoint.checkpoint._save.Saver` from (picklable, unless
+    ``storage_options`` holds a live object: such a checkpoint uploads from a thread)."""
+
+    url: str
+    storage_options: dict[str, Any]
+    retry: RetryPolicy | None
+    codec: str
+    store_format: int
+    keep: int
+
+
+@dataclass(frozen=True)
 class Request:
     """One save for the child to commit: what :meth:`taskpoint.checkpoint._save.Saver.commit` needs,
     picklable."""
 
-    options: dict[str, Any]  # Checkpoint constructor arguments
+    destination: Destination
     attempt: int
     seq: int
     source: Any  # taskpoint.checkpoint._save.Source
@@ -242,7 +250,7 @@ class _Child:
     def _serve(self) -> None:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _CHILD, str(STARTUP_NICE), *self.protocols],
+                [sys.executable, "-c", BOOTSTRAP, str(STARTUP_NICE), CHILD_MODULE, *self.protocols],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env={**self.env, "PYTHONUNBUFFERED": "1"},
@@ -496,7 +504,7 @@ def main(handle: Callable[[Request], Any]) -> int:
 
     Args:
         handle: commits one request and returns what the parent's :meth:`Worker.run`
-            returns (:func:`taskpoint.checkpoint.checkpoint.commit_request`).
+            returns (:func:`taskpoint.checkpoint._upload_child.commit`).
     """
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints go to standard error, never into a reply

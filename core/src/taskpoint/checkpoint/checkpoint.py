@@ -44,7 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
-from taskpoint.checkpoint import _inflight, _uploader
+from taskpoint.checkpoint import _uploader
 from taskpoint.checkpoint._load import Loader
 from taskpoint.checkpoint._loading import Loading
 from taskpoint.checkpoint._multiwriter import MultiWriter
@@ -190,11 +190,10 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
             ),
             self._catalog,
             self._attempt,
-            options={
-                "url": url, "keep": keep, "codec": codec, "retry": retry,
-                "storage_options": dict(storage_options or {}), "background_upload": "thread",
-                "store_format": store_format,
-            },
+            destination=_uploader.Destination(
+                url=url, storage_options=dict(storage_options or {}), retry=retry,
+                codec=codec, store_format=store_format, keep=keep,
+            ),
             background_upload=background_upload,
             when_busy=busy,
         )
@@ -387,18 +386,6 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
         """
         self._saves.on_commit(callback)
         return callback
-
-
-def commit_request(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
-    """Commit a background save in the upload process (see :mod:`taskpoint.checkpoint._uploader`).
-
-    Returns:
-        The save's stats and its ``(manifest key, checksum)``, for the parent to record.
-    """
-    checkpoint = Checkpoint(**request.options, attempt=request.attempt)
-    checkpoint._catalog.intact |= request.intact
-    with _inflight.hold(checkpoint.url):  # a retry on this machine waits for it
-        return checkpoint._saves.saver.commit(request.source, request.attempt, request.seq)
 
 
 def latest_checkpoint(
