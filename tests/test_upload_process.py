@@ -182,7 +182,7 @@ def _upload_processes() -> dict[int, int]:
         except OSError:  # it ended meanwhile
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != os.getpid() or b"taskpoint.checkpoint._uploader" not in cmdline:
+        if ppid != os.getpid() or _uploader.CHILD_MODULE.encode() not in cmdline:
             continue
         rss = [line for line in status.splitlines() if line.startswith("VmRSS:")]
         found[int(entry.name)] = int(rss[0].split()[1]) * 1024 if rss else 0
