@@ -701,15 +701,15 @@ class Saves:
         if not background:
             self._background.supersede(ticket)
         elif self._upload_in_process:
-            _uploader.shared().start(self._protocols)  # while the snapshot is taken; never waits
+            _uploader.shared().start(self._protocols, user=self)  # while the snapshot is taken
         return source, ticket
 
     def prepare(self) -> None:
         """Start the upload process now if background saves would use it (a job loads its
         checkpoint before it trains), so that the first background saves find it ready:
         one committed from a thread while it starts dies with a killed training process."""
-        if self._upload_in_process:
-            _uploader.shared().start(self._protocols)  # never waits
+        if self._upload_in_process and not self._closed:
+            _uploader.shared().start(self._protocols, user=self)  # never waits
 
     def queue(self, source: Source, ticket: int) -> None:
         """Commit ``source`` (a private snapshot) on the upload thread.
@@ -754,10 +754,8 @@ class Saves:
         if not self._upload_in_process:
             return None
         worker = _uploader.shared()
-        if worker.ready:
-            return worker
-        worker.start(self._protocols)
-        return None
+        worker.start(self._protocols, user=self)  # never waits
+        return worker if worker.ready else None
 
     @property
     def _protocols(self) -> tuple[str, ...]:
@@ -857,6 +855,7 @@ class Saves:
                 pass
         finally:
             _settle.untrack(self._background)
+            _uploader.shared().release(self)  # unused, the upload process ends
         self.raise_error()
 
     @property
