@@ -30,16 +30,16 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
 from taskpoint import preemption
 from taskpoint.checkpoint import _settle, _uploader
 from taskpoint.checkpoint._uploader import DEFAULT_UPLOAD_NICE, UPLOAD_NICE_ENV, upload_nice
 from taskpoint.distributed import _parts
 from taskpoint.errors import CheckpointClosedError, CheckpointSaveError, _save_failures
-from taskpoint.format import _tree_save, archive, retention
+from taskpoint.format import _payload, _tree_save, archive, retention
 from taskpoint.format._catalog import Catalog
-from taskpoint.format._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
+from taskpoint.format._digest import Progress
 from taskpoint.format._statcache import ContentKey, StatCache, content_key
 from taskpoint.format.history import Attempt, SaveStats
 from taskpoint.format.manifest import (
@@ -267,7 +267,10 @@ class Saver:
         token = uuid.uuid4().hex[:8]
         payload = payload_name(attempt, seq, token)
         upload_started = time.monotonic()
-        digest, name, codec = self._write_payload(source, payload)
+        digest, name, codec = _payload.write_payload(
+            self._store, f"{CHECKPOINTS}/{payload}", kind=source.kind, data=source.data,
+            path=source.path, codec=self._codec, progress=self._progress,
+        )
         if source.path is not None and source.pinned:  # read whole before the check
             for rel, pin in source.pinned.items():
                 _tree_save.check_pinned(
@@ -322,49 +325,6 @@ class Saver:
             upload_s=now - upload_started,
             blocked_s=save_s if source.blocked_s is None else source.blocked_s,
         )
-
-    def _write_payload(self, source: Source, payload: str) -> tuple[Digest, str | None, Codec]:
-        target = f"{CHECKPOINTS}/{payload}"
-        name = source.path.name if source.path is not None else None
-        if source.kind == "file" and self._store.is_object_store:
-            # The backend's own parallel multipart upload, after hashing the file. A file
-            # changed while it uploads fails verification at load.
-            assert source.path is not None
-            digest = digest_file(str(source.path))
-            self._store.put_file(str(source.path), target)
-            if self._progress is not None:
-                self._progress(digest.size)
-            return digest, name, "none"
-        box: dict[str, HashingWriter] = {}
-
-        def produce(raw: BinaryIO) -> None:
-            writer = box["w"] = HashingWriter(raw, self._progress)
-            try:
-                if source.kind == "bytes":
-                    assert source.data is not None
-                    writer.write(source.data)
-                elif source.kind == "file":
-                    # One pass that hashes as it copies: as fast as a kernel copy on local
-                    # disks, where reading the file twice to hash it would cost a third more.
-                    assert source.path is not None
-                    for chunk in file_chunks(str(source.path)):
-                        writer.write(chunk)
-                else:
-                    assert source.path is not None
-                    archive.pack_directory(source.path, writer, self._codec)  # type: ignore[arg-type]
-            except OSError as exc:
-                if exc is writer.raw_error:
-                    raise  # the store's: retried and reported as the store's
-                # The source's: reading it again would fail again, and the store is not at fault.
-                raise CheckpointSaveError(
-                    f"could not read {source.path} to save it to {self._store.url} "
-                    f"({type(exc).__name__}: {exc}); nothing was committed",
-                    url=self._store.url,
-                ) from exc
-
-        self._store.write_stream(target, produce)
-        codec: Codec = self._codec if source.kind == "directory" else "none"
-        return box["w"].digest, name, codec
 
 
 LINK_MIN = 1 << 20
@@ -676,6 +636,8 @@ class Saves:
         self._background = Background(self.run)
         self._listeners: list[Callable[[SaveStats], object]] = []
         _settle.track(self._background)  # waited for at interpreter exit
+        if self._upload_in_process:  # keeps the upload process, once started, until closed
+            _uploader.shared().add_user(self)
 
     def begin(self, data: object, snapshot: object, background: bool) -> tuple[Source, int]:
         """Check and classify a save of ``data`` and give it its ticket (its place in

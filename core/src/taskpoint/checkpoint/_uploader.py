@@ -9,8 +9,10 @@ reason.
 One upload process serves a whole Python process (a job, or one attempt of it): every
 :class:`taskpoint.Checkpoint` hands its background saves to :func:`shared`'s
 :class:`Worker`, which starts the child (running :func:`main`) at the first background
-save, without waiting for it, and keeps it until interpreter exit (or a fork, whose child
-starts its own). The child runs :mod:`taskpoint.checkpoint._upload_child`, which commits
+save, without waiting for it, and keeps it while an open checkpoint uses it: once the last
+is closed (or collected) and no request is in flight, it ends after :data:`IDLE_EXIT_S`
+seconds, and the next background save starts a new one. Interpreter exit ends it too, once
+its requests are answered (a fork's child starts its own). The child runs :mod:`taskpoint.checkpoint._upload_child`, which commits
 each request with a :class:`~taskpoint.checkpoint._save.Saver` built from it. The child commits each request in a thread of its own, so the checkpoints
 of one job never queue behind one another; each checkpoint sends one save at a time. The
 child runs with the environment (credentials, endpoints) the parent had when it started
@@ -142,9 +144,9 @@ CLOSE_WAIT_S = 30.0
 
 IDLE_EXIT_S = 10.0
 """How long an upload process that no open checkpoint uses, with no save in flight, waits
-for one before it ends (seconds). A checkpoint uses it from its first background save (or
-its first load, which starts it for the saves that follow) until it is closed or
-collected; the next background save after it ended starts a new one."""
+for one before it ends (seconds). A checkpoint whose background saves would go there
+uses it from its construction until it is closed or collected; the next background save
+after it ended starts a new one."""
 IDLE_POLL_S = 0.25
 """How often the idle upload process's reader checks whether it is still wanted (seconds)."""
 
@@ -502,6 +504,12 @@ class Worker:
         if old is not None and not old.ended.is_set():
             log.debug("the environment changed: a new upload process takes over")
             old.close(timeout=0)
+
+    def add_user(self, user: object) -> None:
+        """Count ``user`` (an open checkpoint's saves) among those using the upload
+        process, until :meth:`release` or until it is collected; starts nothing."""
+        with self._lock:
+            self._users.add(user)
 
     def release(self, user: object) -> None:
         """``user`` (a checkpoint closed) no longer uses the upload process: the last user

@@ -21,7 +21,7 @@ checkpoint loadable; a reader never sees a half-written one.
 
 ``Checkpoint`` is the public face. This module holds its construction, copies, closing
 and saves; it inherits its other methods, a job to a module: loading
-(:class:`taskpoint.checkpoint._loading.Loading`), saving one checkpoint from several
+(:class:`taskpoint.checkpoint._load.Loading`), saving one checkpoint from several
 processes (:class:`taskpoint.checkpoint._multiwriter.MultiWriter`), the run records
 (:class:`taskpoint.checkpoint._records.Records`), and the checkpoints stored
 (:class:`taskpoint.checkpoint._stored.Stored`).
@@ -45,8 +45,7 @@ from types import TracebackType
 from typing import Any, Union
 
 from taskpoint.checkpoint import _uploader
-from taskpoint.checkpoint._load import Loader
-from taskpoint.checkpoint._loading import Loading
+from taskpoint.checkpoint._load import Loader, Loading
 from taskpoint.checkpoint._multiwriter import MultiWriter
 from taskpoint.checkpoint._records import Records
 from taskpoint.checkpoint._save import (
@@ -124,7 +123,9 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
     :meth:`close` (or the end of a ``with Checkpoint(url) as ckpt:`` block) waits for the
     background saves and ends saving through the object. Neither is needed to free
     anything: a ``Checkpoint`` holds no process or thread of its own once its background
-    saves have committed, and at interpreter exit (an exit on an uncaught exception too)
+    saves have committed; the upload process it shares with this process's other
+    checkpoints ends 10 seconds after the last of them using it was closed or collected.
+    At interpreter exit (an exit on an uncaught exception too)
     every background save still queued or in flight is waited for, up to
     :data:`taskpoint.checkpoint.mirror.EXIT_WAIT_S` seconds in all.
 
