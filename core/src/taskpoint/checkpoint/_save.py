@@ -636,7 +636,9 @@ class Saves:
         self._background = Background(self.run)
         self._listeners: list[Callable[[SaveStats], object]] = []
         _settle.track(self._background)  # waited for at interpreter exit
-        if self._upload_in_process:  # keeps the upload process, once started, until closed
+        if background_upload == "process" and catalog.progress is None:
+            # Keeps the upload process, once started, until closed (the store is not
+            # opened here: a bad URL fails at first use).
             _uploader.shared().add_user(self)
 
     def begin(self, data: object, snapshot: object, background: bool) -> tuple[Source, int]:
