@@ -13,7 +13,9 @@ and habits"); a module imports only from its own layer and the layers below it::
     base          errors, _types, _env, versions, preemption, progress: they import no layer
 
 Every import counts, including those inside functions and under ``TYPE_CHECKING``: a lazy
-import that closes a circle only hides it. Importing a module runs its packages'
+import that closes a circle only hides it. So does the code of the upload process, a child
+started with ``python -c``: its program imports only the standard library, and the module
+it runs is checked like any other. Importing a module runs its packages'
 ``__init__`` too, so an import from another package counts as one of that package as well.
 """
 
@@ -162,6 +164,76 @@ def test_imports_go_down_the_layers() -> None:
     )
     assert upward == [], "imports of a higher layer:\n" + "\n".join(upward)
 
+
+
+def _programs(path: Path) -> list[str]:
+    """The strings in ``path`` (docstrings aside) that are Python programs importing
+    ``taskpoint``: code another interpreter runs (``python -c``), hidden from the graph."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {
+        id(node.value) for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Constant) or not isinstance(node.value, str):
+            continue
+        if id(node) in docstrings or "import" not in node.value:
+            continue
+        try:
+            program = ast.parse(node.value)
+        except SyntaxError:
+            continue
+        if _imports_of_program(program):
+            found.append(node.value)
+    return found
+
+
+def _imports_of_program(program: ast.Module) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(program):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "taskpoint")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "taskpoint":
+            found.add(node.module or "")
+    return found
+
+
+def test_no_module_hides_imports_in_a_program_string() -> None:
+    """A program written in a string (for ``python -c``) imports only the standard
+    library: the taskpoint code a child process runs is a module the graph sees."""
+    hidden = sorted(str(p.relative_to(PACKAGE)) for p in _paths().values() if _programs(p))
+    assert hidden == [], f"modules with a program string importing taskpoint: {hidden}"
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen = {start}
+    todo = [start]
+    while todo:
+        for dep in graph[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_upload_process_runs_code_of_the_checkpoint_layer_and_below() -> None:
+    """The upload process runs :data:`_uploader.CHILD_MODULE`: its bootstrap imports no
+    taskpoint module itself, and that module, with everything it imports, sits in the
+    checkpoint layer or below. It commits through the saver, built directly, never
+    through ``Checkpoint`` (``taskpoint.checkpoint.checkpoint``)."""
+    from taskpoint.checkpoint import _uploader
+
+    assert _imports_of_program(ast.parse(_uploader.BOOTSTRAP)) == set()
+    graph = import_graph()
+    entry = _uploader.CHILD_MODULE
+    assert entry in graph, f"the upload process runs {entry}, which is no core module"
+    reached = _reached(graph, entry)
+    ceiling = layer_of("taskpoint.checkpoint")
+    above = sorted(m for m in reached if (layer_of(m) or 0) > (ceiling or 0))
+    assert above == [], f"the upload process ({entry}) reaches higher layers: {above}"
+    assert "taskpoint.checkpoint.checkpoint" not in reached, sorted(reached)
+    assert "taskpoint.checkpoint._save" in reached  # it commits with the saver
 
 
 MOVED = (

@@ -6,6 +6,7 @@ import gc
 import os
 import pickle
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -182,7 +183,7 @@ def _upload_processes() -> dict[int, int]:
         except OSError:  # it ended meanwhile
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != os.getpid() or b"taskpoint.checkpoint._uploader" not in cmdline:
+        if ppid != os.getpid() or _uploader.CHILD_MODULE.encode() not in cmdline:
             continue
         rss = [line for line in status.splitlines() if line.startswith("VmRSS:")]
         found[int(entry.name)] = int(rss[0].split()[1]) * 1024 if rss else 0
@@ -258,3 +259,80 @@ def test_close_raises_what_the_last_background_save_raised(tmp_path: Path) -> No
     ckpt.close()  # closed all the same
     with pytest.raises(CheckpointClosedError):
         ckpt.save_sync(b"late")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _ended_within(worker: _uploader.Worker, pid: int, thread: object, timeout: float) -> float:
+    """Seconds until the upload process ``pid`` and its reader ``thread`` have ended."""
+    started = time.monotonic()
+    while _alive(pid) or thread in threading.enumerate():
+        assert time.monotonic() - started < timeout, "the idle upload process still runs"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_an_upload_process_no_open_checkpoint_uses_ends_once_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While an open checkpoint uses it the upload process stays, idle or not; once the
+    last is closed (or collected) it ends after IDLE_EXIT_S seconds, reader thread too,
+    and the next background save starts a new one."""
+    monkeypatch.setattr(_uploader, "_shared", None)  # this test's own upload process
+    gc.collect()
+    ckpt = Checkpoint(tmp_path / "store", background_upload="process")
+    assert ckpt.load_sync() is None  # a job loads first: that starts it for the saves
+    pid = _upload_pid()
+    ckpt.save_sync(b"x", background=True)
+    ckpt.wait()
+    assert ckpt._saves.process_uploads == 1
+    thread = _uploader.shared().thread
+    assert thread is not None and thread.daemon and callable(getattr(thread, "stop", None))
+    time.sleep(_uploader.IDLE_EXIT_S + 2)
+    assert _alive(pid), "an open checkpoint still uses it"
+    ckpt.close()
+    took = _ended_within(_uploader.shared(), pid, thread, _uploader.IDLE_EXIT_S + 30)
+    assert took >= _uploader.IDLE_EXIT_S - 1  # it waited for a new user first
+
+    dropped = Checkpoint(tmp_path / "store", background_upload="process", keep=3)
+    dropped.save_sync(b"y", background=True)  # a thread, while a new upload process starts
+    dropped.wait()
+    pid = _upload_pid()
+    dropped.save_sync(b"z", background=True)
+    dropped.wait()
+    assert dropped._saves.process_uploads == 1
+    thread = _uploader.shared().thread
+    del dropped  # never closed: collected
+    gc.collect()
+    _ended_within(_uploader.shared(), pid, thread, _uploader.IDLE_EXIT_S + 30)
+    restored = Checkpoint(tmp_path / "store").load_sync()
+    assert restored is not None and restored.read_bytes() == b"z"
+
+
+def test_stopping_the_reader_thread_ends_the_upload_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a test harness stopping left-over daemon threads does (Lightning's calls a
+    daemon thread's ``stop``): the upload process ends at once, a later save starts anew."""
+    monkeypatch.setattr(_uploader, "_shared", None)
+    ckpt = Checkpoint(tmp_path / "store", background_upload="process")
+    pid = _upload_pid()
+    ckpt.save_sync(b"x", background=True)
+    ckpt.wait()
+    thread = _uploader.shared().thread
+    assert thread is not None
+    started = time.monotonic()
+    thread.stop()  # type: ignore[attr-defined]
+    assert not thread.is_alive() and not _alive(pid)
+    assert time.monotonic() - started < _uploader.IDLE_EXIT_S
+    ckpt.save_sync(b"y", background=True)
+    ckpt.close()
+    assert Checkpoint(tmp_path / "store").load_sync().read_bytes() == b"y"  # type: ignore[union-attr]

@@ -2,14 +2,15 @@
 
 - :mod:`taskpoint.checkpoint.checkpoint`: :class:`~taskpoint.Checkpoint` and
   :func:`~taskpoint.latest_checkpoint`, the public face;
-- :mod:`taskpoint.checkpoint._loading`, :mod:`taskpoint.checkpoint._multiwriter`,
-  :mod:`taskpoint.checkpoint._records` and :mod:`taskpoint.checkpoint._stored`: the
-  methods ``Checkpoint`` inherits for loading, for saving one checkpoint from several
-  processes, for its run records and for the checkpoints stored;
+- :mod:`taskpoint.checkpoint._multiwriter`, :mod:`taskpoint.checkpoint._records` and
+  :mod:`taskpoint.checkpoint._stored`: the methods ``Checkpoint`` inherits for saving one
+  checkpoint from several processes, for its run records and for the checkpoints stored;
 - :mod:`taskpoint.checkpoint._save` and :mod:`taskpoint.checkpoint._load`: the save path
-  (snapshot, commit, background saves) and the load path (the newest intact checkpoint);
-- :mod:`taskpoint.checkpoint._uploader` and :mod:`taskpoint.checkpoint._settle`: the
-  process background saves run in, and waiting for them;
+  (snapshot, commit, background saves) and the load path (``Checkpoint``'s load methods,
+  and finding and restoring the newest intact checkpoint);
+- :mod:`taskpoint.checkpoint._uploader`, :mod:`taskpoint.checkpoint._upload_child` and
+  :mod:`taskpoint.checkpoint._settle`: the process background saves run in (its handle,
+  and the program it runs), and waiting for them;
 - :mod:`taskpoint.checkpoint.mirror`: the adapters' upload of a finished local folder.
 
 It writes through :mod:`taskpoint.format` to :mod:`taskpoint.store`, and runs the

@@ -1,19 +1,25 @@
 """The load path: find the newest intact checkpoint and restore it to local disk.
 
+:class:`Loading` gives :class:`~taskpoint.Checkpoint` ``load_sync`` and ``load``: they
+check the request, wait for an upload to the location still in flight on this machine,
+let the :class:`Loader` find and fetch the checkpoint, and record the resume in the run's
+history (:mod:`taskpoint.format.history`).
+
 :meth:`Loader.load` tries committed checkpoints newest first: one that fails its checksum
 or cannot be read back is skipped with a :class:`~taskpoint.TaskpointWarning`; one pruned
-while it was read sends the search back to a fresh listing. Format-1 payloads are
-downloaded (a file) or streamed through :func:`taskpoint.format.archive.unpack_directory` (a
-directory) and checked against the manifest's checksum; format-2 trees are restored by
+while it was read sends the search back to a fresh listing. The format decides
+which of two restores runs, both in :mod:`taskpoint.format`: a format-1 payload by
+:func:`taskpoint.format._payload.restore_payload`, a format-2 tree by
 :func:`taskpoint.format._tree_restore.restore_tree`. A failure of the local disk (full,
 read-only, refused) is a :class:`~taskpoint.CheckpointRestoreError`, never taken for a bad
-checkpoint (:func:`is_local_write_error`).
+checkpoint (:func:`taskpoint.format._payload.is_local_write_error`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
-import errno
+import functools
 import itertools
 import logging
 import os
@@ -21,8 +27,11 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 
+from taskpoint.checkpoint import _inflight
+from taskpoint.checkpoint._save import Saves
 from taskpoint.errors import (
     CheckpointCoordinationError,
     CheckpointCorruptError,
@@ -33,13 +42,15 @@ from taskpoint.errors import (
     CheckpointUnsafeError,
     TaskpointWarning,
 )
-from taskpoint.format import _tree_restore, archive
+from taskpoint.format import _payload, _tree_restore, history
 from taskpoint.format._catalog import Catalog
-from taskpoint.format._digest import Digest, HashingReader, Progress, digest_file
+from taskpoint.format._digest import Progress
+from taskpoint.format._payload import is_local_write_error
 from taskpoint.format._statcache import StatCache, now_ns
-from taskpoint.format.manifest import CHECKPOINTS, Manifest
+from taskpoint.format.manifest import CHECKPOINTS, Manifest, check_paths
+from taskpoint.store.store import Store
 
-__all__ = ["BYTES_NAME", "Loader", "is_local_write_error"]
+__all__ = ["BYTES_NAME", "Loader", "Loading", "restore_error"]
 
 log = logging.getLogger(__name__)
 
@@ -204,25 +215,6 @@ class Loader:
             raise restore_error(exc, where) from exc
         return target
 
-    def _unpack(self, key: str, url: str, manifest: Manifest, path: Path) -> Digest:
-        """Stream the archive at ``key`` into ``path``; the digest of what was read."""
-        with self._store.open_read(key) as raw:
-            reader = HashingReader(raw, self._progress, Digest.matching(manifest.checksum))
-            try:
-                archive.unpack_directory(reader, path, manifest.codec)  # type: ignore[arg-type]
-                reader.drain()
-            except (CheckpointStoreError, CheckpointUnsafeError):
-                raise
-            except Exception as exc:
-                if is_local_write_error(exc, path):
-                    raise restore_error(exc, str(path)) from exc
-                raise CheckpointCorruptError(
-                    f"payload {url} cannot be decoded as a directory archive "
-                    f"({type(exc).__name__}: {exc})",
-                    url=url,
-                ) from exc
-        return reader.digest
-
     def _staging_in(self, into: Path) -> Path:
         try:
             into.mkdir(parents=True, exist_ok=True)
@@ -231,8 +223,6 @@ class Loader:
             raise restore_error(exc, str(into)) from exc
 
     def _restore(self, manifest: Manifest, into: Path | None = None) -> Path:
-        key = f"{CHECKPOINTS}/{manifest.payload}"
-        url = self._store.url_of(key)
         clock = now_ns()
         staging = self._restore_dir(manifest) if into is None else self._staging_in(into)
         path = staging / (manifest.name or BYTES_NAME)
@@ -242,22 +232,8 @@ class Loader:
                     self._store, manifest, path, existing=into, progress=self._progress,
                     workers=max(16, self._store.transfer.concurrency), seen=self._seen,
                 )
-                digest = None
-            elif manifest.kind == "directory":
-                digest = self._unpack(key, url, manifest, path)
             else:
-                self._store.get_file(key, str(path))
-                digest = digest_file(str(path), Digest.matching(manifest.checksum).algorithm)
-                if self._progress is not None:
-                    self._progress(digest.size)
-            if digest is not None and (
-                digest.size != manifest.size or digest.checksum != manifest.checksum
-            ):
-                raise CheckpointCorruptError(
-                    f"payload {url} does not match its manifest: {digest.size} bytes with "
-                    f"{digest.checksum}, expected {manifest.size} bytes with {manifest.checksum}",
-                    url=url,
-                )
+                _payload.restore_payload(self._store, manifest, path, self._progress)
         except CheckpointStoreError as exc:
             shutil.rmtree(staging, ignore_errors=True)
             if exc.__cause__ is not None and is_local_write_error(exc.__cause__, staging):
@@ -288,30 +264,6 @@ class Loader:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-"""Errors only a write can meet: a full disk or quota, a file over the size limit."""
-_REFUSED_ERRNOS = {
-    errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
-    errno.EMFILE, errno.ENFILE, errno.EIO,
-}
-"""Errors that are the restore directory's when they name a path inside it."""
-
-
-def is_local_write_error(exc: BaseException, staging: Path) -> bool:
-    """Whether ``exc`` is the local disk refusing what a restore writes under ``staging``."""
-    if not isinstance(exc, OSError) or exc.errno is None:
-        return False  # decoders raise OSError without an errno for bad data
-    if exc.errno in _FULL_ERRNOS:
-        return True
-    if exc.errno not in _REFUSED_ERRNOS:
-        return False
-    base = os.path.abspath(staging)
-    for name in (exc.filename, exc.filename2):
-        if isinstance(name, str) and os.path.abspath(name).startswith(base):
-            return True
-    return False
-
-
 def restore_error(exc: BaseException, path: str) -> CheckpointRestoreError:
     """The error that says writing ``path`` (or the file ``exc`` names) to local disk failed."""
     cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -322,3 +274,102 @@ def restore_error(exc: BaseException, path: str) -> CheckpointRestoreError:
         "free space or fix the restore directory (workdir=), then load again",
         path=str(where),
     )
+
+
+class Loading:
+    """The load methods of :class:`~taskpoint.Checkpoint`, which inherits them.
+
+    It holds nothing of its own: it works through the collaborators ``Checkpoint``'s
+    constructor makes (its loader and saves, the store, the attempt).
+    """
+
+    _store: Store
+    _saves: Saves
+    _loader: Loader
+    _attempt: history.Attempt
+
+    def load_sync(
+        self,
+        *,
+        into: str | os.PathLike[str] | None = None,
+        part: int | None = None,
+        paths: Collection[str] | None = None,
+    ) -> Path | None:
+        """Restore the newest intact committed checkpoint to a local path.
+
+        Args:
+            into: a local directory to restore into instead of a fresh folder. A directory
+                checkpoint's tree *becomes* ``into``: files already there with the right
+                size and content are kept rather than downloaded (a retry on the same
+                machine fetches only what is missing), the others are replaced, and
+                anything the checkpoint does not hold is removed. A file or bytes
+                checkpoint is placed in ``into`` under its name. Nothing in ``into``
+                changes unless the whole checkpoint restored and verified. With ``part``
+                or ``paths``, ``into`` ends up holding just what they select.
+            part: restore only the files rank ``part`` contributed to a checkpoint written
+                by several processes (:meth:`~taskpoint.Checkpoint.save_part_sync`);
+                ``None``: the whole tree.
+            paths: restore only these paths of a directory checkpoint stored in format 2
+                (relative to the tree, ``/`` between components, e.g.
+                ``["model/__0_0.distcp", ".metadata"]``): the objects other files use are
+                never downloaded. A directory path brings everything under it; the
+                directories containing each path come along, and so does the file a
+                requested hard link shares; a symbolic link comes as a link, without its
+                target. With ``part`` too, each path must be one of that part's.
+                ``None``: the whole tree.
+
+        Returns:
+            The restored file (keeping its name), the restored directory tree, or a file
+            named ``checkpoint.bin`` holding saved bytes; ``None`` when nothing has been
+            committed. Without ``into`` each call restores afresh into a new folder.
+
+        A checkpoint that fails its checksum or cannot be read back is skipped, with a
+        :class:`~taskpoint.TaskpointWarning` naming it, for the next newest.
+
+        Uploads to this location still in flight from another process on this machine (the
+        upload process of an attempt that died, which goes on to commit its save) are
+        waited for first, at most the grace period (``TASKPOINT_GRACE_PERIOD``, default
+        30 s), so a retry restores the save its predecessor was committing; an upload
+        process that has died is not waited for.
+
+        Raises:
+            CheckpointCorruptError: checkpoints exist but none is intact.
+            CheckpointFormatError: the newest manifest comes from a newer format.
+            CheckpointUnsafeError: a directory archive holds an unsafe entry.
+            CheckpointStoreError: the store failed (after retries for transient errors).
+            CheckpointCoordinationError: ``part`` was given and the newest checkpoint has
+                no such part (one process wrote it, or fewer ranks); or ``paths`` was given
+                and the newest checkpoint is not a format-2 tree, or holds none of some of
+                them (the message names them). Nothing was restored: an older checkpoint
+                is never taken instead.
+            ValueError: ``part`` is not a rank; ``paths`` is a string, not a collection,
+                or holds a path that is not a relative one inside the tree (empty,
+                absolute, or with ``.`` or ``..`` components); ``TASKPOINT_GRACE_PERIOD``
+                is set to something other than seconds.
+        """
+        if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
+            raise ValueError(f"part must be a rank (an int of at least 0) or None; got {part!r}")
+        wanted = None if paths is None else check_paths(paths)
+        # An earlier attempt's upload process may be about to commit a newer checkpoint.
+        _inflight.wait(self._store.url, _inflight.wait_bound())
+        self._saves.prepare()  # a job loads before it trains: its saves follow
+        found = self._loader.load(None if into is None else Path(os.fspath(into)), part, wanted)
+        if found is None:
+            return None
+        path, manifest, elapsed = found
+        self._saves.restored = (manifest.size, elapsed, manifest.stats)
+        self._attempt.resumed(manifest, elapsed)
+        history.log_resume(self._store, manifest, self._attempt.number)
+        return path
+
+    async def load(
+        self,
+        *,
+        into: str | os.PathLike[str] | None = None,
+        part: int | None = None,
+        paths: Collection[str] | None = None,
+    ) -> Path | None:
+        """Async :meth:`load_sync`: the download runs in worker threads."""
+        return await asyncio.to_thread(
+            functools.partial(self.load_sync, into=into, part=part, paths=paths)
+        )

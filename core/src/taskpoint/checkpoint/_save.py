@@ -30,16 +30,16 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
 from taskpoint import preemption
 from taskpoint.checkpoint import _settle, _uploader
 from taskpoint.checkpoint._uploader import DEFAULT_UPLOAD_NICE, UPLOAD_NICE_ENV, upload_nice
 from taskpoint.distributed import _parts
 from taskpoint.errors import CheckpointClosedError, CheckpointSaveError, _save_failures
-from taskpoint.format import _tree_save, archive, retention
+from taskpoint.format import _payload, _tree_save, archive, retention
 from taskpoint.format._catalog import Catalog
-from taskpoint.format._digest import Digest, HashingWriter, Progress, digest_file, file_chunks
+from taskpoint.format._digest import Progress
 from taskpoint.format._statcache import ContentKey, StatCache, content_key
 from taskpoint.format.history import Attempt, SaveStats
 from taskpoint.format.manifest import (
@@ -267,7 +267,10 @@ class Saver:
         token = uuid.uuid4().hex[:8]
         payload = payload_name(attempt, seq, token)
         upload_started = time.monotonic()
-        digest, name, codec = self._write_payload(source, payload)
+        digest, name, codec = _payload.write_payload(
+            self._store, f"{CHECKPOINTS}/{payload}", kind=source.kind, data=source.data,
+            path=source.path, codec=self._codec, progress=self._progress,
+        )
         if source.path is not None and source.pinned:  # read whole before the check
             for rel, pin in source.pinned.items():
                 _tree_save.check_pinned(
@@ -322,49 +325,6 @@ class Saver:
             upload_s=now - upload_started,
             blocked_s=save_s if source.blocked_s is None else source.blocked_s,
         )
-
-    def _write_payload(self, source: Source, payload: str) -> tuple[Digest, str | None, Codec]:
-        target = f"{CHECKPOINTS}/{payload}"
-        name = source.path.name if source.path is not None else None
-        if source.kind == "file" and self._store.is_object_store:
-            # The backend's own parallel multipart upload, after hashing the file. A file
-            # changed while it uploads fails verification at load.
-            assert source.path is not None
-            digest = digest_file(str(source.path))
-            self._store.put_file(str(source.path), target)
-            if self._progress is not None:
-                self._progress(digest.size)
-            return digest, name, "none"
-        box: dict[str, HashingWriter] = {}
-
-        def produce(raw: BinaryIO) -> None:
-            writer = box["w"] = HashingWriter(raw, self._progress)
-            try:
-                if source.kind == "bytes":
-                    assert source.data is not None
-                    writer.write(source.data)
-                elif source.kind == "file":
-                    # One pass that hashes as it copies: as fast as a kernel copy on local
-                    # disks, where reading the file twice to hash it would cost a third more.
-                    assert source.path is not None
-                    for chunk in file_chunks(str(source.path)):
-                        writer.write(chunk)
-                else:
-                    assert source.path is not None
-                    archive.pack_directory(source.path, writer, self._codec)  # type: ignore[arg-type]
-            except OSError as exc:
-                if exc is writer.raw_error:
-                    raise  # the store's: retried and reported as the store's
-                # The source's: reading it again would fail again, and the store is not at fault.
-                raise CheckpointSaveError(
-                    f"could not read {source.path} to save it to {self._store.url} "
-                    f"({type(exc).__name__}: {exc}); nothing was committed",
-                    url=self._store.url,
-                ) from exc
-
-        self._store.write_stream(target, produce)
-        codec: Codec = self._codec if source.kind == "directory" else "none"
-        return box["w"].digest, name, codec
 
 
 LINK_MIN = 1 << 20
@@ -640,7 +600,7 @@ class Saves:
         saver: writes and commits one save.
         catalog: the location's committed checkpoints (the saver's).
         attempt: the checkpoint's attempt, which numbers the saves.
-        options: the checkpoint's constructor arguments, for the upload process.
+        destination: where and how the upload process commits these saves.
         background_upload: where background saves upload: ``"process"`` or ``"thread"``.
         when_busy: what a background save asked for during an upload does: ``"coalesce"``
             or ``"wait"`` (see :class:`taskpoint.Checkpoint`).
@@ -652,7 +612,7 @@ class Saves:
         catalog: Catalog,
         attempt: Attempt,
         *,
-        options: dict[str, Any],
+        destination: _uploader.Destination,
         background_upload: str,
         when_busy: WhenBusy = "coalesce",
     ) -> None:
@@ -660,7 +620,7 @@ class Saves:
         self.saver = saver
         self._catalog = catalog
         self._attempt = attempt
-        self._options = options
+        self._destination = destination
         self._background_upload = background_upload
         self.process_uploads = 0
         """How many saves were sent to the upload process."""
@@ -676,6 +636,10 @@ class Saves:
         self._background = Background(self.run)
         self._listeners: list[Callable[[SaveStats], object]] = []
         _settle.track(self._background)  # waited for at interpreter exit
+        if background_upload == "process" and catalog.progress is None:
+            # Keeps the upload process, once started, until closed (the store is not
+            # opened here: a bad URL fails at first use).
+            _uploader.shared().add_user(self)
 
     def begin(self, data: object, snapshot: object, background: bool) -> tuple[Source, int]:
         """Check and classify a save of ``data`` and give it its ticket (its place in
@@ -701,15 +665,15 @@ class Saves:
         if not background:
             self._background.supersede(ticket)
         elif self._upload_in_process:
-            _uploader.shared().start(self._protocols)  # while the snapshot is taken; never waits
+            _uploader.shared().start(self._protocols, user=self)  # while the snapshot is taken
         return source, ticket
 
     def prepare(self) -> None:
         """Start the upload process now if background saves would use it (a job loads its
         checkpoint before it trains), so that the first background saves find it ready:
         one committed from a thread while it starts dies with a killed training process."""
-        if self._upload_in_process:
-            _uploader.shared().start(self._protocols)  # never waits
+        if self._upload_in_process and not self._closed:
+            _uploader.shared().start(self._protocols, user=self)  # never waits
 
     def queue(self, source: Source, ticket: int) -> None:
         """Commit ``source`` (a private snapshot) on the upload thread.
@@ -737,7 +701,7 @@ class Saves:
             worker = self._worker() if background else None
             if worker is not None:
                 request = _uploader.Request(
-                    self._options, attempt, seq, source, frozenset(self._catalog.intact),
+                    self._destination, attempt, seq, source, frozenset(self._catalog.intact),
                     nice=nice,
                 )
                 self.process_uploads += 1
@@ -754,10 +718,8 @@ class Saves:
         if not self._upload_in_process:
             return None
         worker = _uploader.shared()
-        if worker.ready:
-            return worker
-        worker.start(self._protocols)
-        return None
+        worker.start(self._protocols, user=self)  # never waits
+        return worker if worker.ready else None
 
     @property
     def _protocols(self) -> tuple[str, ...]:
@@ -774,7 +736,7 @@ class Saves:
         if self._catalog.store.is_memory:
             return False  # memory:// lives in this process alone
         try:
-            pickle.dumps(self._options)
+            pickle.dumps(self._destination)
         except Exception:  # storage_options holding a live client object, say
             self._background_upload = "thread"
             return False
@@ -857,6 +819,7 @@ class Saves:
                 pass
         finally:
             _settle.untrack(self._background)
+            _uploader.shared().release(self)  # unused, the upload process ends
         self.raise_error()
 
     @property

@@ -9,8 +9,11 @@ reason.
 One upload process serves a whole Python process (a job, or one attempt of it): every
 :class:`taskpoint.Checkpoint` hands its background saves to :func:`shared`'s
 :class:`Worker`, which starts the child (running :func:`main`) at the first background
-save, without waiting for it, and keeps it until interpreter exit (or a fork, whose child
-starts its own). The child commits each request in a thread of its own, so the checkpoints
+save, without waiting for it, and keeps it while an open checkpoint uses it: once the last
+is closed (or collected) and no request is in flight, it ends after :data:`IDLE_EXIT_S`
+seconds, and the next background save starts a new one. Interpreter exit ends it too, once
+its requests are answered (a fork's child starts its own). The child runs :mod:`taskpoint.checkpoint._upload_child`, which commits
+each request with a :class:`~taskpoint.checkpoint._save.Saver` built from it. The child commits each request in a thread of its own, so the checkpoints
 of one job never queue behind one another; each checkpoint sends one save at a time. The
 child runs with the environment (credentials, endpoints) the parent had when it started
 it: once the parent's storage environment (:data:`STORE_ENV_PREFIXES`: credentials,
@@ -43,20 +46,24 @@ import itertools
 import logging
 import os
 import pickle
+import select
 import signal
 import struct
 import subprocess
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
 from taskpoint.errors import CheckpointError
+from taskpoint.store.store import RetryPolicy
 
 __all__ = [
-    "DEFAULT_UPLOAD_NICE", "STORE_ENV_PREFIXES", "UPLOAD_NICE_ENV", "Request", "Worker",
-    "WorkerDied", "main", "shared", "upload_nice", "warm_up",
+    "BOOTSTRAP", "CHILD_MODULE", "DEFAULT_UPLOAD_NICE", "STORE_ENV_PREFIXES", "UPLOAD_NICE_ENV",
+    "Destination", "Request", "Worker", "WorkerDied", "main", "shared", "upload_nice",
 ]
 
 log = logging.getLogger(__name__)
@@ -64,30 +71,33 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<QQ")  # the request's number, the pickle's size in bytes
 _READY = 0
 """The number of the child's first frame, which says it is ready; requests count from 1."""
-_CHILD = (
-    "import os, sys, threading\n"
-    "def _warm():\n"
+CHILD_MODULE = "taskpoint.checkpoint._upload_child"
+"""The module the upload process runs (:mod:`taskpoint.checkpoint._upload_child`): its
+:func:`~taskpoint.checkpoint._upload_child.warm_up` before the child says it is ready, then
+its :func:`~taskpoint.checkpoint._upload_child.run`. It is named here, not
+imported: it sits above this module (it commits with :mod:`taskpoint.checkpoint._save`,
+which hands requests to this one); ``tests/test_layers.py`` reads the name and checks the
+code it imports."""
+BOOTSTRAP = (
+    "import importlib, os, sys, threading\n"
+    "loaded = []\n"
+    "def _load():\n"
     "    try:\n"
     "        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),\n"
     "                       min(os.getpriority(os.PRIO_PROCESS, 0) + int(sys.argv[1]), 19))\n"
     "    except OSError:\n"
     "        pass\n"
-    "    import taskpoint.checkpoint.checkpoint\n"
-    "    from taskpoint.checkpoint._uploader import warm_up\n"
-    "    warm_up(sys.argv[2:])\n"
-    "_t = threading.Thread(target=_warm)\n_t.start()\n_t.join()\n"
-    "import fsspec.asyn\nfsspec.asyn.get_loop()\n"
-    "from taskpoint.checkpoint._uploader import main\n"
-    "from taskpoint.checkpoint.checkpoint import commit_request\n"
-    "raise SystemExit(main(commit_request))\n"
+    "    loaded.append(importlib.import_module(sys.argv[2]))\n"
+    "    loaded[0].warm_up(sys.argv[3:])\n"
+    "_t = threading.Thread(target=_load)\n_t.start()\n_t.join()\n"
+    "raise SystemExit(loaded[0].run())\n"
 )
-"""The child's program, given the nice increment of its start-up and the storage protocols
-to import before it is ready. The imports (a few seconds of CPU) run on a thread at that
-lower priority, so they never compete with the training loop; the main thread, which
-starts each request's thread and fsspec's event loop thread (where an object store's
-transfers run), keeps the parent's priority. It names the handler only here,
-as text: this module sits below :mod:`taskpoint.checkpoint.checkpoint` and never imports
-it."""
+"""The child's program, given the nice increment of its start-up, :data:`CHILD_MODULE` and
+the storage protocols to import before it is ready. It imports only the standard library
+itself; the child's imports (a few seconds of CPU) run on a thread at that lower priority,
+so they never compete with the training loop, while the main thread, which starts each
+request's thread and fsspec's event loop thread (where an object store's transfers run),
+keeps the parent's priority."""
 UPLOAD_NICE_ENV = "TASKPOINT_UPLOAD_NICE"
 """The environment variable that sets how far below the training loop background uploads
 run (a nice increment, 0 to 19; see :func:`upload_nice`)."""
@@ -132,16 +142,13 @@ def upload_nice() -> int:
 CLOSE_WAIT_S = 30.0
 """How long :func:`close_shared` waits, by default, for the child to finish its requests."""
 
-
-def warm_up(protocols: list[str]) -> None:
-    """Import, before the child says it is ready, each storage backend of ``protocols``
-    (fsspec's, e.g. ``s3``). A protocol that does not import is left for the request to
-    report."""
-    import fsspec
-
-    for protocol in protocols:
-        with contextlib.suppress(Exception):
-            fsspec.get_filesystem_class(protocol)
+IDLE_EXIT_S = 10.0
+"""How long an upload process that no open checkpoint uses, with no save in flight, waits
+for one before it ends (seconds). A checkpoint whose background saves would go there
+uses it from its construction until it is closed or collected; the next background save
+after it ended starts a new one."""
+IDLE_POLL_S = 0.25
+"""How often the idle upload process's reader checks whether it is still wanted (seconds)."""
 
 
 def _set_thread_nice(nice: int) -> None:
@@ -158,11 +165,25 @@ class WorkerDied(CheckpointError):
 
 
 @dataclass(frozen=True)
+class Destination:
+    """Where and how the upload process commits one checkpoint's saves: what it builds
+    that checkpoint's :class:`~taskpoint.checkpoint._save.Saver` from (picklable, unless
+    ``storage_options`` holds a live object: such a checkpoint uploads from a thread)."""
+
+    url: str
+    storage_options: dict[str, Any]
+    retry: RetryPolicy | None
+    codec: str
+    store_format: int
+    keep: int
+
+
+@dataclass(frozen=True)
 class Request:
     """One save for the child to commit: what :meth:`taskpoint.checkpoint._save.Saver.commit` needs,
     picklable."""
 
-    options: dict[str, Any]  # Checkpoint constructor arguments
+    destination: Destination
     attempt: int
     seq: int
     source: Any  # taskpoint.checkpoint._save.Source
@@ -178,14 +199,28 @@ def _send(stream: IO[bytes], number: int, message: object) -> None:
     stream.flush()
 
 
+def _read(stream: IO[bytes], size: int) -> bytes:
+    """``size`` bytes of ``stream``, fewer only at its end (a raw stream returns what one
+    read gives)."""
+    chunks: list[bytes] = []
+    left = size
+    while left > 0:
+        chunk = stream.read(left)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def _receive(stream: IO[bytes]) -> tuple[int, bytes]:
     """The next frame: its request's number and its pickle (unpickled by the caller, so a
     reply that does not unpickle still answers its request)."""
-    header = stream.read(_HEADER.size)
+    header = _read(stream, _HEADER.size)
     if len(header) < _HEADER.size:
         raise EOFError("the other side closed the pipe")
     number, size = _HEADER.unpack(header)
-    blob = stream.read(size)
+    blob = _read(stream, size)
     if len(blob) < size:
         raise EOFError("the other side closed the pipe mid-message")
     return number, blob
@@ -212,17 +247,41 @@ class _Reply:
         self.done.set()
 
 
+class _Reader(threading.Thread):
+    """The thread that starts one upload process and reads its replies (a daemon).
+
+    :meth:`stop` is the method a test harness stopping the daemon threads a test left
+    behind looks for (Lightning's does): it ends the upload process now.
+    """
+
+    def __init__(self, child: _Child) -> None:
+        super().__init__(target=child.serve, name="taskpoint-upload-process", daemon=True)
+        self._child = child
+
+    def stop(self, timeout: float | None = CLOSE_WAIT_S) -> None:
+        """End the upload process once its requests are answered, and this thread with
+        it; waits up to ``timeout`` seconds (``None``: no limit)."""
+        self._child.close(timeout)
+        self.join(timeout)
+
+
 class _Child:
     """One upload process: started, then read, by a thread of its own, until it ends.
 
     The thread starts the process, waits for its ready frame, then hands each reply to
     the request waiting for it; when the process ends, every request still waiting fails
-    with :class:`WorkerDied`.
+    with :class:`WorkerDied`. While no request waits and ``wanted`` says no open
+    checkpoint uses it, it ends once :data:`IDLE_EXIT_S` seconds have passed so.
     """
 
-    def __init__(self, env: dict[str, str], protocols: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, env: dict[str, str], protocols: tuple[str, ...] = (),
+        wanted: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.env = env
         self.protocols = protocols
+        self._wanted = wanted
+        self._idle_since = time.monotonic()
         self.ready = threading.Event()
         self.ended = threading.Event()
         self.started = threading.Event()  # ready, or ended without starting
@@ -233,30 +292,45 @@ class _Child:
         self._numbers = itertools.count(_READY + 1)
         self._closing = False
         self._why = "it has not started"
-        threading.Thread(target=self._serve, name="taskpoint-upload-process", daemon=True).start()
+        self.thread = _Reader(self)
+        self.thread.start()
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self.ready.is_set() else None
 
-    def _serve(self) -> None:
+    @property
+    def closing(self) -> bool:
+        """Whether it was told to end (it answers the requests it holds, takes no more)."""
+        return self._closing
+
+    def serve(self) -> None:
+        """The reader thread's work: start the process, then answer requests until it ends."""
+        replies_fd, write_fd = os.pipe()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _CHILD, str(STARTUP_NICE), *self.protocols],
+                [sys.executable, "-c", BOOTSTRAP, str(STARTUP_NICE), CHILD_MODULE, *self.protocols],
                 stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
+                stdout=write_fd,
                 env={**self.env, "PYTHONUNBUFFERED": "1"},
             )
         except OSError as exc:
+            os.close(replies_fd)
             self._failed_start(f"it could not start: {exc}")
             return
-        assert proc.stdout is not None
+        finally:
+            os.close(write_fd)
+        # Unbuffered, so that select() sees every reply not yet read.
+        with open(replies_fd, "rb", buffering=0) as replies:
+            self._serve(proc, replies)
+
+    def _serve(self, proc: subprocess.Popen[bytes], replies: IO[bytes]) -> None:
         with self._lock:
             self._proc = proc
             if self._closing:  # closed while it started: it holds no request
                 proc.kill()
         try:
-            _receive(proc.stdout)  # its signal handlers and priority are in place
+            _receive(replies)  # its signal handlers and priority are in place
         except (EOFError, OSError):
             status = proc.wait()
             if self._closing:
@@ -266,9 +340,12 @@ class _Child:
             return
         self.ready.set()
         self.started.set()
+        with self._lock:
+            self._idle_since = time.monotonic()
         while True:
             try:
-                number, blob = _receive(proc.stdout)
+                self._await_reply(replies)
+                number, blob = _receive(replies)
             except (EOFError, OSError):
                 break
             try:
@@ -280,6 +357,8 @@ class _Child:
                 )
             with self._lock:
                 reply = self._pending.pop(number, None)
+                if not self._pending:
+                    self._idle_since = time.monotonic()
             if reply is not None:
                 reply.give(ok, value)
         try:
@@ -288,6 +367,20 @@ class _Child:
             code = None
             proc.kill()
         self._end(_describe(code))
+
+    def _await_reply(self, replies: IO[bytes]) -> None:
+        """Wait until a reply (or the end of the process's output) can be read; meanwhile
+        end the process once it has been idle, unwanted, :data:`IDLE_EXIT_S` seconds."""
+        while not select.select([replies], [], [], IDLE_POLL_S)[0]:
+            with self._lock:
+                if self._closing or self._pending or self._wanted():
+                    if self._pending or self._wanted():
+                        self._idle_since = time.monotonic()
+                    continue
+                if time.monotonic() - self._idle_since < IDLE_EXIT_S:
+                    continue
+            log.debug("the upload process has been idle, unused, %ss: it ends", IDLE_EXIT_S)
+            self.close(timeout=0)  # it exits at once (no request): its output ends
 
     def _failed_start(self, why: str) -> None:
         log.warning("the background upload process failed: %s; background saves upload "
@@ -371,13 +464,22 @@ def _store_env(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
 
 
 class Worker:
-    """The parent's handle on the upload process; see :func:`shared` for the one in use."""
+    """The parent's handle on the upload process; see :func:`shared` for the one in use.
+
+    It knows the open checkpoints that use it (its *users*, held weakly): once none is
+    left and no request is in flight, the upload process ends after :data:`IDLE_EXIT_S`
+    seconds, and its reader thread with it.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._child: _Child | None = None
+        self._users: weakref.WeakSet[object] = weakref.WeakSet()
 
-    def start(self, protocols: tuple[str, ...] = ()) -> None:
+    def _wanted(self) -> bool:
+        return len(self._users) > 0
+
+    def start(self, protocols: tuple[str, ...] = (), *, user: object = None) -> None:
         """Start the upload process unless it runs or is starting with this process's
         storage environment; never waits for it. One started with another is told to exit
         once it has answered its requests.
@@ -385,19 +487,41 @@ class Worker:
         Args:
             protocols: the fsspec protocols of the stores it will upload to, imported
                 before it says it is ready (a child already running keeps its own).
+            user: the open checkpoint (its saves) that will use it, until :meth:`release`
+                or until it is collected; the upload process lives while it has a user.
         """
         env = dict(os.environ)
         with self._lock:
+            if user is not None:
+                self._users.add(user)
             old = self._child
             if (
-                old is not None and not old.ended.is_set()
+                old is not None and not old.ended.is_set() and not old.closing
                 and _store_env(old.env) == _store_env(env)
             ):
                 return
-            self._child = _Child(env, protocols)
+            self._child = _Child(env, protocols, self._wanted)
         if old is not None and not old.ended.is_set():
             log.debug("the environment changed: a new upload process takes over")
             old.close(timeout=0)
+
+    def add_user(self, user: object) -> None:
+        """Count ``user`` (an open checkpoint's saves) among those using the upload
+        process, until :meth:`release` or until it is collected; starts nothing."""
+        with self._lock:
+            self._users.add(user)
+
+    def release(self, user: object) -> None:
+        """``user`` (a checkpoint closed) no longer uses the upload process: the last user
+        gone, it ends once idle :data:`IDLE_EXIT_S` seconds."""
+        with self._lock:
+            self._users.discard(user)
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The reader thread of the upload process, while one runs or starts."""
+        child = self._child
+        return None if child is None or child.ended.is_set() else child.thread
 
     @property
     def ready(self) -> bool:
@@ -406,7 +530,7 @@ class Worker:
         child = self._child
         return (
             child is not None and child.ready.is_set() and not child.ended.is_set()
-            and _store_env(child.env) == _store_env(os.environ)
+            and not child.closing and _store_env(child.env) == _store_env(os.environ)
         )
 
     @property
@@ -496,7 +620,7 @@ def main(handle: Callable[[Request], Any]) -> int:
 
     Args:
         handle: commits one request and returns what the parent's :meth:`Worker.run`
-            returns (:func:`taskpoint.checkpoint.checkpoint.commit_request`).
+            returns (:func:`taskpoint.checkpoint._upload_child.commit`).
     """
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints go to standard error, never into a reply

@@ -21,7 +21,7 @@ checkpoint loadable; a reader never sees a half-written one.
 
 ``Checkpoint`` is the public face. This module holds its construction, copies, closing
 and saves; it inherits its other methods, a job to a module: loading
-(:class:`taskpoint.checkpoint._loading.Loading`), saving one checkpoint from several
+(:class:`taskpoint.checkpoint._load.Loading`), saving one checkpoint from several
 processes (:class:`taskpoint.checkpoint._multiwriter.MultiWriter`), the run records
 (:class:`taskpoint.checkpoint._records.Records`), and the checkpoints stored
 (:class:`taskpoint.checkpoint._stored.Stored`).
@@ -44,9 +44,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
-from taskpoint.checkpoint import _inflight, _uploader
-from taskpoint.checkpoint._load import Loader
-from taskpoint.checkpoint._loading import Loading
+from taskpoint.checkpoint import _uploader
+from taskpoint.checkpoint._load import Loader, Loading
 from taskpoint.checkpoint._multiwriter import MultiWriter
 from taskpoint.checkpoint._records import Records
 from taskpoint.checkpoint._save import (
@@ -124,7 +123,9 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
     :meth:`close` (or the end of a ``with Checkpoint(url) as ckpt:`` block) waits for the
     background saves and ends saving through the object. Neither is needed to free
     anything: a ``Checkpoint`` holds no process or thread of its own once its background
-    saves have committed, and at interpreter exit (an exit on an uncaught exception too)
+    saves have committed; the upload process it shares with this process's other
+    checkpoints ends 10 seconds after the last of them using it was closed or collected.
+    At interpreter exit (an exit on an uncaught exception too)
     every background save still queued or in flight is waited for, up to
     :data:`taskpoint.checkpoint.mirror.EXIT_WAIT_S` seconds in all.
 
@@ -190,11 +191,10 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
             ),
             self._catalog,
             self._attempt,
-            options={
-                "url": url, "keep": keep, "codec": codec, "retry": retry,
-                "storage_options": dict(storage_options or {}), "background_upload": "thread",
-                "store_format": store_format,
-            },
+            destination=_uploader.Destination(
+                url=url, storage_options=dict(storage_options or {}), retry=retry,
+                codec=codec, store_format=store_format, keep=keep,
+            ),
             background_upload=background_upload,
             when_busy=busy,
         )
@@ -387,18 +387,6 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
         """
         self._saves.on_commit(callback)
         return callback
-
-
-def commit_request(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
-    """Commit a background save in the upload process (see :mod:`taskpoint.checkpoint._uploader`).
-
-    Returns:
-        The save's stats and its ``(manifest key, checksum)``, for the parent to record.
-    """
-    checkpoint = Checkpoint(**request.options, attempt=request.attempt)
-    checkpoint._catalog.intact |= request.intact
-    with _inflight.hold(checkpoint.url):  # a retry on this machine waits for it
-        return checkpoint._saves.saver.commit(request.source, request.attempt, request.seq)
 
 
 def latest_checkpoint(

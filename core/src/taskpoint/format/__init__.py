@@ -1,7 +1,9 @@
 """The format layer: what a checkpoint location holds, and the rules to write and read it.
 
 - :mod:`taskpoint.format.manifest`: the manifest, the commit record (no I/O);
-- :mod:`taskpoint.format.archive`: a directory to and from one ``.tar.gz`` stream (format 1);
+- :mod:`taskpoint.format._payload`: format 1, a checkpoint as one payload (bytes, a file,
+  or a directory as one archive from :mod:`taskpoint.format.archive`), written and
+  restored;
 - :mod:`taskpoint.format.tree` with :mod:`taskpoint.format._tree_save` and
   :mod:`taskpoint.format._tree_restore`: a directory as files stored once by content
   (format 2), helped by :mod:`taskpoint.format._digest` (checksums as bytes stream),

@@ -1,0 +1,71 @@
+"""The upload process's program: what runs in the child :mod:`taskpoint.checkpoint._uploader`
+starts.
+
+The child's bootstrap (:data:`taskpoint.checkpoint._uploader.BOOTSTRAP`, a few lines of the
+standard library only) imports this module, by its name
+(:data:`~taskpoint.checkpoint._uploader.CHILD_MODULE`), on a thread at a lower priority,
+calls :func:`warm_up`, then :func:`run`. Every import the upload process makes is one of
+this module's, so ``tests/test_layers.py`` checks them as it checks any module's: the
+upload process runs code of the checkpoint layer and below, never a face above it.
+
+Each request is committed by a :class:`~taskpoint.checkpoint._save.Saver` built straight
+from the request's :class:`~taskpoint.checkpoint._uploader.Destination`: the same ``commit``
+a save in the training process runs, with no :class:`~taskpoint.Checkpoint` rebuilt
+around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from taskpoint.checkpoint import _inflight, _uploader
+from taskpoint.checkpoint._save import Saver
+from taskpoint.format import archive
+from taskpoint.format._catalog import Catalog
+from taskpoint.format.history import SaveStats
+from taskpoint.store.store import Store
+
+__all__ = ["commit", "run", "warm_up"]
+
+
+def warm_up(protocols: list[str]) -> None:
+    """Import, before the child says it is ready, each storage backend of ``protocols``
+    (fsspec's, e.g. ``s3``). A protocol that does not import is left for the request to
+    report."""
+    import fsspec
+
+    for protocol in protocols:
+        with contextlib.suppress(Exception):
+            fsspec.get_filesystem_class(protocol)
+
+
+def commit(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
+    """Commit one background save in the upload process.
+
+    Marks the upload as in flight for its location (:func:`taskpoint.checkpoint._inflight.hold`),
+    so a retry on this machine waits for it.
+
+    Returns:
+        The save's stats and its ``(manifest key, checksum)``, for the parent to record.
+
+    Raises:
+        CheckpointError: what :meth:`taskpoint.checkpoint._save.Saver.commit` raised.
+    """
+    where = request.destination
+    catalog = Catalog(Store(where.url, where.storage_options, where.retry))
+    catalog.intact |= request.intact
+    saver = Saver(
+        catalog, codec=archive.check_codec(where.codec), store_format=where.store_format,
+        keep=where.keep,
+    )
+    with _inflight.hold(catalog.store.url):
+        return saver.commit(request.source, request.attempt, request.seq)
+
+
+def run() -> int:
+    """Serve requests until the parent closes the child's input (see
+    :func:`taskpoint.checkpoint._uploader.main`); the child's exit status."""
+    import fsspec.asyn
+
+    fsspec.asyn.get_loop()  # its thread starts here, at the parent's priority
+    return _uploader.main(commit)
