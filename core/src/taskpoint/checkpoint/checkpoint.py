@@ -198,6 +198,7 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
             background_upload=background_upload,
             when_busy=busy,
         )
+        self._saves.on_commit(self._attempt.committed)  # the end record's totals
         self._loader = Loader(
             self._catalog, Path(workdir) if workdir is not None else None, progress, seen
         )

@@ -7,7 +7,8 @@ the names they do not know::
     attempts/<n:06d>              the claim: {"format", "started", "pid", "host"}
     attempts/<n:06d>.resume.json  {"format", "at", "checkpoint", "restore_s", "size", "step"}
     attempts/<n:06d>.end.json     {"format", "ended", "outcome", "error", "step",
-                                   "preemption_save", "traceback", "noted_by"}
+                                   "preemption_save", "traceback", "noted_by",
+                                   "blocked_s", "saves"}
     status.json                   {"format", "state", "attempts", "finished"}
 
 ``outcome`` is ``"succeeded"``, ``"failed"``, ``"preempted"`` or ``"crashed"`` (the attempt's
@@ -18,7 +19,11 @@ difference between one attempt's end and the next one's resume is the work the f
 cost. ``preemption_save`` (``"committed"`` or ``"missed"``) says, for an attempt that
 received a preemption signal, whether a save made after the signal committed.
 ``traceback`` (optional) is the error's traceback, at most :data:`TRACEBACK_CHARS` characters
-(the middle of a longer one is left out). An attempt whose process ended without an end
+(the middle of a longer one is left out). ``blocked_s`` and ``saves`` (optional) total the
+attempt's saves committed by the time the record was written: how many, and the seconds
+training waited inside them (each save's ``blocked_s`` as :class:`SaveStats` reports it to
+``on_commit`` listeners), so the run's cost stays known after retention deletes those
+manifests. An attempt whose process ended without an end
 record (killed by SIGKILL or out of memory, or lost with its node) is recorded by the
 attempt that claims a number after it: ``outcome`` ``"crashed"``, ``ended`` ``null`` (the
 time of death is not known) and ``noted_by``, the attempt that noticed. What a save cost is recorded in its
@@ -174,6 +179,9 @@ class AttemptRecord:
             :data:`TRACEBACK_CHARS` characters).
         noted_by: for an attempt whose process died without writing its end record, the
             attempt that found it so and wrote the record in its place.
+        blocked_s: seconds training waited inside the attempt's committed saves, as its end
+            record totals them (``None`` in records of older versions and of died attempts).
+        saves: how many saves the attempt committed, as its end record counts them.
         unreadable: ``(record key, error)`` for each of its records the store could not
             read (its fields read as unknown).
     """
@@ -194,6 +202,8 @@ class AttemptRecord:
     preemption_save: str | None = None
     traceback: str | None = None
     noted_by: int | None = None
+    blocked_s: float | None = None
+    saves: int | None = None
     unreadable: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -287,20 +297,25 @@ def record_end(
     step: int | None = None,
     preemption_save: PreemptionSave | None = None,
     traceback: str | None = None,
+    totals: tuple[float, int] | None = None,
 ) -> None:
     """Record how ``attempt`` ended, at which training ``step``, for a preempted one
-    whether its preemption save committed, and the ``traceback`` of its error (cut to
-    :data:`TRACEBACK_CHARS` characters); best effort.
+    whether its preemption save committed, the ``traceback`` of its error (cut to
+    :data:`TRACEBACK_CHARS` characters) and ``totals``, the seconds training waited inside
+    its committed saves and how many there were (``blocked_s``, ``saves``); best effort.
 
     Raises:
         ValueError: ``outcome`` is not one of :data:`OUTCOMES`.
     """
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
+    fields: dict[str, Any] = {}
+    if totals is not None:
+        fields = {"blocked_s": round(totals[0], 6), "saves": totals[1]}
     record = _record(
         ended=time.time(), outcome=outcome, error=error, step=step,
         preemption_save=preemption_save,
-        traceback=None if traceback is None else trim_traceback(traceback),
+        traceback=None if traceback is None else trim_traceback(traceback), **fields,
     )
     _best_effort(store, f"{_claim_key(attempt)}{_END}", record)
 
@@ -439,6 +454,8 @@ class Attempt:
         """The attempt number; ``None`` until claimed."""
         self._seq_base: int | None = None
         self._resumed: tuple[Manifest, float] | None = None  # recorded once claimed
+        self._blocked_s = 0.0  # the totals of its commits, for its end record
+        self._saves = 0
 
     def claim(self) -> int:
         """The attempt number, claimed from the store first if it has none yet.
@@ -500,6 +517,13 @@ class Attempt:
         mark_attempt(self.store, self.number)
         note_unended(self.store, self.number)
 
+    def committed(self, stats: SaveStats) -> None:
+        """Count a save this attempt committed (``stats``) into its end record's totals; a
+        commit of another attempt is not counted."""
+        if stats.attempt == self.number:
+            self._blocked_s += max(0.0, stats.blocked_s)
+            self._saves += 1
+
     def ended(
         self,
         outcome: Outcome,
@@ -509,7 +533,8 @@ class Attempt:
         preemption_save: PreemptionSave | None = None,
         traceback: str | None = None,
     ) -> None:
-        """Record how the attempt ended, if it has a number; best effort.
+        """Record how the attempt ended, if it has a number, with the totals of the saves
+        it committed (:meth:`committed`); best effort.
 
         Raises:
             ValueError: ``outcome`` is not one of :data:`OUTCOMES`.
@@ -518,6 +543,7 @@ class Attempt:
             record_end(
                 self.store, self.number, outcome, error, step=step,
                 preemption_save=preemption_save, traceback=traceback,
+                totals=(self._blocked_s, self._saves),
             )
 
     def resumed(self, manifest: Manifest, restore_s: float) -> None:
@@ -611,6 +637,8 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
                 preemption_save=_text(end.get("preemption_save")),
                 traceback=_text(end.get("traceback")),
                 noted_by=_integer(end.get("noted_by")),
+                blocked_s=_seconds(end.get("blocked_s")),
+                saves=_step(end.get("saves")),
                 unreadable=tuple(unreadable),
             )
         )
@@ -641,6 +669,11 @@ def finite_number(value: object) -> float | None:
     except OverflowError:
         return None
     return number if math.isfinite(number) else None
+
+
+def _seconds(value: object) -> float | None:
+    number = finite_number(value)
+    return number if number is not None and number >= 0 else None
 
 
 def _integer(value: object) -> int | None:
