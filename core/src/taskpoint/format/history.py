@@ -44,6 +44,7 @@ import math
 import os
 import re
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -337,21 +338,28 @@ DIED = "no end record: killed (SIGKILL, out of memory) or lost with its node"
 """The error text of an end record another attempt wrote for an attempt that died."""
 
 
-def note_unended(store: Store, by: int) -> list[int]:
+def note_unended(store: Store, by: int, names: set[str] | None = None) -> list[int]:
     """Record, for each attempt before ``by`` whose process ended without an end record,
     that it died (``outcome`` ``"crashed"``, ``noted_by`` ``by``); best effort.
 
     An attempt whose claim names a live process on this host (another writer of the same
     action in this process or beside it) is left alone: it has not ended.
 
+    Args:
+        store: the action's location.
+        by: the attempt that notes them.
+        names: the ``attempts/`` folder's names, when the caller listed it just before (a
+            claim does): not listed again. An attempt claimed since is left for the next.
+
     Returns:
         The attempts recorded as died.
     """
-    try:
-        names = set(store.list(ATTEMPTS))
-    except CheckpointError as exc:
-        log.warning("could not list the run records at %s: %s", store.url, exc)
-        return []
+    if names is None:
+        try:
+            names = set(store.list(ATTEMPTS))
+        except CheckpointError as exc:
+            log.warning("could not list the run records at %s: %s", store.url, exc)
+            return []
     unended = sorted(
         int(name) for name in names
         if _CLAIM_RE.match(name) and int(name) < by and f"{name}{_END}" not in names
@@ -456,6 +464,8 @@ class Attempt:
         self._resumed: tuple[Manifest, float] | None = None  # recorded once claimed
         self._blocked_s = 0.0  # the totals of its commits, for its end record
         self._saves = 0
+        self._claiming = threading.Lock()  # one claim at a time (see claim_soon)
+        self._pid = os.getpid()  # a fork's child makes its own lock: a claim may hold this
 
     def claim(self) -> int:
         """The attempt number, claimed from the store first if it has none yet.
@@ -464,15 +474,38 @@ class Attempt:
             CheckpointStoreError: the store failed.
             CheckpointFormatError: a newer taskpoint wrote the newest attempt's claim.
         """
-        if self.number is None:
-            taken = attempt_numbers(self.store)
-            if taken:
-                self._check_marker(taken[-1])
-            self.number = claim_attempt(self.store, taken[-1] + 1 if taken else 0)
-            note_unended(self.store, self.number)
-            if self._resumed is not None:
-                record_resume(self.store, self.number, *self._resumed)
-        return self.number
+        with self._lock():
+            if self.number is None:
+                names = set(self.store.list(ATTEMPTS))
+                taken = sorted(int(name) for name in names if _CLAIM_RE.match(name))
+                if taken:
+                    self._check_marker(taken[-1])
+                number = claim_attempt(self.store, taken[-1] + 1 if taken else 0)
+                self.number = number
+                note_unended(self.store, number, names)
+                if self._resumed is not None:
+                    record_resume(self.store, number, *self._resumed)
+            return self.number
+
+    def _lock(self) -> threading.Lock:
+        if self._pid != os.getpid():
+            self._claiming, self._pid = threading.Lock(), os.getpid()
+        return self._claiming
+
+    def claim_soon(self) -> None:
+        """Start claiming the attempt number on a thread if it has none yet, so that a save
+        about to need it (a background save taking its snapshot) finds it claimed. A
+        failure is left to the next :meth:`claim`, which tries again and raises it."""
+        if self.number is not None or self._lock().locked():
+            return
+
+        def run() -> None:
+            try:
+                self.claim()
+            except Exception as exc:  # the save's own claim raises it
+                log.debug("%s: claiming the attempt early failed: %s", self.store.url, exc)
+
+        threading.Thread(target=run, name="taskpoint-claim", daemon=True).start()
 
     def _check_marker(self, attempt: int) -> None:
         """Refuse to add an attempt to an action a newer taskpoint has written to."""
@@ -548,10 +581,11 @@ class Attempt:
 
     def resumed(self, manifest: Manifest, restore_s: float) -> None:
         """Record that the attempt resumed from ``manifest``: now, or once it is claimed."""
-        if self.number is not None:
-            record_resume(self.store, self.number, manifest, restore_s)
-        else:
-            self._resumed = (manifest, restore_s)
+        with self._lock():  # a claim on another thread records it when it is done
+            if self.number is None:
+                self._resumed = (manifest, restore_s)
+                return
+        record_resume(self.store, self.number, manifest, restore_s)
 
 
 def steps_lost(failed: AttemptRecord, resumed_step: int | None) -> int | None:
