@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
+import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import fsspec
+from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import known_implementations
@@ -28,6 +31,8 @@ from taskpoint.store._watchdog import Progress
 from taskpoint.store.transfer import Transfer
 
 __all__ = ["Location", "check_location"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -145,6 +150,33 @@ class Location:
             self._fs, self._base = fs, base.rstrip("/")
             _transfer.tune_backend(fs, self._transfer, self._retry.attempts - 1, self._retry.delay)
         return self._fs
+
+    def warm(self) -> threading.Thread | None:
+        """Open the filesystem and its client on a thread, so that the first call finds
+        them ready: on an object store, importing the backend (s3fs with aiobotocore and
+        aiohttp: about a second of CPU) and building its client (botocore's service model)
+        is the first call's largest cost. Local and in-memory stores, and one already
+        open, need nothing. A failure is left for the first call to raise.
+
+        Returns:
+            The thread, or ``None`` where nothing needed warming.
+        """
+        protocol = fsspec.core.split_protocol(self._url)[0]
+        if self._fs is not None or protocol in (None, "file", "local", "memory"):
+            return None
+
+        def run() -> None:
+            try:
+                fs = self.fs
+                connect = getattr(fs, "set_session", None)
+                if connect is not None and self.is_async:
+                    sync(fs.loop, connect)
+            except Exception as exc:  # the first real call reports it
+                log.debug("%s: opening the store ahead of use failed: %s", self._url, exc)
+
+        thread = threading.Thread(target=run, name="taskpoint-store-warm", daemon=True)
+        thread.start()
+        return thread
 
     @property
     def is_local(self) -> bool:
