@@ -61,7 +61,10 @@ def test_an_early_claim_and_a_save_claim_one_number(tmp_path: Path) -> None:
         go = threading.Barrier(2)
         numbers: list[int] = []
 
-        def save_claim(attempt: history.Attempt = attempt, go: threading.Barrier = go) -> None:
+        def save_claim(
+            attempt: history.Attempt = attempt, go: threading.Barrier = go,
+            numbers: list[int] = numbers,
+        ) -> None:
             go.wait()
             numbers.append(attempt.claim())
 
