@@ -124,3 +124,14 @@ def test_at_opens_an_object_store_ahead_of_its_first_call(s3_server: Any) -> Non
 
 def test_a_local_store_needs_no_warming(tmp_path: Path) -> None:
     assert Store(str(tmp_path / "run")).warm() is None
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://bucket/run", "az://box/run", "runs/x"])
+def test_telling_a_store_from_memory_opens_nothing(url: str) -> None:
+    """A background save asks whether its store is ``memory://`` (which cannot cross to the
+    upload process) before it takes its snapshot: the answer comes from the URL, and the
+    store's client library is not imported on the caller's thread for it."""
+    store = Store(url)
+    assert store.is_memory is False
+    assert store._at._fs is None
+    assert Store("memory://run").is_memory is True

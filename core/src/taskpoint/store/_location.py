@@ -43,6 +43,10 @@ _PINNED_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 """Protocols resolved to fsspec's own backend even when another library re-registered them."""
 
 
+_NOT_MEMORY = frozenset({None, "file", "local", *_PINNED_PROTOCOLS})
+"""Protocols whose stores are never fsspec's ``memory://``, whatever is registered."""
+
+
 def _url_to_fs(url: str, options: Mapping[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
     """Open ``url``'s filesystem, with s3fs / gcsfs / adlfs for their protocols.
 
@@ -185,7 +189,12 @@ class Location:
 
     @property
     def is_memory(self) -> bool:
-        """Whether the store is fsspec's in-process ``memory://`` filesystem."""
+        """Whether the store is fsspec's in-process ``memory://`` filesystem; told from the
+        URL where it names a bucket protocol or the local disk, without opening the
+        filesystem (a background save asks before its snapshot: opening an object store
+        imports its client library, about a second of CPU)."""
+        if self._fs is None and fsspec.core.split_protocol(self._url)[0] in _NOT_MEMORY:
+            return False
         return isinstance(self.fs, MemoryFileSystem)
 
     @property
