@@ -18,7 +18,6 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import known_implementations
@@ -174,6 +173,8 @@ class Location:
                 fs = self.fs
                 connect = getattr(fs, "set_session", None)
                 if connect is not None and self.is_async:
+                    from fsspec.asyn import sync  # imported by the async backends anyway
+
                     sync(fs.loop, connect)
             except Exception as exc:  # the first real call reports it
                 log.debug("%s: opening the store ahead of use failed: %s", self._url, exc)
