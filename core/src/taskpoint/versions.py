@@ -8,12 +8,39 @@ fix it, instead of failing somewhere inside a training run.
 
 from __future__ import annotations
 
+import operator
+import re
+from collections.abc import Callable
 from importlib import metadata
 
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.version import InvalidVersion, Version
-
 __all__ = ["require_version"]
+
+_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+_CLAUSE = re.compile(r"\s*(>=|<=|==|!=|<|>)\s*(\d+(?:\.\d+)*)\s*")
+_SIMPLE = re.compile(rf"\s*({_NAME})((?:{_CLAUSE.pattern},)*{_CLAUSE.pattern})")
+_RELEASE = re.compile(r"(\d+(?:\.\d+)*)(?:\+[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*)?")
+_COMPARE: dict[str, Callable[[tuple[int, ...], tuple[int, ...]], bool]] = {
+    ">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt,
+    "==": operator.eq, "!=": operator.ne,
+}
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """A release number as a tuple without trailing zeros (``2.4.0`` is ``2.4``)."""
+    numbers = [int(part) for part in text.split(".")]
+    while len(numbers) > 1 and numbers[-1] == 0:
+        numbers.pop()
+    return tuple(numbers)
+
+
+def _simple(requirement: str) -> tuple[str, list[tuple[str, tuple[int, ...]]]] | None:
+    """``requirement``'s name and its clauses when it is a name and comparisons with plain
+    release numbers (``torch>=2.4,<3``), else ``None``."""
+    match = _SIMPLE.fullmatch(requirement)
+    if match is None:
+        return None
+    clauses = [(op, _release(number)) for op, number in _CLAUSE.findall(match.group(2))]
+    return match.group(1), clauses
 
 
 def require_version(requirement: str, *, adapter: str, found: str | None = None) -> str:
@@ -37,25 +64,41 @@ def require_version(requirement: str, *, adapter: str, found: str | None = None)
             version found and the ``pip install`` line that fixes it.
         ValueError: ``requirement`` is not a valid requirement string.
     """
-    try:
-        wanted = Requirement(requirement)
-    except InvalidRequirement as exc:
-        raise ValueError(f"not a valid requirement string: {requirement!r} ({exc})") from exc
+    simple = _simple(requirement)
+    if simple is not None:  # the adapters' form, checked without importing packaging
+        name = simple[0]
+    else:
+        from packaging.requirements import InvalidRequirement, Requirement
+
+        try:
+            name = Requirement(requirement).name
+        except InvalidRequirement as exc:
+            raise ValueError(f"not a valid requirement string: {requirement!r} ({exc})") from exc
     if found is None:
         try:
-            found = metadata.version(wanted.name)
+            found = metadata.version(name)
         except metadata.PackageNotFoundError:
             raise ImportError(
                 f"{adapter} requested {requirement} but found none installed; install it "
                 f"with: pip install '{requirement}'"
             ) from None
-    try:
-        ok = wanted.specifier.contains(Version(found), prereleases=True)
-    except InvalidVersion:
-        ok = False
+    release = _RELEASE.fullmatch(found)
+    if simple is not None and release is not None:
+        # a release (and local label) against release numbers: PEP 440 compares the
+        # release numbers, padded with zeros; packaging is needed for the rest
+        have = _release(release.group(1))
+        ok = all(_COMPARE[op](have, number) for op, number in simple[1])
+    else:
+        from packaging.requirements import Requirement
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            ok = Requirement(requirement).specifier.contains(Version(found), prereleases=True)
+        except InvalidVersion:
+            ok = False
     if not ok:
         raise ImportError(
-            f"{adapter} requested {requirement} but found {wanted.name} {found}; install a "
+            f"{adapter} requested {requirement} but found {name} {found}; install a "
             f"supported version with: pip install '{requirement}'"
         )
     return found

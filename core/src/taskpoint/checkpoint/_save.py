@@ -664,8 +664,10 @@ class Saves:
         ticket = next(self._tickets)
         if not background:
             self._background.supersede(ticket)
-        elif self._upload_in_process:
-            _uploader.shared().start(self._protocols, user=self)  # while the snapshot is taken
+        else:  # while the snapshot is taken (a copy: outside the GIL); neither waits
+            if self._upload_in_process:
+                _uploader.shared().start(self._protocols, user=self)
+            self._attempt.claim_soon()  # a first save's claim: the client's import, requests
         return source, ticket
 
     def prepare(self) -> None:

@@ -198,6 +198,7 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
             background_upload=background_upload,
             when_busy=busy,
         )
+        self._saves.on_commit(self._attempt.committed)  # the end record's totals
         self._loader = Loader(
             self._catalog, Path(workdir) if workdir is not None else None, progress, seen
         )
@@ -209,8 +210,13 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
         Same arguments as the constructor. Useful inside another orchestrator's task
         (a Flyte task, a Kubernetes Job) that retries on its own: each process claims a new
         attempt number from the store and resumes from the newest committed checkpoint.
+        As a job binds its checkpoint when it starts, an object store's client library is
+        loaded and its client built on a thread from here on, while the job sets up,
+        rather than in its first load or save.
         """
-        return cls(url, **options)
+        checkpoint = cls(url, **options)
+        checkpoint._store.warm()
+        return checkpoint
 
     # -- copies: a checkpoint travels as its configuration -------------------------------
 

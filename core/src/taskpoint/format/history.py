@@ -7,7 +7,8 @@ the names they do not know::
     attempts/<n:06d>              the claim: {"format", "started", "pid", "host"}
     attempts/<n:06d>.resume.json  {"format", "at", "checkpoint", "restore_s", "size", "step"}
     attempts/<n:06d>.end.json     {"format", "ended", "outcome", "error", "step",
-                                   "preemption_save", "traceback", "noted_by"}
+                                   "preemption_save", "traceback", "noted_by",
+                                   "blocked_s", "saves"}
     attempts/<n:06d>.interval.json  {"format", "at", "every", "interval_s", "rule",
                                    "save_cost_s", "mtbf_s", "failures", "observed_s",
                                    "prior_s"}
@@ -24,7 +25,11 @@ from (see :class:`taskpoint.IntervalChoice`); it is rewritten when the choice ch
 ``preemption_save`` (``"committed"`` or ``"missed"``) says, for an attempt that
 received a preemption signal, whether a save made after the signal committed.
 ``traceback`` (optional) is the error's traceback, at most :data:`TRACEBACK_CHARS` characters
-(the middle of a longer one is left out). An attempt whose process ended without an end
+(the middle of a longer one is left out). ``blocked_s`` and ``saves`` (optional) total the
+attempt's saves committed by the time the record was written: how many, and the seconds
+training waited inside them (each save's ``blocked_s`` as :class:`SaveStats` reports it to
+``on_commit`` listeners), so the run's cost stays known after retention deletes those
+manifests. An attempt whose process ended without an end
 record (killed by SIGKILL or out of memory, or lost with its node) is recorded by the
 attempt that claims a number after it: ``outcome`` ``"crashed"``, ``ended`` ``null`` (the
 time of death is not known) and ``noted_by``, the attempt that noticed. What a save cost is recorded in its
@@ -45,6 +50,7 @@ import math
 import os
 import re
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -184,6 +190,9 @@ class AttemptRecord:
             attempt that found it so and wrote the record in its place.
         interval: the save interval it last chose by time, as its interval record holds it
             (:meth:`taskpoint.IntervalChoice.to_record`); ``None`` when it saved by steps only.
+        blocked_s: seconds training waited inside the attempt's committed saves, as its end
+            record totals them (``None`` in records of older versions and of died attempts).
+        saves: how many saves the attempt committed, as its end record counts them.
         unreadable: ``(record key, error)`` for each of its records the store could not
             read (its fields read as unknown).
     """
@@ -205,6 +214,8 @@ class AttemptRecord:
     traceback: str | None = None
     noted_by: int | None = None
     interval: dict[str, Any] | None = None
+    blocked_s: float | None = None
+    saves: int | None = None
     unreadable: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -298,20 +309,25 @@ def record_end(
     step: int | None = None,
     preemption_save: PreemptionSave | None = None,
     traceback: str | None = None,
+    totals: tuple[float, int] | None = None,
 ) -> None:
     """Record how ``attempt`` ended, at which training ``step``, for a preempted one
-    whether its preemption save committed, and the ``traceback`` of its error (cut to
-    :data:`TRACEBACK_CHARS` characters); best effort.
+    whether its preemption save committed, the ``traceback`` of its error (cut to
+    :data:`TRACEBACK_CHARS` characters) and ``totals``, the seconds training waited inside
+    its committed saves and how many there were (``blocked_s``, ``saves``); best effort.
 
     Raises:
         ValueError: ``outcome`` is not one of :data:`OUTCOMES`.
     """
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
+    fields: dict[str, Any] = {}
+    if totals is not None:
+        fields = {"blocked_s": round(totals[0], 6), "saves": totals[1]}
     record = _record(
         ended=time.time(), outcome=outcome, error=error, step=step,
         preemption_save=preemption_save,
-        traceback=None if traceback is None else trim_traceback(traceback),
+        traceback=None if traceback is None else trim_traceback(traceback), **fields,
     )
     _best_effort(store, f"{_claim_key(attempt)}{_END}", record)
 
@@ -340,21 +356,28 @@ DIED = "no end record: killed (SIGKILL, out of memory) or lost with its node"
 """The error text of an end record another attempt wrote for an attempt that died."""
 
 
-def note_unended(store: Store, by: int) -> list[int]:
+def note_unended(store: Store, by: int, names: set[str] | None = None) -> list[int]:
     """Record, for each attempt before ``by`` whose process ended without an end record,
     that it died (``outcome`` ``"crashed"``, ``noted_by`` ``by``); best effort.
 
     An attempt whose claim names a live process on this host (another writer of the same
     action in this process or beside it) is left alone: it has not ended.
 
+    Args:
+        store: the action's location.
+        by: the attempt that notes them.
+        names: the ``attempts/`` folder's names, when the caller listed it just before (a
+            claim does): not listed again. An attempt claimed since is left for the next.
+
     Returns:
         The attempts recorded as died.
     """
-    try:
-        names = set(store.list(ATTEMPTS))
-    except CheckpointError as exc:
-        log.warning("could not list the run records at %s: %s", store.url, exc)
-        return []
+    if names is None:
+        try:
+            names = set(store.list(ATTEMPTS))
+        except CheckpointError as exc:
+            log.warning("could not list the run records at %s: %s", store.url, exc)
+            return []
     unended = sorted(
         int(name) for name in names
         if _CLAIM_RE.match(name) and int(name) < by and f"{name}{_END}" not in names
@@ -457,6 +480,10 @@ class Attempt:
         """The attempt number; ``None`` until claimed."""
         self._seq_base: int | None = None
         self._resumed: tuple[Manifest, float] | None = None  # recorded once claimed
+        self._blocked_s = 0.0  # the totals of its commits, for its end record
+        self._saves = 0
+        self._claiming = threading.Lock()  # one claim at a time (see claim_soon)
+        self._pid = os.getpid()  # a fork's child makes its own lock: a claim may hold this
 
     def claim(self) -> int:
         """The attempt number, claimed from the store first if it has none yet.
@@ -465,15 +492,38 @@ class Attempt:
             CheckpointStoreError: the store failed.
             CheckpointFormatError: a newer taskpoint wrote the newest attempt's claim.
         """
-        if self.number is None:
-            taken = attempt_numbers(self.store)
-            if taken:
-                self._check_marker(taken[-1])
-            self.number = claim_attempt(self.store, taken[-1] + 1 if taken else 0)
-            note_unended(self.store, self.number)
-            if self._resumed is not None:
-                record_resume(self.store, self.number, *self._resumed)
-        return self.number
+        with self._lock():
+            if self.number is None:
+                names = set(self.store.list(ATTEMPTS))
+                taken = sorted(int(name) for name in names if _CLAIM_RE.match(name))
+                if taken:
+                    self._check_marker(taken[-1])
+                number = claim_attempt(self.store, taken[-1] + 1 if taken else 0)
+                self.number = number
+                note_unended(self.store, number, names)
+                if self._resumed is not None:
+                    record_resume(self.store, number, *self._resumed)
+            return self.number
+
+    def _lock(self) -> threading.Lock:
+        if self._pid != os.getpid():
+            self._claiming, self._pid = threading.Lock(), os.getpid()
+        return self._claiming
+
+    def claim_soon(self) -> None:
+        """Start claiming the attempt number on a thread if it has none yet, so that a save
+        about to need it (a background save taking its snapshot) finds it claimed. A
+        failure is left to the next :meth:`claim`, which tries again and raises it."""
+        if self.number is not None or self._lock().locked():
+            return
+
+        def run() -> None:
+            try:
+                self.claim()
+            except Exception as exc:  # the save's own claim raises it
+                log.debug("%s: claiming the attempt early failed: %s", self.store.url, exc)
+
+        threading.Thread(target=run, name="taskpoint-claim", daemon=True).start()
 
     def _check_marker(self, attempt: int) -> None:
         """Refuse to add an attempt to an action a newer taskpoint has written to."""
@@ -518,6 +568,13 @@ class Attempt:
         mark_attempt(self.store, self.number)
         note_unended(self.store, self.number)
 
+    def committed(self, stats: SaveStats) -> None:
+        """Count a save this attempt committed (``stats``) into its end record's totals; a
+        commit of another attempt is not counted."""
+        if stats.attempt == self.number:
+            self._blocked_s += max(0.0, stats.blocked_s)
+            self._saves += 1
+
     def ended(
         self,
         outcome: Outcome,
@@ -527,7 +584,8 @@ class Attempt:
         preemption_save: PreemptionSave | None = None,
         traceback: str | None = None,
     ) -> None:
-        """Record how the attempt ended, if it has a number; best effort.
+        """Record how the attempt ended, if it has a number, with the totals of the saves
+        it committed (:meth:`committed`); best effort.
 
         Raises:
             ValueError: ``outcome`` is not one of :data:`OUTCOMES`.
@@ -536,14 +594,16 @@ class Attempt:
             record_end(
                 self.store, self.number, outcome, error, step=step,
                 preemption_save=preemption_save, traceback=traceback,
+                totals=(self._blocked_s, self._saves),
             )
 
     def resumed(self, manifest: Manifest, restore_s: float) -> None:
         """Record that the attempt resumed from ``manifest``: now, or once it is claimed."""
-        if self.number is not None:
-            record_resume(self.store, self.number, manifest, restore_s)
-        else:
-            self._resumed = (manifest, restore_s)
+        with self._lock():  # a claim on another thread records it when it is done
+            if self.number is None:
+                self._resumed = (manifest, restore_s)
+                return
+        record_resume(self.store, self.number, manifest, restore_s)
 
 
 def steps_lost(failed: AttemptRecord, resumed_step: int | None) -> int | None:
@@ -631,6 +691,8 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
                 traceback=_text(end.get("traceback")),
                 noted_by=_integer(end.get("noted_by")),
                 interval=_interval(interval),
+                blocked_s=_seconds(end.get("blocked_s")),
+                saves=_step(end.get("saves")),
                 unreadable=tuple(unreadable),
             )
         )
@@ -669,6 +731,9 @@ def _interval(record: dict[str, Any]) -> dict[str, Any] | None:
     if finite_number(record.get("interval_s")) is None:
         return None
     return {k: v for k, v in record.items() if k != "format"}
+def _seconds(value: object) -> float | None:
+    number = finite_number(value)
+    return number if number is not None and number >= 0 else None
 
 
 def _integer(value: object) -> int | None:

@@ -4,14 +4,16 @@ Goodput is the share of a run's wall time spent on training that was kept: the t
 steps the run needed, over the time it took from its first record to its last. The rest
 is badput, split by cause:
 
-- ``blocked``: time training waited inside saves (each committed save's ``blocked_s``);
+- ``blocked``: time training waited inside saves (the ``blocked_s`` total of each
+  attempt's end record, plus the kept manifests committed after it; for an attempt whose
+  record has no total, the sum of its kept manifests' ``blocked_s``);
 - ``restore``: time spent restoring (each resume record's ``restore_s``);
 - ``recomputed``: training a failure threw away (the steps between where an attempt ended
   and where the next resumed, at the run's time per step);
 - ``restart``: from one attempt's end to the next one's start (the orchestrator's delay, a
   new process starting, and whatever of an attempt's start its records do not show);
 - ``other``: what is left (startup before the first record, steps slowed by background
-  work, saves whose records retention deleted).
+  work, saves of an attempt without end-record totals whose manifests retention deleted).
 
 :func:`goodput` is pure: it takes the attempt records
 (:func:`taskpoint.format.history.read_attempts`) and the committed manifests it can see,
@@ -52,8 +54,11 @@ class AttemptCost:
             restore, whichever came first), or ``None``.
         ended: Unix time it ended; without an end record, its last recorded moment (a
             lower bound), or ``None``.
-        blocked_s: seconds training waited in its saves (those whose manifests remain).
-        saves: how many of its saves' manifests remain.
+        blocked_s: seconds training waited in its committed saves: its end record's total
+            plus its kept manifests committed after that record was written, or where the
+            record has no total (older versions, a died attempt) the sum over its kept
+            manifests.
+        saves: how many saves it committed, counted the same way.
         restore_s: seconds its restore took (0 when it restored nothing).
         resumed_step: the step it resumed at (0 when it started over).
         step: the step it reached; without an end record, its last save's step (a lower
@@ -125,8 +130,17 @@ def _cost(record: AttemptRecord, saves: list[Manifest], missing: list[str]) -> A
                  if t is not None]
         ended = max(later) if later else None
     blocked = [_blocked(m) for m in saves]
-    if any(b is None for b in blocked):
-        missing.append(f"attempt {record.attempt}: a save records no blocked time")
+    kept_blocked = sum(b for b in blocked if b is not None)
+    if record.blocked_s is not None and record.saves is not None:
+        # the end record's totals outlive retention; saves committed after it was written
+        # (a background upload finishing at exit) show only in their manifests
+        after = [m for m in saves if record.ended is not None and m.created > record.ended]
+        total_blocked = record.blocked_s + sum(_blocked(m) or 0.0 for m in after)
+        total_saves = record.saves + len(after)
+    else:
+        total_blocked, total_saves = kept_blocked, len(saves)
+        if any(b is None for b in blocked):
+            missing.append(f"attempt {record.attempt}: a save records no blocked time")
     step = record.step
     if step is None:
         if record.outcome is None:
@@ -137,7 +151,7 @@ def _cost(record: AttemptRecord, saves: list[Manifest], missing: list[str]) -> A
         step = max(steps_saved) if steps_saved else None
     return AttemptCost(
         attempt=record.attempt, outcome=record.outcome, began=began, ended=ended,
-        blocked_s=sum(b for b in blocked if b is not None), saves=len(saves),
+        blocked_s=total_blocked, saves=total_saves,
         restore_s=restore, resumed_step=_resumed_step(record), step=step,
         steps_lost=None, restart_s=None,
     )
@@ -180,7 +194,8 @@ def goodput(
         history: the run's attempt records (:func:`taskpoint.format.history.read_attempts`),
             in any order.
         checkpoints: its committed manifests (any order): the source of the time each save
-            blocked training; a save retention deleted is not counted.
+            blocked training for attempts whose end records have no totals (older versions,
+            died attempts); such an attempt's saves that retention deleted are not counted.
         step_s: seconds per training step when the caller knows it; else it is estimated
             from the records.
 
@@ -221,7 +236,9 @@ def goodput(
     if not known_step:
         missing.append("no record holds the time of a step: it is estimated from the "
                        "attempts' spans less their restore and blocked time")
-    if checkpoints and any(len(by_attempt.get(r.attempt, [])) == 0 for r in records):
+    if checkpoints and any(
+        len(by_attempt.get(r.attempt, [])) == 0 and r.blocked_s is None for r in records
+    ):
         missing.append("saves whose manifests retention deleted are not counted as blocked")
     firsts = [c.began for c in costs if c.began is not None]
     lasts = [c.ended for c in costs if c.ended is not None]

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
+import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
@@ -29,6 +31,8 @@ from taskpoint.store.transfer import Transfer
 
 __all__ = ["Location", "check_location"]
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
 _BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
@@ -36,6 +40,10 @@ _BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 
 _PINNED_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 """Protocols resolved to fsspec's own backend even when another library re-registered them."""
+
+
+_NOT_MEMORY = frozenset({None, "file", "local", *_PINNED_PROTOCOLS})
+"""Protocols whose stores are never fsspec's ``memory://``, whatever is registered."""
 
 
 def _url_to_fs(url: str, options: Mapping[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -146,6 +154,35 @@ class Location:
             _transfer.tune_backend(fs, self._transfer, self._retry.attempts - 1, self._retry.delay)
         return self._fs
 
+    def warm(self) -> threading.Thread | None:
+        """Open the filesystem and its client on a thread, so that the first call finds
+        them ready: on an object store, importing the backend (s3fs with aiobotocore and
+        aiohttp: about a second of CPU) and building its client (botocore's service model)
+        is the first call's largest cost. Local and in-memory stores, and one already
+        open, need nothing. A failure is left for the first call to raise.
+
+        Returns:
+            The thread, or ``None`` where nothing needed warming.
+        """
+        protocol = fsspec.core.split_protocol(self._url)[0]
+        if self._fs is not None or protocol in (None, "file", "local", "memory"):
+            return None
+
+        def run() -> None:
+            try:
+                fs = self.fs
+                connect = getattr(fs, "set_session", None)
+                if connect is not None and self.is_async:
+                    from fsspec.asyn import sync  # imported by the async backends anyway
+
+                    sync(fs.loop, connect)
+            except Exception as exc:  # the first real call reports it
+                log.debug("%s: opening the store ahead of use failed: %s", self._url, exc)
+
+        thread = threading.Thread(target=run, name="taskpoint-store-warm", daemon=True)
+        thread.start()
+        return thread
+
     @property
     def is_local(self) -> bool:
         """Whether the store is the local filesystem."""
@@ -153,7 +190,12 @@ class Location:
 
     @property
     def is_memory(self) -> bool:
-        """Whether the store is fsspec's in-process ``memory://`` filesystem."""
+        """Whether the store is fsspec's in-process ``memory://`` filesystem; told from the
+        URL where it names a bucket protocol or the local disk, without opening the
+        filesystem (a background save asks before its snapshot: opening an object store
+        imports its client library, about a second of CPU)."""
+        if self._fs is None and fsspec.core.split_protocol(self._url)[0] in _NOT_MEMORY:
+            return False
         return isinstance(self.fs, MemoryFileSystem)
 
     @property

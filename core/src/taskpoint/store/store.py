@@ -39,6 +39,7 @@ import io
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, TypeVar
 
@@ -99,6 +100,15 @@ class Store:
     def url_of(self, name: str) -> str:
         """The full URL of ``name`` under this location."""
         return self._at.url_of(name)
+
+    def warm(self) -> threading.Thread | None:
+        """Open the store's filesystem and client on a thread, ahead of the first call
+        (see :meth:`taskpoint.store._location.Location.warm`); never fails.
+
+        Returns:
+            The thread, or ``None`` where nothing needed warming.
+        """
+        return self._at.warm()
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
