@@ -47,6 +47,7 @@ __all__ = [
     "Decision",
     "PreemptionStop",
     "record_preempted",
+    "why_not_saved",
     "within_grace",
 ]
 
@@ -158,10 +159,17 @@ class Decision:
         return max(0.0, self.left() - MARGIN_S)
 
 
-def _why_not(finished: bool, needed: float | None, left: float) -> str:
-    """Why a preemption save is not made (``""``: it is): the rule every adapter follows.
-    ``needed``: seconds the slowest rank's save should take (``None``: unknown); ``left``:
-    seconds before the earliest deadline."""
+def why_not_saved(finished: bool, needed: float | None, left: float) -> str:
+    """Why a preemption save is not made (``""``: it is), the rule every adapter follows:
+    not when an upload in flight did not finish (``finished``), nor when the save does not
+    fit in the time left less :data:`MARGIN_S`.
+
+    Args:
+        finished: whether every rank's upload in flight finished.
+        needed: seconds the slowest rank's save should take (``None``: unknown: then only
+            whether any time is left beyond the margin).
+        left: seconds before the earliest deadline.
+    """
     if not finished:
         return "the upload in flight did not finish in time"
     room = left - MARGIN_S
@@ -296,7 +304,7 @@ class PreemptionStop:
         )
         needed = -seen[1]
         decision = Decision(
-            step, deadline, _why_not(bool(seen[2]), needed if needed > 0 else None, seen[0]),
+            step, deadline, why_not_saved(bool(seen[2]), needed if needed > 0 else None, seen[0]),
             notice.signal, tuple(bool(f) for f in seen[3:]),
         )
         self.decision = decision

@@ -47,7 +47,7 @@ from taskpoint.runtime.preemption_stop import (
     Alone,
     Decision,
     PreemptionStop,
-    _why_not,
+    why_not_saved,
 )
 
 __all__ = [
@@ -147,8 +147,6 @@ class StepBoundary:
         if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
         self._choice = save_on_preemption
-        self._ranks = ranks
-        self._timeout = float(timeout)
         self._settle = settle
         self._enabled = False
         self._scope: contextlib.ExitStack | None = None
@@ -265,7 +263,7 @@ class StepBoundary:
         """
         if estimate_s is None:
             estimate_s = estimate_save_s(checkpoint, size)
-        return not _why_not(True, estimate_s, self.budget() + MARGIN_S)
+        return not why_not_saved(True, estimate_s, self.budget() + MARGIN_S)
 
     def stop(
         self,
