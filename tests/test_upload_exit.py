@@ -225,7 +225,7 @@ def test_a_hung_upload_is_given_up_at_its_bound_and_the_checkpoint_before_it_sta
     ends and is recorded; the process exits by the same bound; the save before it loads,
     and the log (and, after a SIGTERM, the record) says the save did not commit."""
     from taskpoint.format.history import read_attempts
-    from taskpoint.runtime.step_boundary import MARGIN_S
+    from taskpoint.runtime.preemption_stop import MARGIN_S
     from taskpoint.store.store import Store
 
     bound = 6.0

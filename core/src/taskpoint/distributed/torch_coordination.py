@@ -59,6 +59,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -215,6 +216,33 @@ class AnyRank:
                 f"{_first_line(exc)}"
             ) from exc
         return bool(value.item())
+
+    def any(self, flag: bool) -> bool:
+        """``flag`` or'ed across the ranks (the same as calling the vote).
+
+        Raises:
+            CheckpointCoordinationError: another rank did not arrive within the timeout.
+        """
+        return self(flag)
+
+    def least(self, values: Sequence[float]) -> list[float]:
+        """The element-wise minimum of ``values`` across the ranks (every rank passes as
+        many); ``values`` themselves without a group.
+
+        Raises:
+            CheckpointCoordinationError: another rank did not arrive within the timeout.
+        """
+        if self._group is None:
+            return [float(v) for v in values]
+        torch = importlib.import_module("torch")
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        try:
+            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self._group)
+        except RuntimeError as exc:
+            raise CheckpointCoordinationError(
+                f"the ranks could not agree within {self._timeout:g}s: {_first_line(exc)}"
+            ) from exc
+        return [float(v) for v in tensor.tolist()]
 
     def close(self) -> None:
         """Destroy the gloo group (a local call); idempotent."""

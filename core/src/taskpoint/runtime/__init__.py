@@ -8,6 +8,8 @@
   environment outside one;
 - :mod:`taskpoint.runtime.step_boundary`: a plain loop's step boundaries, where a
   preemption signal becomes a save;
+- :mod:`taskpoint.runtime.preemption_stop`: the preemption stop every adapter shares (defer,
+  agree across ranks, finish the upload in flight, save if it fits, record, raise);
 - :mod:`taskpoint.runtime.names`: the rule for task, run and environment names.
 
 It hands each attempt a :class:`~taskpoint.Checkpoint` (:mod:`taskpoint.checkpoint`) and

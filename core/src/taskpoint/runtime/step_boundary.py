@@ -25,7 +25,8 @@ it does, :meth:`~StepBoundary.begin` puts taskpoint's SIGTERM handler on top and
 by :class:`taskpoint.distributed.torch_coordination.AnyRank`: the signal may reach one rank
 only). The deferral ends with :meth:`~StepBoundary.stop` or with the attempt
 (:meth:`taskpoint.TaskContext.on_end`); outside a task, with the process. When it is off,
-nothing changes but the step being reported.
+nothing changes but the step being reported. The stop itself is
+:class:`taskpoint.runtime.preemption_stop.PreemptionStop`, the sequence every adapter shares.
 """
 
 from __future__ import annotations
@@ -39,26 +40,27 @@ from typing import NoReturn
 
 from taskpoint import preemption, progress
 from taskpoint.checkpoint.checkpoint import Checkpoint
-from taskpoint.distributed.torch_coordination import AnyRank
 from taskpoint.runtime import _life
-from taskpoint.runtime.context import Preempted, TaskContext, _current, in_task, supervised
+from taskpoint.runtime.context import TaskContext, _current, supervised
+from taskpoint.runtime.preemption_stop import (
+    MARGIN_S,
+    Alone,
+    Decision,
+    PreemptionStop,
+    why_not_saved,
+)
 
 __all__ = [
     "ASSUMED_RATE",
-    "MARGIN_S",
     "SAVE_OVERHEAD_S",
     "SETTLE_S",
     "StepBoundary",
     "estimate_save_s",
-    "record_preempted",
     "settle_time",
 ]
 
 log = logging.getLogger(__name__)
 
-MARGIN_S = 0.5
-"""Seconds of the grace period kept back for ending the attempt after a preemption save
-(the end record, the process exit)."""
 SETTLE_S = 60.0
 """How long the end of an attempt waits for an upload in flight when no preemption
 signal set a deadline (as long as interpreter exit waits,
@@ -110,21 +112,9 @@ def settle_time() -> float:
     return SETTLE_S if notice is None else max(0.0, notice.remaining() - MARGIN_S)
 
 
-def record_preempted(checkpoint: object, message: str, *, step: int | None) -> None:
-    """Record the attempt's end as ``preempted`` (``"Preempted: <message>"``, at ``step``)
-    in ``checkpoint``, where no runner records it: outside a taskpoint task, and only when
-    ``checkpoint`` is a :class:`taskpoint.Checkpoint` (another system's checkpoint keeps
-    its own records). Called by the rank that leads the job (world rank 0) as a
-    preemption stops training; inside a task it does nothing.
-
-    Raises:
-        CheckpointStoreError: the record could not be written.
-    """
-    if not in_task() and isinstance(checkpoint, Checkpoint):
-        checkpoint.mark_ended("preempted", f"Preempted: {message}", step=step)
-        life = _life.current()
-        if life is not None and life.checkpoint is not checkpoint:
-            life.preempted(message, step=step)
+def _alone(timeout: float) -> Alone:
+    """The agreement of a process that decides alone (``timeout`` unused)."""
+    return Alone()
 
 
 class StepBoundary:
@@ -157,13 +147,11 @@ class StepBoundary:
         if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
         self._choice = save_on_preemption
-        self._ranks = ranks
-        self._timeout = float(timeout)
         self._settle = settle
         self._enabled = False
         self._scope: contextlib.ExitStack | None = None
         self._context: TaskContext | None = None
-        self._vote: AnyRank | None = None
+        self._stop = PreemptionStop(timeout=timeout, agreement=None if ranks else _alone)
 
     def __repr__(self) -> str:
         return f"StepBoundary(enabled={self._enabled}, active={self._scope is not None})"
@@ -197,13 +185,9 @@ class StepBoundary:
         )
         if not self._enabled:
             return
-        if not preemption.install():
+        if not self._stop.begin():
             log.debug("not on the main thread: SIGTERM cannot be routed to a save here")
-        scope.enter_context(preemption.deferred())
-        if self._ranks:
-            vote = AnyRank(timeout=self._timeout)
-            scope.callback(vote.close)
-            self._vote = vote
+        scope.callback(self._stop.close)
 
     def reached(self, step: int | None) -> bool:
         """The loop finished ``step`` (a count, from 0; ``None``: not known here): report
@@ -222,9 +206,7 @@ class StepBoundary:
         self.begin()
         if not self._enabled:
             return False
-        flag = preemption.requested()
-        if self._vote is not None:
-            flag = self._vote(flag)
+        flag = self._stop.requested()
         if flag:
             preemption.relay()
             self._record_stopping(step)
@@ -242,9 +224,25 @@ class StepBoundary:
         elif self._context.checkpoint is not None and _life.leads():
             self._context.checkpoint.mark_ended("preempted", f"Preempted: {message}", step=step)
 
+    def decide(
+        self,
+        step: int | None,
+        *,
+        wait: Callable[[float], bool],
+        estimate: Callable[[], float | None],
+    ) -> Decision:
+        """Once :meth:`reached` said so (every rank): :meth:`PreemptionStop.decide`, the
+        sequence every adapter shares (agree on the deadline, ``wait`` for the upload in
+        flight, agree whether the save fits)."""
+        return self._stop.decide(step, wait=wait, estimate=estimate)
+
     def budget(self) -> float:
-        """Seconds a preemption save may take: the grace period left minus
-        :data:`MARGIN_S` (infinite without a notice)."""
+        """Seconds a preemption save may take: the time left before the deadline
+        :meth:`decide` agreed on (else this process's), minus :data:`MARGIN_S` (infinite
+        without a notice)."""
+        decision = self._stop.decision
+        if decision is not None and self._scope is not None:
+            return decision.deadline - time.monotonic() - MARGIN_S
         notice = preemption.notice()
         return math.inf if notice is None else notice.remaining() - MARGIN_S
 
@@ -265,8 +263,7 @@ class StepBoundary:
         """
         if estimate_s is None:
             estimate_s = estimate_save_s(checkpoint, size)
-        budget = self.budget()
-        return budget > 0 if estimate_s is None else estimate_s <= budget
+        return not why_not_saved(True, estimate_s, self.budget() + MARGIN_S)
 
     def stop(
         self,
@@ -302,12 +299,13 @@ class StepBoundary:
                 f"{where}: no preemption save ({reason or 'it failed'}); the next attempt "
                 "resumes from the newest earlier checkpoint"
             )
-        if leader:
-            log.warning("%s", message)
-            if self._context is None:
-                record_preempted(checkpoint, message, step=step)
-        self.end(settle=False)
-        raise Preempted(message) from cause
+        try:
+            self._stop.end(
+                message, step=step, leader=leader,
+                checkpoint=checkpoint if self._context is None else None, cause=cause,
+            )
+        finally:
+            self.end(settle=False)
 
     def end(self, settle: bool = True) -> None:
         """The training ended: wait (bounded) for the adapter's upload in flight with
@@ -316,7 +314,7 @@ class StepBoundary:
         Raises:
             Exception: the upload's error (``settle``).
         """
-        scope, self._scope, self._vote = self._scope, None, None
+        scope, self._scope = self._scope, None
         if scope is None:
             return
         with scope:

@@ -6,12 +6,13 @@ Three modes, chosen at ``on_train_begin`` with :func:`taskpoint.preemption.save_
 asked for just-in-time checkpoints"):
 
 ``"save"``
-    SIGTERM becomes a save at the next step boundary. The signal only sets the notice
-    (:func:`taskpoint.preemption.deferred`); at each ``on_step_end`` every rank votes
-    (:class:`taskpoint.distributed.torch_coordination.AnyRank`), so a signal that reached
-    one rank stops them all at the same step. There the upload in flight is finished first,
-    then, if the last save's duration fits in what is left of the grace period, the Trainer
-    is told to save and stop (``control.should_save`` and ``should_training_stop``): its own
+    SIGTERM becomes a save at the next step boundary: core's
+    :class:`taskpoint.runtime.preemption_stop.PreemptionStop`, the sequence every adapter
+    shares. The signal only sets the notice (:func:`taskpoint.preemption.deferred`); at
+    each ``on_step_end`` every rank votes (on a gloo group of ``torch.distributed``), so a
+    signal that reached one rank stops them all at the same step. There the upload in
+    flight is finished first, then, if the slowest rank's last save fits in what is left of
+    the grace period, the Trainer is told to save and stop (``control.should_save`` and ``should_training_stop``): its own
     ``checkpoint-N``, written whole at a step boundary, which it resumes from exactly.
     ``on_train_end`` waits for that upload until shortly before the deadline, then raises
     :class:`taskpoint.Preempted`, so code after ``trainer.train()`` does not run as if
@@ -43,23 +44,18 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import taskpoint
 from taskpoint import preemption
-from taskpoint.distributed.torch_coordination import AnyRank
-from taskpoint.runtime import context, step_boundary
+from taskpoint.runtime import context
+from taskpoint.runtime.preemption_stop import Decision, PreemptionStop, within_grace
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
-__all__ = ["MARGIN_S", "Mode", "Preemption", "Stop"]
+__all__ = ["Mode", "Preemption"]
 
 log = logging.getLogger(__name__)
-
-MARGIN_S = 1.0
-"""Seconds kept back from the grace period when waiting for an upload (the process still
-has to end before the kill)."""
 
 Mode = Literal["save", "jit", "wait"]
 _MID_STEP = {
@@ -83,27 +79,6 @@ _JIT_EXACT = {
 Settle = Callable[[float | None], "bool | None"]
 """Wait for this rank's upload in flight for at most so many seconds (``None``: no limit):
 ``True`` committed (or failed: logged), ``False`` still running, ``None`` none in flight."""
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Where training stopped for a preemption signal.
-
-    Attributes:
-        step: the global step it stopped at.
-        saving: whether the Trainer was told to save ``checkpoint-<step>``.
-        deadline: ``time.monotonic()`` of the earliest signalled rank's deadline.
-        reason: why it does not save (empty when it does).
-    """
-
-    step: int
-    saving: bool
-    deadline: float
-    reason: str = ""
-
-    def left(self) -> float:
-        """Seconds left before the deadline (0 once past)."""
-        return max(0.0, self.deadline - time.monotonic())
 
 
 def _jit_callbacks(handler: CallbackHandler | None) -> list[Any]:
@@ -144,9 +119,9 @@ class Preemption:
         self.wait_timeout = wait_timeout
         self.timeout = timeout
         self.mode: Mode = "wait"
-        self.stop: Stop | None = None
-        self._stack = contextlib.ExitStack()
-        self._vote: AnyRank | None = None
+        self.stop: Decision | None = None
+        self._stack = contextlib.ExitStack()  # "jit" mode's deferral
+        self._stop = PreemptionStop(timeout=timeout)
         self._ended = True  # no training under way
         self._jit_seen = False
         self._jit_settled = False
@@ -188,8 +163,7 @@ class Preemption:
             save = False
         if save:
             self.mode = "save"
-            self._vote = AnyRank(timeout=self.timeout)  # a collective: before anything local
-            for jit in jits:
+            for jit in jits:  # its handler gives way before taskpoint's goes on top
                 _disarm(jit)
             if jits and state.is_world_process_zero:
                 log.info(
@@ -197,12 +171,11 @@ class Preemption:
                     "step boundary (an exact resume) instead of transformers' save in the "
                     "middle of a step"
                 )
-            if not preemption.install():
+            if not self._stop.begin():  # a collective: every rank
                 log.warning(
                     "training runs outside the main thread and taskpoint's SIGTERM handler is "
                     "not installed: SIGTERM will not become a save"
                 )
-            self._stack.enter_context(preemption.deferred())
         elif jits:
             self.mode = "jit"
             preemption.install()  # on top of the Trainer's handler, which it calls
@@ -232,7 +205,6 @@ class Preemption:
         state: TrainerState,
         control: TrainerControl,
         *,
-        gather: Callable[[Any], list[Any]],
         settle: Settle,
         estimate: Callable[[], float | None],
     ) -> None:
@@ -240,52 +212,27 @@ class Preemption:
         saving if the save fits in the grace period left: ``estimate()`` is how long the
         last save took (from the Trainer's write to the commit), asked once the upload in
         flight is done."""
-        if self.mode != "save" or self.stop is not None or self._vote is None:
+        if self.mode != "save" or self.stop is not None or not self._stop.requested():
             return
-        signalled = preemption.requested()
-        if not self._vote(signalled):
-            return
-        notice = preemption.notice()
-        views = gather({"left": notice.remaining() if signalled and notice else None})
-        known = [v["left"] for v in views if v.get("left") is not None]
-        first = min(known) if known else preemption.grace_period()
-        deadline = time.monotonic() + first  # the earliest rank's, on this rank's clock
-        preemption.relay(first)  # a rank the signal missed: its saves count as preemption's
-        ranks = [r for r, v in enumerate(views) if v.get("left") is not None]
-
-        done = settle(max(0.0, deadline - time.monotonic() - MARGIN_S))
-        views = gather({
-            "done": done is not False, "estimate": estimate(),
-            "left": deadline - time.monotonic(),
-        })
-        # Every rank decides from the same gathered values: all save, or none does.
-        left = min(v["left"] for v in views)
-        estimates = [v["estimate"] for v in views if v.get("estimate") is not None]
-        worst = max(estimates) if estimates else None
-        reason = ""
-        if not all(v["done"] for v in views):
-            reason = "the upload in flight has not committed yet"
-        elif left <= MARGIN_S or (worst is not None and worst > left - MARGIN_S):
-            took = "unknown" if worst is None else f"{worst:.1f}s"
-            reason = f"the last save took {took} and {left:.1f}s of the grace period are left"
-        self.stop = Stop(state.global_step, not reason, deadline, reason)
-
+        stop = self._stop.decide(
+            state.global_step, wait=lambda timeout: settle(timeout) is not False,
+            estimate=estimate,
+        )
+        self.stop = stop
         control.should_training_stop = True
-        control.should_save = not reason
-        if not reason and str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+        control.should_save = stop.saving
+        if stop.saving and str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
             control.should_evaluate = False  # its verdict would decide the save
         if state.is_world_process_zero:
-            if reason:
+            if not stop.saving:
                 log.warning(
-                    "SIGTERM (rank %s): stopping at step %d WITHOUT saving: %s; the next "
-                    "attempt resumes from the last committed checkpoint",
-                    ",".join(map(str, ranks)), state.global_step, reason,
+                    "%s: stopping at step %d WITHOUT saving: %s; the next attempt resumes "
+                    "from the last committed checkpoint", stop.signal, stop.step, stop.reason,
                 )
             else:
                 log.warning(
-                    "SIGTERM (rank %s): stopping at step %d and saving checkpoint-%d, "
-                    "%.1fs of the grace period left",
-                    ",".join(map(str, ranks)), state.global_step, state.global_step, left,
+                    "%s: stopping at step %d and saving checkpoint-%d, %.1fs of the grace "
+                    "period left", stop.signal, stop.step, stop.step, stop.left(),
                 )
 
     def at_epoch_end(self, state: TrainerState, control: TrainerControl) -> None:
@@ -307,8 +254,7 @@ class Preemption:
             return
         if not self._jit_settled:
             self._jit_settled = True
-            notice = preemption.notice()
-            settle(max(0.0, notice.remaining() - MARGIN_S) if notice is not None else None)
+            settle(within_grace(None))
         if self._jit_seen or not control.should_training_stop or where not in _MID_STEP:
             return
         self._jit_seen = True
@@ -331,20 +277,13 @@ class Preemption:
 
     def signal_bound(self, timeout: float | None) -> float | None:
         """``timeout`` seconds, or less: what is left of the grace period, less a margin."""
-        notice = preemption.notice()
-        if notice is None:
-            return timeout
-        left = max(0.0, notice.remaining() - MARGIN_S)
-        return left if timeout is None else min(timeout, left)
+        return within_grace(timeout)
 
     def end_bound(self) -> float | None:
         """Seconds ``on_train_end`` may wait for the upload (``None``: no limit)."""
         if self.stop is not None:
-            return max(0.0, self.stop.left() - MARGIN_S)
-        notice = preemption.notice()
-        if self.mode == "jit" and notice is not None:
-            return max(0.0, notice.remaining() - MARGIN_S)
-        return None
+            return self.stop.budget()
+        return within_grace(None) if self.mode == "jit" else None
 
     def finish(
         self,
@@ -375,15 +314,11 @@ class Preemption:
         else:
             why = f"its upload failed: {error}" if error is not None else "its upload still runs"
             outcome = f"checkpoint-{stop.step} missed ({why})"
-        message = f"received SIGTERM; training stopped at step {stop.step}: {outcome}"
-        if state.is_world_process_zero:
-            log.warning(
-                "SIGTERM: training stopped at step %d; %s, %.1fs of the grace period left; "
-                "ending the attempt",
-                stop.step, outcome, stop.left(),
-            )
-            step_boundary.record_preempted(checkpoint, message, step=stop.step)
-        raise taskpoint.Preempted(message) from error
+        self._stop.end(
+            f"received {stop.signal}; training stopped at step {stop.step}: {outcome}",
+            step=stop.step, leader=state.is_world_process_zero, checkpoint=checkpoint,
+            cause=error,
+        )
 
     def failed(self, exc: BaseException, settle: Settle, step: int | None) -> None:
         """Training ended by ``exc``: wait for this rank's upload in flight (no
@@ -413,9 +348,6 @@ class Preemption:
     def close(self) -> None:
         """Leave the deferral and drop the vote's group (local calls)."""
         self._stack.close()
-        vote, self._vote = self._vote, None
-        if vote is not None:
-            with contextlib.suppress(Exception):
-                vote.close()
+        self._stop.close()
 
 

@@ -312,8 +312,7 @@ class TaskpointTrainerCallback(TrainerCallback):
         self._report(state)
         self._preemption.jit_hook("on_step_end", state, control, self._saves.settle)
         self._preemption.at_step_end(
-            args, state, control, gather=self._saves.gather, settle=self._saves.settle,
-            estimate=self._saves.estimate,
+            args, state, control, settle=self._saves.settle, estimate=self._saves.estimate,
         )
         self._timed.at_step_end(control)
         self._next(args, state, control)

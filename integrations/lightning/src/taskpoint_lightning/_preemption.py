@@ -23,11 +23,11 @@ trains with the save turned on, the handler Lightning found (taskpoint's) is put
 the ranks vote (:class:`taskpoint.distributed.torch_coordination.AnyRank`, on a gloo group of its
 own: no GPU synchronisation); the first vote after the signal stops all of them there.
 
-The stop: every rank waits (bounded) for its upload in flight, the ranks agree on the
-earliest deadline and on the slowest expected save, ranks that were not signalled hold
-the notice too (:func:`taskpoint.preemption.relay`), and then, when the save fits in the
-time left, the callback saves and mirrors as it does for any save (the newest
-``last.ckpt``, see the callback) and every rank waits for the commit before raising
+The stop is core's :class:`taskpoint.runtime.preemption_stop.PreemptionStop`, the sequence every
+adapter shares (see there); its agreement is Lightning's: the vote above, and the strategy's
+``reduce`` for the deadline, the slowest save and whether every upload finished. When the
+save fits in the time left, the callback saves and mirrors as it does for any save (the
+newest ``last.ckpt``, see the callback) and every rank waits for the commit before raising
 :class:`taskpoint.Preempted`. When it does not fit, the previous checkpoint stays (commits
 are atomic), a WARNING says so and the attempt's record says ``missed``.
 
@@ -48,27 +48,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import taskpoint
 from taskpoint import preemption
 from taskpoint.distributed.torch_coordination import AnyRank
-from taskpoint.runtime import step_boundary
+from taskpoint.runtime.preemption_stop import PreemptionStop, within_grace
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["MARGIN_S", "Preemption"]
+__all__ = ["Preemption"]
 
 log = logging.getLogger(__name__)
-
-MARGIN_S = 1.0
-"""Seconds kept free before the deadline: a save must fit in what is left after it."""
 
 
 class Saver(Protocol):
@@ -108,21 +104,44 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+class _StrategyAgreement:
+    """The ranks of a fit agree through Lightning: the vote on a gloo group of its own, the
+    minimum through the strategy's ``reduce`` (its process group)."""
+
+    def __init__(self, trainer: pl.Trainer, timeout: float) -> None:
+        self._trainer = trainer
+        self._vote = AnyRank(timeout=timeout)
+
+    def any(self, flag: bool) -> bool:
+        return self._vote(flag)
+
+    def least(self, values: Sequence[float]) -> list[float]:
+        if self._trainer.world_size < 2:
+            return [float(v) for v in values]
+        import torch
+
+        tensor = torch.tensor(
+            list(values), dtype=torch.float64, device=self._trainer.strategy.root_device
+        )
+        least = self._trainer.strategy.reduce(tensor, reduce_op="min")
+        return [float(v) for v in least.cpu().tolist()]
+
+    def close(self) -> None:
+        self._vote.close()
+
+
 class Preemption:
     """One fit's SIGTERM handling (see the module's documentation).
 
     Args:
         active: whether SIGTERM becomes a save (agreed by every rank).
-        timeout: seconds a vote waits for the other ranks.
+        stop: the shared stop sequence.
     """
 
-    def __init__(self, active: bool, timeout: float) -> None:
+    def __init__(self, active: bool, stop: PreemptionStop) -> None:
         self.active = active
-        self._timeout = timeout
-        self._deferral = contextlib.ExitStack()
+        self._stop = stop
         self._before: Any = None  # the SIGTERM handler Lightning finds, and restores
-        self._vote: AnyRank | None = None
-        self._stopped: taskpoint.Preempted | None = None
 
     @classmethod
     def start(cls, trainer: pl.Trainer, choice: bool | None, timeout: float) -> Preemption:
@@ -138,19 +157,14 @@ class Preemption:
         )
         if trainer.world_size > 1:
             active = bool(trainer.strategy.broadcast(active, src=0))  # rank zero's rule
-        self = cls(active, timeout)
-        if active:
-            if not preemption.install():
-                log.warning(
-                    "rank %d: not in the main thread, so SIGTERM cannot be handled here; it "
-                    "stops training when another rank receives it", trainer.global_rank,
-                )
-            self._deferral.enter_context(preemption.deferred())
-            try:
-                self._vote = AnyRank(timeout=timeout)
-            except BaseException:
-                self.close()  # never leave SIGTERM deferred past this fit
-                raise
+        self = cls(active, PreemptionStop(
+            timeout=timeout, agreement=lambda t: _StrategyAgreement(trainer, t)
+        ))
+        if active and not self._stop.begin():
+            log.warning(
+                "rank %d: not in the main thread, so SIGTERM cannot be handled here; it "
+                "stops training when another rank receives it", trainer.global_rank,
+            )
         if _main_thread():
             self._before = signal.getsignal(signal.SIGTERM)
         return self
@@ -171,21 +185,15 @@ class Preemption:
         Raises:
             taskpoint.CheckpointCoordinationError: a rank did not vote within the timeout.
         """
-        if not self.active or self._stopped is not None or self._vote is None:
-            return False
-        return self._vote(preemption.requested())
+        return self._stop.requested()
 
     def raised(self, exception: BaseException) -> bool:
         """Whether ``exception`` is this stop's :class:`taskpoint.Preempted`."""
-        return self._stopped is not None and exception is self._stopped
+        return self._stop.stopped is not None and exception is self._stop.stopped
 
     def bound(self, timeout: float | None) -> float | None:
         """``timeout`` shortened to the time left before the notice's deadline, if any."""
-        notice = preemption.notice()
-        if notice is None:
-            return timeout
-        left = max(0.0, notice.remaining() - MARGIN_S)
-        return left if timeout is None else min(timeout, left)
+        return within_grace(timeout)
 
     def stop(
         self, trainer: pl.Trainer, saver: Saver, *, where: str, checkpoint: object = None
@@ -200,39 +208,21 @@ class Preemption:
             taskpoint.Preempted: always, once the stop is done (saved or not).
         """
         step = trainer.global_step
-        own = preemption.notice()
         saver._preemption_first()
-        first = saver._preemption_wait(
-            trainer, max(0.0, (own.remaining() if own else preemption.grace_period()) - MARGIN_S)
-        )
-        left, needed, finished, flagged = self._agree(
-            trainer, own.remaining() if own else math.inf, saver._preemption_estimate(),
-            first, saver._preemption_flagged(),
+        decision = self._stop.decide(
+            step, wait=lambda timeout: saver._preemption_wait(trainer, timeout),
+            estimate=saver._preemption_estimate, also=lambda: [saver._preemption_flagged()],
         )
         started = time.monotonic()
-        if not math.isfinite(left):
-            left = preemption.grace_period()
-        deadline = started + left  # the earliest rank's, as this rank's clock tells it
-        notice = preemption.relay(left)
-        saved: str | None = None
-        # Every rank decides from the same agreed values: they all save, or none does.
-        if not finished:
-            outcome = (
-                "missed: the upload in flight did not finish in time (the store keeps the "
-                "checkpoint before it)"
-            )
-        elif left - MARGIN_S < needed:
-            outcome = (
-                f"missed: a save takes about {needed:.1f}s and {left:.1f}s are left (the "
-                "store keeps the previous checkpoint)"
-            )
+        if not decision.saving:
+            outcome = f"missed: {decision.reason} (the store keeps the previous checkpoint)"
         else:
-            saved = saver._preemption_save(trainer, again=not flagged)
-            done = saver._preemption_mirrored() and saver._preemption_wait(
-                trainer, max(0.0, deadline - time.monotonic() - MARGIN_S)
-            )
+            saved = saver._preemption_save(trainer, again=not decision.agreed[0])
             # Also a barrier: no rank ends (torchrun then stops the others) before the commit.
-            committed = self._vote is None or not self._vote(not done)
+            committed = self._stop.committed(
+                lambda timeout: saver._preemption_mirrored()
+                and saver._preemption_wait(trainer, timeout)
+            )
             what = f"saved {saved}" if saved else "the save at this step"
             outcome = (
                 f"{what} and committed it in {time.monotonic() - started:.1f}s"
@@ -240,31 +230,10 @@ class Preemption:
                 f"missed: {what} did not commit within the grace period (the store keeps "
                 "the previous checkpoint)"
             )
-        message = f"{notice.signal} received: stopped at step {step} ({where}); {outcome}"
-        if trainer.is_global_zero:
-            log.warning("%s", message)
-            step_boundary.record_preempted(checkpoint, message, step=step)
-        self._stopped = taskpoint.Preempted(message)
-        self.close()
-        raise self._stopped
-
-    def _agree(
-        self, trainer: pl.Trainer, remaining: float, estimate: float, finished: bool,
-        flagged: bool,
-    ) -> tuple[float, float, bool, bool]:
-        """The earliest deadline's seconds left, the slowest save, whether every upload in
-        flight finished and every last mirror started after the notice: the same on every
-        rank (one reduction, on Lightning's process group, once per stop)."""
-        if trainer.world_size < 2:
-            return remaining, estimate, finished, flagged
-        import torch
-
-        values = torch.tensor(
-            [remaining, -estimate, float(finished), float(flagged)], dtype=torch.float64,
-            device=trainer.strategy.root_device,
+        self._stop.end(
+            f"{decision.signal} received: stopped at step {step} ({where}); {outcome}",
+            step=step, leader=trainer.is_global_zero, checkpoint=checkpoint,
         )
-        least = trainer.strategy.reduce(values, reduce_op="min").cpu().tolist()
-        return float(least[0]), -float(least[1]), bool(least[2]), bool(least[3])
 
     @contextlib.contextmanager
     def shielded(self) -> Iterator[None]:
@@ -282,7 +251,4 @@ class Preemption:
 
     def close(self) -> None:
         """End the deferral and the vote (each rank on its own); idempotent."""
-        self._deferral.close()
-        vote, self._vote = self._vote, None
-        if vote is not None:
-            vote.close()
+        self._stop.close()

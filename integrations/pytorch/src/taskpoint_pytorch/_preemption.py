@@ -15,15 +15,16 @@ each call times the step, and a save is due once ``every_s`` seconds passed sinc
 save (or the interval ``"auto"`` chose); under ``torch.distributed`` rank 0's clock decides
 for every rank with one collective, so all save at the same step.
 
-Deadlines: a background save waiting behind the upload in flight is replaced by the
-preemption save (it goes first); the upload in flight is finished first (within the time
-left); a save that took longer last time than the time left (or, with none timed yet in
-this process, whose estimate from the state's bytes and the link does:
-:func:`taskpoint.runtime.step_boundary.estimate_save_s`) is skipped, loudly, and the newest earlier
-checkpoint stays intact (the attempt's record says the preemption save was missed). A
-background save waits for its commit at most until the grace period's end, less
-:data:`taskpoint.runtime.step_boundary.MARGIN_S`; a blocking save is the training thread itself
-and runs to its end.
+Deadlines: core's :class:`taskpoint.runtime.preemption_stop.PreemptionStop`, the sequence
+every adapter shares. A background save waiting behind the upload in flight is replaced by
+the preemption save (it goes first); the upload in flight is finished first (within the
+time left); a save that took longer last time than the time left (or, with none timed yet
+in this process, whose estimate from the state's bytes and the link does:
+:func:`taskpoint.runtime.step_boundary.estimate_save_s`) is skipped, loudly, and the newest
+earlier checkpoint stays intact (the attempt's record says the preemption save was missed).
+A background save waits for its commit at most until the grace period's end, less
+:data:`taskpoint.runtime.preemption_stop.MARGIN_S`; a blocking save is the training thread
+itself and runs to its end.
 """
 
 from __future__ import annotations
@@ -137,37 +138,36 @@ class Preemption:
             agree = broadcast_from_zero if is_distributed() else None
             return Turn(self, save=self.schedule.due(checkpoint, counter, every, every_s, agree))
         rank = rank_and_size()[0]
-        reason = broadcast_from_zero(self._room(checkpoint) if rank == 0 else "")
-        if reason:
+        decision = self.boundary.decide(
+            counter, wait=lambda timeout: self._in_flight(checkpoint, timeout),
+            estimate=lambda: self._estimate(checkpoint) if rank == 0 else None,
+        )
+        if not decision.saving:
             self.boundary.stop(
-                counter, saved=False, reason=reason, checkpoint=checkpoint, leader=rank == 0
+                counter, saved=False, reason=decision.reason, checkpoint=checkpoint,
+                leader=rank == 0,
             )
         return Turn(self, save=True, stop=(counter, checkpoint))
 
-    def _room(self, checkpoint: object) -> str:
-        """Rank 0: the preemption save replaces a background save waiting behind the upload
-        in flight (it goes first); finish that upload within the time left, then check
-        the save fits in what remains (estimated from the state's bytes and the link when
-        no save was timed yet); why not, or ``""``."""
+    def _in_flight(self, checkpoint: object, timeout: float) -> bool:
+        """The preemption save replaces a background save waiting behind the upload in
+        flight (it goes first); finish that upload within ``timeout`` seconds: whether it
+        is done (a failed one is logged: the preemption save may still land)."""
         if self.uploads.drop_pending():
             note_coalesced(checkpoint)
-        budget = self.boundary.budget()
         try:
-            if not self.uploads.wait(max(0.0, budget)):
-                return f"the upload in flight did not commit in the {budget:.1f} s left"
+            return self.uploads.wait(timeout)
         except Exception as exc:  # that save is lost; the preemption save may still land
             log.warning("the background save before the preemption failed: %s: %s",
                         type(exc).__name__, exc)
-        estimate = self.last_save_s
-        if estimate is None:
-            estimate = estimate_save_s(checkpoint, self.size() if self.size else None)
-        if not self.boundary.fits(estimate):
-            took = (
-                f"the last save took {self.last_save_s:.1f} s, " if self.last_save_s is not None
-                else "" if estimate is None else f"a save of this state should take {estimate:.1f} s, "
-            )
-            return f"{took}{max(0.0, self.boundary.budget()):.1f} s of the grace period left"
-        return ""
+            return True
+
+    def _estimate(self, checkpoint: object) -> float | None:
+        """Seconds a save should take: the last one's, else estimated from the state's
+        bytes and the link (global rank 0 writes, so its estimate is the job's)."""
+        if self.last_save_s is not None:
+            return self.last_save_s
+        return estimate_save_s(checkpoint, self.size() if self.size else None)
 
     def _settle(self, timeout: float) -> None:
         """The attempt ended: wait for the upload in flight (its error is raised)."""
