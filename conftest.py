@@ -215,70 +215,11 @@ def _narrowed_by_stores_marker(config: pytest.Config, items: list[pytest.Item]) 
         items[:] = kept
 
 
-_CHEAP_SHARED_FIXTURES = frozenset({
-    "integrations/pytorch/tests::lib",
-    "integrations/pytorch/tests::one_thread",
-    "integrations/pytorch/tests::child_env",
-    "integrations/sklearn/tests::cases",
-    # in-process runs of the tiny PyTorch loop: well under a second each
-    "integrations/pytorch/tests/test_resume_exact.py::reference",
-    "integrations/pytorch/tests/test_preemption.py::epochs_reference",
-    "integrations/pytorch/tests/test_preemption.py::steps_reference",
-    "integrations/pytorch/tests/test_flyte.py::reference",
-})
-"""Module- or session-scoped fixtures of the test folders (``folder::name``) that cost little
-to make twice (a module loaded, a thread count set, an environment copied, a tiny run):
-they group no tests, which then spread over the workers."""
-
-
-def _grouped_by_shared_fixtures(items: list[pytest.Item]) -> None:
-    """Send the tests that share an expensive module- or session-scoped fixture of the test
-    folders (a ``torchrun`` reference run, a trained Trainer folder, the built wheels, the
-    built docs site) to one xdist worker, with an ``xdist_group`` mark: under ``--dist
-    loadgroup`` (``pyproject.toml``) each worker would otherwise make its own copy. Tests
-    that share any such fixture, directly or through another test, form one group; xdist
-    starts the largest groups first. The root conftest's fixtures (the object-store
-    servers, ``uv``) group nothing: every worker has its own servers anyway."""
-    parent: dict[str, str] = {}
-
-    def find(key: str) -> str:
-        while parent.setdefault(key, key) != key:
-            parent[key] = parent[parent[key]]
-            key = parent[key]
-        return key
-
-    shared: list[tuple[pytest.Item, list[str]]] = []
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        keys = []
-        for name in info.names_closure:
-            definitions = info.name2fixturedefs.get(name)
-            if not definitions:
-                continue
-            definition = definitions[-1]
-            key = f"{definition.baseid}::{name}"
-            if definition.scope != "function" and definition.baseid and (
-                key not in _CHEAP_SHARED_FIXTURES
-            ):
-                keys.append(key)
-        if keys:
-            shared.append((item, keys))
-            for key in keys[1:]:
-                parent[find(key)] = find(keys[0])
-    for item, keys in shared:
-        item.add_marker(pytest.mark.xdist_group(find(keys[0])))
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Narrow ``@pytest.mark.stores`` tests to their stores. Group the tests that share an
-    expensive fixture on one xdist worker. Skip ``@pytest.mark.gpu`` tests, with the
-    reason, where CUDA is missing; with ``TASKPOINT_REQUIRE_GPU=1`` (the GPU workflow) that
-    is an error instead."""
+    """Narrow ``@pytest.mark.stores`` tests to their stores. Skip ``@pytest.mark.gpu``
+    tests, with the reason, where CUDA is missing; with ``TASKPOINT_REQUIRE_GPU=1`` (the
+    GPU workflow) that is an error instead."""
     _narrowed_by_stores_marker(config, items)
-    _grouped_by_shared_fixtures(items)
     if any("gpu" in item.keywords for item in items) and not _cuda_available():
         if os.environ.get("TASKPOINT_REQUIRE_GPU") == "1":
             raise pytest.UsageError(
