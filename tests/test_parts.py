@@ -151,6 +151,7 @@ def test_commits_once_every_part_arrived_and_restores_one_part(url: str, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.stores("file", "s3")  # the ranks' agreement, not the store, is the point
 def test_a_path_two_writers_fill_differently_fails_every_writer(url: str, tmp_path: Path) -> None:
     taskpoint.Checkpoint(url).save_sync(b"previous")
     writers = Writers(url, tmp_path, 2)
@@ -272,6 +273,7 @@ def test_a_committer_killed_before_committing_leaves_the_others_saying_what_they
 
 
 @pytest.mark.slow
+@pytest.mark.stores("file", "s3")  # the ranks' agreement, not the store, is the point
 def test_writers_disagreeing_about_location_fail_before_any_upload(url: str, tmp_path: Path) -> None:
     other = url.rstrip("/") + "-elsewhere"
     writers = Writers(url, tmp_path, 2)
@@ -301,6 +303,7 @@ def test_writers_disagreeing_about_world_size_fail_clearly(url: str, tmp_path: P
 
 
 @pytest.mark.slow
+@pytest.mark.stores("file", "s3")  # the ranks' agreement, not the store, is the point
 def test_one_writer_failing_fails_every_writer(url: str, tmp_path: Path) -> None:
     writers = Writers(url, tmp_path, 2)
     writers.start(0, {"a": "0"})

@@ -184,16 +184,40 @@ def _wheel_metadata(wheel: Path) -> Message:
     return email.parser.Parser(policy=email.policy.compat32).parsestr(text)
 
 
-@pytest.fixture(scope="module")
-def built(uv: str, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    """Every distribution built by ``uv build`` (sdist, then the wheel from the sdist)."""
-    out = tmp_path_factory.mktemp("dists")
+def _build_into(uv: str, out: Path) -> None:
+    """Every distribution's sdist and wheel (built from the sdist), into ``out``."""
     common = ["--out-dir", str(out), "--no-sources"]
     _run([uv, "build", "--all-packages", *common], cwd=ROOT, timeout=BUILD_TIMEOUT,
          what="uv build --all-packages")
     # Not a workspace member (see the root pyproject.toml), so built on its own.
     _run([uv, "build", *common, str(DIST_DIRS["taskpoint-unsloth"])], cwd=ROOT,
          timeout=BUILD_TIMEOUT, what="uv build integrations/unsloth")
+
+
+@pytest.fixture(scope="module")
+def built(uv: str, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """Every distribution built by ``uv build`` (sdist, then the wheel from the sdist).
+
+    Under pytest-xdist the workers of one run share one build: the first worker to need it
+    builds into the run's common temporary folder while holding a lock, and the others wait
+    for that lock and use the same files (the tests only read them). A failed build leaves
+    no completion mark, so the next worker tries again and reports its own failure.
+    """
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        out = tmp_path_factory.mktemp("dists")
+        _build_into(uv, out)
+    else:
+        import fcntl
+
+        out = tmp_path_factory.getbasetemp().parent / f"dists-{run}"
+        out.mkdir(exist_ok=True)
+        with open(out.with_name(f"{out.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            complete = out.with_name(f"{out.name}.complete")
+            if not complete.exists():
+                _build_into(uv, out)
+                complete.touch()
     wheels: dict[str, Path] = {}
     sdists: dict[str, Path] = {}
     for path in sorted(out.iterdir()):
