@@ -24,7 +24,7 @@ from taskpoint_lightning import RNG_STATE_KEY, TaskpointModelCheckpoint, resume_
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:lightning")
 
 SCRIPT = Path(__file__).with_name("train_script.py")
-MACHINERY = {"_folder_mirror", "_nodes", "_preempt_contexts", "_fit"}
+MACHINERY = {"_job_mirror", "_preempt_contexts", "_fit"}
 """The callback's attributes that belong to the process it runs in, never copied."""
 
 
@@ -87,7 +87,7 @@ def test_a_callback_copied_while_its_mirror_uploads_waits_for_the_commit(
     assert seen["before"] == []  # epoch 0's mirror was still uploading
     assert len(seen["after"]) == 1  # the copy was made once it had committed
     twin = seen["copy"]
-    assert twin.checkpoint == mc.checkpoint and twin._folder_mirror is None
+    assert twin.checkpoint == mc.checkpoint and twin._job_mirror is None
 
 
 def test_a_callback_pickled_after_fit_trains_on_and_mirrors_to_the_same_store(
@@ -102,7 +102,7 @@ def test_a_callback_pickled_after_fit_trains_on_and_mirrors_to_the_same_store(
 
     twin = pickle.loads(pickle.dumps(mc))
 
-    assert settings(twin) == settings(mc) and twin._folder_mirror is None
+    assert settings(twin) == settings(mc) and twin._job_mirror is None
     ckpt_path = resume_ckpt_path(twin.checkpoint, dirpath=tmp_path / "ckpts")
     fit(twin, tmp_path, 3, ckpt_path=ckpt_path)
     restored = taskpoint.Checkpoint(url).load_sync()

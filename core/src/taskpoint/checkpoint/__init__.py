@@ -11,7 +11,10 @@
 - :mod:`taskpoint.checkpoint._uploader`, :mod:`taskpoint.checkpoint._upload_child` and
   :mod:`taskpoint.checkpoint._settle`: the process background saves run in (its handle,
   and the program it runs), and waiting for them;
-- :mod:`taskpoint.checkpoint.mirror`: the adapters' upload of a finished local folder.
+- :mod:`taskpoint.checkpoint._upload_thread`: the thread background uploads run on, one at
+  a time, the newest waiting one winning;
+- :mod:`taskpoint.checkpoint.mirror`: the adapters' upload of a finished local folder, and
+  :mod:`taskpoint.checkpoint.job_mirror`: that folder written by every rank of a job.
 
 It writes through :mod:`taskpoint.format` to :mod:`taskpoint.store`, and runs the
 multi-writer protocol of :mod:`taskpoint.distributed`; it knows nothing of tasks.

@@ -5,8 +5,9 @@ A save is classified (:func:`classify`), snapshotted when it runs in the backgro
 :func:`taskpoint.format._tree_save.save_tree` under a
 :class:`taskpoint.format.retention.Lease`, anything else as one format-1 payload (bytes, a
 file, or a tar archive of a directory) under a fresh name. The manifest, written last, is
-the commit; then older checkpoints are pruned. :class:`Background` runs saves on an upload
-thread, holding at most one queued; :mod:`taskpoint.checkpoint._uploader` runs a
+the commit; then older checkpoints are pruned. An
+:class:`~taskpoint.checkpoint._upload_thread.UploadThread` runs background saves, holding at
+most one queued; :mod:`taskpoint.checkpoint._uploader` runs a
 :class:`Saver` in the process's upload process instead. :class:`Saves` runs one checkpoint's
 saves one at a time: it numbers each, commits it in the caller's thread, on the upload
 thread or in the upload process, and tells the checkpoint's ``on_commit`` listeners; once
@@ -15,7 +16,6 @@ closed it takes no more.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from taskpoint import preemption
 from taskpoint.checkpoint import _settle, _uploader
+from taskpoint.checkpoint._upload_thread import UploadThread, run_niced
 from taskpoint.checkpoint._uploader import DEFAULT_UPLOAD_NICE, UPLOAD_NICE_ENV, upload_nice
 from taskpoint.distributed import _parts
 from taskpoint.errors import CheckpointClosedError, CheckpointSaveError, _save_failures
@@ -57,7 +58,6 @@ __all__ = [
     "DEFAULT_UPLOAD_NICE",
     "UPLOAD_NICE_ENV",
     "WHEN_BUSY",
-    "Background",
     "Saver",
     "Saves",
     "Snapshot",
@@ -67,8 +67,6 @@ __all__ = [
     "check_when_busy",
     "classify",
     "discard",
-    "lower_priority",
-    "run_niced",
     "take_snapshot",
     "upload_nice",
 ]
@@ -401,181 +399,6 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
     )
 
 
-class Background:
-    """One checkpoint's background saves: one running on an upload thread, at most one
-    pending behind it.
-
-    A save submitted while another is pending replaces it: the newest wins, the running
-    one is never interrupted. The replaced save is *coalesced*: its snapshot is removed,
-    it is never uploaded, and the next save to run carries the count
-    (:attr:`Source.coalesced`, then :attr:`taskpoint.SaveStats.coalesced`). A blocking
-    save that starts drops the pending one the same way (:meth:`supersede`). The error of
-    a failed save is kept until :meth:`take_error`.
-    """
-
-    def __init__(self, save: Callable[[Source, int], None]) -> None:
-        self._save = save
-        self._cond = threading.Condition()
-        self._queued: tuple[Source, int] | None = None
-        self._running = False
-        self._replaced = 0  # saves coalesced since the last one started
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-
-    def submit(self, source: Source, ticket: int) -> bool:
-        """Queue ``source`` behind the save running, replacing the pending one, and start
-        the thread if needed; never waits for an upload.
-
-        Returns:
-            Whether a pending save was replaced (coalesced).
-
-        Raises:
-            ValueError: ``TASKPOINT_GRACE_PERIOD`` is set to something other than seconds.
-        """
-        preemption.hold_default_exit()  # a SIGTERM nobody handles lets the save commit first
-        with self._cond:
-            replaced = self._drop_queued()
-            self._queued = (source, ticket)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="taskpoint-background-save", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify_all()
-        return replaced
-
-    def supersede(self, ticket: int) -> None:
-        """Drop the pending save if it is older than ``ticket`` (a newer save started)."""
-        with self._cond:
-            if self._queued is not None and self._queued[1] < ticket:
-                self._drop_queued()
-                self._cond.notify_all()
-
-    def drop_pending(self) -> bool:
-        """Drop the save pending behind the one running (coalesced): a save that goes first
-        replaces it. A save queued while none runs is about to start, and is kept. Returns
-        whether one was dropped."""
-        with self._cond:
-            dropped = self._running and self._drop_queued()
-            self._cond.notify_all()
-            return dropped
-
-    def note_coalesced(self, count: int = 1) -> None:
-        """Count ``count`` saves replaced elsewhere (an adapter's upload thread) before
-        they reached this checkpoint; the next save to commit reports them."""
-        with self._cond:
-            self._replaced += count
-
-    def take_coalesced(self) -> int:
-        """The saves coalesced since a save last started, once (a blocking save, starting
-        now, reports them)."""
-        with self._cond:
-            count, self._replaced = self._replaced, 0
-            return count
-
-    def _drop_queued(self) -> bool:
-        if self._queued is None:
-            return False
-        source, _ = self._queued
-        discard(source)
-        self._queued = None
-        self._replaced += 1
-        log.info(
-            "a background save (step %s) was replaced by a newer one before it started "
-            "uploading (coalesced)", source.step,
-        )
-        return True
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if self._queued is None:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-                source, ticket = self._queued
-                source = dataclasses.replace(source, coalesced=self._replaced)
-                self._queued = None
-                self._replaced = 0
-                self._running = True
-            try:
-                self._save(source, ticket)
-            except BaseException as exc:  # kept for the caller's next save or wait()
-                log.warning("background save failed: %s", exc)
-                with self._cond:
-                    self._error = exc
-            finally:
-                discard(source)
-                with self._cond:
-                    self._running = False
-                    self._cond.notify_all()
-
-    @property
-    def busy(self) -> bool:
-        """Whether a save is running or pending."""
-        with self._cond:
-            return self._queued is not None or self._running
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until nothing is queued or running, for at most ``timeout`` seconds
-        (``None``: no limit); whether nothing is."""
-        with self._cond:
-            return self._cond.wait_for(
-                lambda: self._queued is None and not self._running, timeout
-            )
-
-    def take_error(self) -> BaseException | None:
-        """The last failed save's error, once; ``None`` when none failed since."""
-        with self._cond:
-            error, self._error = self._error, None
-            return error
-
-
-def lower_priority(nice: int | None = None) -> bool:
-    """Make the calling thread (and the threads it starts afterwards) yield the CPU to
-    training: ``nice`` (by default :func:`upload_nice`) below this process's priority.
-
-    Linux schedules threads individually, so this lowers the calling thread only. An
-    unprivileged thread cannot raise its priority back: call it only in a thread that runs
-    nothing training waits on.
-
-    Returns:
-        Whether the priority was lowered.
-    """
-    amount = upload_nice() if nice is None else nice
-    if amount <= 0:
-        return False
-    with contextlib.suppress(AttributeError, OSError):
-        base = os.getpriority(os.PRIO_PROCESS, os.getpid())
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(base + amount, 19))
-        return True
-    return False
-
-
-def run_niced(job: Callable[[], Any], nice: int) -> Any:
-    """Run ``job`` on a thread of its own, ``nice`` below this process's priority, and
-    return what it returned (or raise what it raised); in this thread when ``nice`` is 0.
-    The calling thread keeps its priority, for the next save that must not be niced."""
-    if nice <= 0:
-        return job()
-    box: list[Any] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        lower_priority(nice)
-        try:
-            box.append(job())
-        except BaseException as exc:  # raised in the caller's thread
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, name="taskpoint-background-save-niced", daemon=True)
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
-    return box[0]
-
-
 def discard(source: Source) -> None:
     """Remove ``source``'s private snapshot, if it has one."""
     if source.snapshot is not None:
@@ -586,10 +409,10 @@ class Saves:
     """One checkpoint's saves, one at a time: numbered, committed, announced.
 
     A save commits in its caller's thread, or (a background save) on the
-    :class:`Background` thread, which hands it to the process's upload process
-    (:mod:`taskpoint.checkpoint._uploader`) when it can: the first background save starts that
-    process without waiting for it, and saves commit on the thread itself until it is
-    ready. A background save asked for while another still uploads replaces the
+    :class:`~taskpoint.checkpoint._upload_thread.UploadThread`, which hands it to the
+    process's upload process (:mod:`taskpoint.checkpoint._uploader`) when it can: the first
+    background save starts that process without waiting for it, and saves commit on the
+    thread itself until it is ready. A background save asked for while another still uploads replaces the
     one pending behind it (``when_busy="coalesce"``) or waits for the upload in flight
     (``"wait"``). Background saves no one waits for run :func:`upload_nice` below the
     caller's priority; a preemption save (asked for after the signal) never does. A multi-writer commit (:class:`taskpoint.PartsCommit`) takes its numbers here
@@ -633,9 +456,10 @@ class Saves:
         self._state = threading.Lock()  # guards _closed
         self._closed = False
         self._tickets = itertools.count()
-        self._background = Background(self.run)
+        self._background = UploadThread("taskpoint-background-save", nice=False)  # run() nices
+        self._idle = _Idle(self._background)
         self._listeners: list[Callable[[SaveStats], object]] = []
-        _settle.track(self._background)  # waited for at interpreter exit
+        _settle.track(self._idle)  # waited for at interpreter exit
         if background_upload == "process" and catalog.progress is None:
             # Keeps the upload process, once started, until closed (the store is not
             # opened here: a bad URL fails at first use).
@@ -659,7 +483,6 @@ class Saves:
             upload_nice()  # a bad setting fails the call, not the upload
             if self.when_busy == "wait":
                 self._background.wait()  # the old way: training waits for the upload
-                self.raise_error()
         source = classify(data, called)
         ticket = next(self._tickets)
         if not background:
@@ -685,7 +508,10 @@ class Saves:
         """
         with self._state:
             if not self._closed:
-                self._background.submit(source, ticket)
+                self._background.start(
+                    lambda: self._run_queued(source, ticket),
+                    on_drop=lambda: discard(source), ticket=ticket,
+                )
                 return
         discard(source)
         self.check_open()
@@ -712,6 +538,14 @@ class Saves:
             else:  # a blocking save, or the upload process is not (yet) there
                 stats, _ = run_niced(lambda: self.saver.commit(source, attempt, seq), nice)
         self._notify(stats)
+
+    def _run_queued(self, source: Source, ticket: int) -> None:
+        """A background save on the upload thread: :meth:`run` it, counting the saves it
+        replaced while it waited, then remove its snapshot."""
+        try:
+            self.run(dataclasses.replace(source, coalesced=self._background.replaced), ticket)
+        finally:
+            discard(source)
 
     def _worker(self) -> _uploader.Worker | None:
         """The upload process for a background save, once it is ready; ``None`` while it
@@ -752,7 +586,7 @@ class Saves:
 
     def note_coalesced(self, count: int = 1) -> None:
         """Count ``count`` background saves an adapter replaced before they reached this
-        checkpoint (see :meth:`Background.note_coalesced`)."""
+        checkpoint: the next save to commit reports them."""
         self._background.note_coalesced(count)
 
     def upload_rate(self) -> float | None:
@@ -799,10 +633,7 @@ class Saves:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until background saves have committed, for at most ``timeout`` seconds
         (``None``: no limit); raise what the last failed one raised. Whether none runs."""
-        if not self._background.wait(timeout):
-            return False
-        self.raise_error()
-        return True
+        return self._background.wait(timeout)
 
     def close(self) -> None:
         """Take no more saves; wait for those queued or in flight (see
@@ -816,11 +647,11 @@ class Saves:
                 return
             self._closed = True
         try:
-            self._background.wait()
+            self._background.idle()
             with self._lock:  # a blocking save another thread had started has committed
                 pass
         finally:
-            _settle.untrack(self._background)
+            _settle.untrack(self._idle)
             _uploader.shared().release(self)  # unused, the upload process ends
         self.raise_error()
 
@@ -841,9 +672,7 @@ class Saves:
 
     def raise_error(self) -> None:
         """Raise what the last failed background save raised, once."""
-        error = self._background.take_error()
-        if error is not None:
-            raise error
+        self._background.raise_error()
 
     def on_commit(self, callback: Callable[[SaveStats], object]) -> None:
         """Call ``callback`` with each commit's stats (see
@@ -857,3 +686,15 @@ class Saves:
                 listener(stats)
             except Exception:
                 log.exception("an on_commit listener of %s failed", self._catalog.store.url)
+
+
+class _Idle:
+    """A checkpoint's upload thread as :func:`taskpoint.checkpoint._settle.track` waits
+    for it: a failed save's error stays for the checkpoint's next save or ``wait``."""
+
+    def __init__(self, thread: UploadThread) -> None:
+        self._thread = thread
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the thread's saves have finished within ``timeout`` seconds."""
+        return self._thread.idle(timeout)

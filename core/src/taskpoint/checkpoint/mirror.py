@@ -35,8 +35,6 @@ seconds in all, before the interpreter's thread pools shut down (see
 
 from __future__ import annotations
 
-import contextvars
-import functools
 import logging
 import os
 import shutil
@@ -51,15 +49,9 @@ from pathlib import Path
 from taskpoint import preemption
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import _inflight
-from taskpoint.checkpoint._save import (
-    Source,
-    classify,
-    discard,
-    run_niced,
-    take_snapshot,
-    upload_nice,
-)
+from taskpoint.checkpoint._save import Source, classify, discard, take_snapshot
 from taskpoint.checkpoint._settle import EXIT_WAIT_S, settle_uploads, track
+from taskpoint.checkpoint._upload_thread import UploadThread
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.distributed.coordination import Coordinator
 from taskpoint.format.history import SaveStats
@@ -144,150 +136,6 @@ def note_coalesced(checkpoint: object, count: int = 1) -> None:
     them in :attr:`taskpoint.SaveStats.coalesced`. Nothing for another checkpoint object."""
     if isinstance(checkpoint, Checkpoint):
         checkpoint._saves.note_coalesced(count)
-
-
-class UploadThread:
-    """Jobs run one at a time in a daemon thread: one running, at most one pending behind
-    it. Each job runs with the context variables of the caller of :meth:`start` (another
-    system's checkpoint, Flyte's, may find its task context through them) and, unless a
-    preemption signal had come when it was started, :func:`taskpoint.checkpoint._save.upload_nice`
-    below the caller's priority. A job's error is raised by the next :meth:`wait` (or
-    :meth:`raise_error`).
-
-    Starting a job while one is pending replaces the pending one (the newest wins; the
-    running one is never interrupted): the replaced job never runs, its ``on_drop`` is
-    called and :attr:`coalesced` counts it.
-
-    Args:
-        name: the thread's name.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        # Reentrant: a SIGTERM's handler may wait for the jobs while the main thread, which
-        # it interrupted, holds the lock (taskpoint.preemption.wait_before_exit).
-        self._cond = threading.Condition(threading.RLock())
-        self._thread: threading.Thread | None = None
-        self._running = False
-        self._pending: _Job | None = None
-        self._error: BaseException | None = None
-        self.coalesced = 0
-        """How many pending jobs newer ones replaced."""
-
-    def start(
-        self, job: Callable[[], object], *, on_drop: Callable[[], object] | None = None
-    ) -> bool:
-        """Run ``job`` once the job running (if any) has finished, replacing the job
-        pending (if any); never waits.
-
-        Args:
-            job: the work.
-            on_drop: called if a newer job replaces this one before it starts.
-
-        Returns:
-            Whether a pending job was replaced.
-
-        Raises:
-            ValueError: ``TASKPOINT_GRACE_PERIOD`` or ``TASKPOINT_UPLOAD_NICE`` is set to
-                something unusable.
-        """
-        preemption.hold_default_exit()  # a SIGTERM nobody handles lets the job commit before ending us
-        nice = 0 if preemption.requested() else upload_nice()
-        entry = _Job(job, contextvars.copy_context(), nice, on_drop)
-        with self._cond:
-            replaced, self._pending = self._pending, entry
-            if replaced is not None:
-                self.coalesced += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-        if replaced is not None:
-            log.info("%s: a job waiting behind the running one was replaced by a newer one "
-                     "(coalesced)", self._name)
-            if replaced.on_drop is not None:
-                replaced.on_drop()
-        return replaced is not None
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                entry = self._pending
-                if entry is None:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-                self._pending = None
-                self._running = True
-            try:
-                run_niced(functools.partial(entry.context.run, entry.job), entry.nice)
-            except BaseException as exc:  # raised by the next wait()
-                log.warning("%s failed: %s: %s", self._name, type(exc).__name__, exc)
-                with self._cond:
-                    self._error = exc
-            finally:
-                with self._cond:
-                    self._running = False
-                    self._cond.notify_all()
-
-    @property
-    def busy(self) -> bool:
-        """Whether a job is running or pending."""
-        with self._cond:
-            return self._running or self._pending is not None
-
-    def drop_pending(self) -> bool:
-        """Drop the job pending behind the running one, if any (its ``on_drop`` is called):
-        a save that goes first (a preemption save) replaces it. Returns whether one was
-        dropped."""
-        with self._cond:
-            if not self._running:
-                return False  # a job pending while none runs is about to start
-            dropped, self._pending = self._pending, None
-            if dropped is not None:
-                self.coalesced += 1
-                self._cond.notify_all()
-        if dropped is not None and dropped.on_drop is not None:
-            dropped.on_drop()
-        return dropped is not None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until no job runs or is pending.
-
-        Returns:
-            ``True`` once no job runs; ``False`` when ``timeout`` ran out first.
-
-        Raises:
-            BaseException: what a job raised (raised once).
-        """
-        with self._cond:
-            if not self._cond.wait_for(
-                lambda: not self._running and self._pending is None, timeout
-            ):
-                return False
-        self.raise_error()
-        return True
-
-    def raise_error(self) -> None:
-        """Raise what a finished job raised (once), without waiting for the jobs in flight.
-
-        Raises:
-            BaseException: that error.
-        """
-        with self._cond:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-
-@dataclass(frozen=True)
-class _Job:
-    """One job of an :class:`UploadThread`, as started."""
-
-    job: Callable[[], object]
-    context: contextvars.Context
-    nice: int
-    on_drop: Callable[[], object] | None
 
 
 @dataclass(frozen=True)
@@ -399,7 +247,6 @@ class FolderMirror:
             self._native = None
         self._cond = threading.Condition()
         self._flight: list[_Save] = []  # saves not yet committed, oldest first
-        self._dropped = 0  # saves coalesced on the mirror's own thread, not yet reported
         self._reports: list[MirrorStats] = []
         self._worker = UploadThread("taskpoint-mirror-upload")
         self._waiter: tuple[threading.Thread, list[BaseException]] | None = None
@@ -661,8 +508,7 @@ class FolderMirror:
     def _upload(self, record: _Save, source: Source) -> None:
         started = time.monotonic()
         with self._cond:  # the saves this one replaced while it waited
-            record.coalesced += self._dropped
-            self._dropped = 0
+            record.coalesced += self._worker.replaced
         try:
             assert source.path is not None
             self._checkpoint.save_sync(source.path)
@@ -678,12 +524,11 @@ class FolderMirror:
 
     def _drop(self, record: _Save, source: Source) -> None:
         """A newer save replaced ``record`` before its upload started (on the mirror's own
-        thread): it is coalesced."""
+        thread): it is coalesced, and counted by the save that runs next."""
         discard(source)
         with self._cond:
             if record in self._flight:
                 self._flight.remove(record)
-            self._dropped += 1
 
     def _on_commit(self, stats: SaveStats) -> None:
         with self._cond:

@@ -7,16 +7,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import taskpoint
 from taskpoint import CheckpointLike
 from taskpoint import distributed as _distributed
-from taskpoint.checkpoint.mirror import FolderMirror, MirrorStats, combined_metrics, unshare
-from taskpoint.distributed import nodes
-from taskpoint.distributed.torch_coordination import TorchCoordinator
+from taskpoint.checkpoint.job_mirror import JobMirror
+from taskpoint.checkpoint.mirror import MirrorStats, combined_metrics, unshare
 from transformers import TrainerControl, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -25,15 +21,6 @@ from taskpoint_hf.resume import TRAINER_STATE, _scan, _step
 __all__ = ["OutputMirror", "marks"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Nodes:
-    """A multi-process job's coordinators (one per thread) and its disks."""
-
-    main: TorchCoordinator
-    uploads: TorchCoordinator
-    disks: nodes.Disks
 
 
 def marks(folder: Path) -> dict[str, int]:
@@ -49,8 +36,9 @@ def marks(folder: Path) -> dict[str, int]:
     return found
 
 
-class OutputMirror:
-    """Uploads ``output_dir`` (see :class:`~taskpoint_hf.TaskpointTrainerCallback`).
+class OutputMirror(JobMirror):
+    """Uploads ``output_dir`` (see :class:`~taskpoint_hf.TaskpointTrainerCallback`): the
+    job-wide mirror, and what the Trainer's saves and logs need of it.
 
     Args:
         checkpoint: where to save.
@@ -59,10 +47,7 @@ class OutputMirror:
     """
 
     def __init__(self, checkpoint: CheckpointLike, *, blocking: bool | None, timeout: float) -> None:
-        self.checkpoint = checkpoint
-        self.uploads = FolderMirror(checkpoint, blocking=blocking)
-        self.timeout = timeout
-        self.nodes: _Nodes | None = None
+        super().__init__(checkpoint, blocking=blocking, timeout=timeout)
         self.step: int | None = None  # of the last save
         self.mirrored: dict[str, int] | None = None  # marks() of what was saved
         self.deferred: BaseException | None = None  # an upload error met while logging
@@ -76,32 +61,7 @@ class OutputMirror:
         self.mirrored = marks(folder)
         newest = _scan(folder).complete
         self.step = _step(newest[-1]) if newest else None
-        self.nodes = self.nodes or self._find_nodes(folder)
-
-    def _find_nodes(self, folder: Path) -> _Nodes | None:
-        """In a multi-process job saving to a taskpoint.Checkpoint: the coordinators and
-        which ranks share a disk (collectives: every rank calls this once)."""
-        ranks = _distributed.current_ranks()
-        if ranks.world_size < 2 or not ranks.grouped:
-            return None
-        if not isinstance(self.checkpoint, taskpoint.Checkpoint):
-            if ranks.rank == 0:
-                log.warning(
-                    "%r is not a taskpoint.Checkpoint: only world process zero's output_dir "
-                    "is saved (other nodes' own files, such as their RNG states, are not)",
-                    self.checkpoint,
-                )
-            return None
-        main = TorchCoordinator(timeout=self.timeout)
-        uploads = TorchCoordinator(timeout=self.timeout)  # used by the upload thread only
-        disks = nodes.find_disks(main, folder)
-        if disks.leads(main.rank):
-            nodes.discard_stale_parts(folder)
-        log.info(
-            "rank %d: %d process(es) write %s on %d disk(s)",
-            main.rank, main.world_size, folder, disks.count,
-        )
-        return _Nodes(main, uploads, disks)
+        self.join(folder)
 
     # -- saving -------------------------------------------------------------------------
 
@@ -109,7 +69,9 @@ class OutputMirror:
         """Save ``folder`` once every rank has written its files (every rank calls this)."""
         _distributed.barrier()  # every rank has written its files into checkpoint-N
         if self.nodes is not None:
-            self._save_parts(folder, self.nodes, step)
+            self.save_parts(folder, step=step)
+            self.step = step
+            self.mirrored = marks(folder)
             return
         if not self.uploads.blocking:
             if state.is_world_process_zero:
@@ -120,17 +82,6 @@ class OutputMirror:
                 self._save_alone(folder, step)
         finally:
             _distributed.barrier()  # nobody writes the next checkpoint during the upload
-
-    def _save_parts(self, folder: Path, ranks: _Nodes, step: int | None) -> None:
-        nodes.run_everywhere(  # the previous upload's error, on whichever rank, everywhere
-            ranks.main, self.uploads.wait, "finish the previous upload"
-        )
-        part = nodes.stage_part(ranks.main, folder, ranks.disks)
-        if ranks.main.rank == 0:
-            log.info("saving %s (step %s) to %r from every node", folder, step, self.checkpoint)
-        self.uploads.save_part(part, coordinator=ranks.uploads, step=step, remove=part.parent)
-        self.step = step
-        self.mirrored = marks(folder)
 
     def _save_alone(self, folder: Path, step: int | None) -> None:
         log.info("saving %s (step %s) to %r", folder, step, self.checkpoint)
@@ -158,7 +109,7 @@ class OutputMirror:
         copying one shared folder would each find the other's temporary files)."""
         if not saving or not self.uploads.uploading:
             return
-        if self.nodes is None or self.nodes.disks.leads(self.nodes.main.rank):
+        if self.leads:
             target = output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
             copied = unshare(target)
             if copied:
@@ -181,33 +132,10 @@ class OutputMirror:
         self.raise_deferred()
         return self.uploads.wait(timeout)
 
-    def finish(self, state: TrainerState, timeout: float | None) -> bool:
-        """Wait for the last upload at the end of training (every rank takes part in a
-        multi-writer one); whether it committed within ``timeout`` seconds.
-
-        Raises:
-            taskpoint.CheckpointError: it failed (on every rank of a multi-writer save).
-        """
-        if self.nodes is not None:
-            return all(nodes.run_everywhere(
-                self.nodes.main, lambda: self.wait(timeout), "finish the last upload"
-            ))
-        if state.is_world_process_zero:
-            return self.wait(timeout)
-        return True
-
-    def wait_on_preempt(self, timeout: float | None) -> None:
-        """A SIGTERM that is not turned into a save: wait for the upload in flight (errors
-        and a timeout are logged; the attempt ends either way)."""
-        try:
-            if not self.uploads.wait(timeout):
-                log.warning(
-                    "SIGTERM: the upload to %r still runs after %ss; ending the attempt "
-                    "without it (the store keeps the checkpoint before)",
-                    self.checkpoint, timeout,
-                )
-        except Exception as exc:
-            log.warning("SIGTERM: the upload to %r failed: %s", self.checkpoint, exc)
+    def finish(self, timeout: float | None, *, leader: bool) -> bool:
+        """As :meth:`JobMirror.finish`, an upload error met while logging raised first."""
+        self.raise_deferred()
+        return super().finish(timeout, leader=leader)
 
     def settle(self, timeout: float | None) -> bool | None:
         """This rank's upload in flight, waited for at most ``timeout`` seconds, locally:
@@ -219,12 +147,6 @@ class OutputMirror:
         except Exception as exc:
             log.warning("the upload to %r failed: %s: %s", self.checkpoint, type(exc).__name__, exc)
             return True
-
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value`` (a collective), in rank order."""
-        if self.nodes is not None:
-            return self.nodes.main.all_gather(value)
-        return _distributed.all_gather_object(value)
 
     # -- figures --------------------------------------------------------------------------
 

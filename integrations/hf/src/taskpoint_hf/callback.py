@@ -366,7 +366,9 @@ class TaskpointTrainerCallback(TrainerCallback):
             self._saves.save(folder, state, max((_step(Path(n)) for n in found), default=None))
         committed, error = True, None
         try:
-            committed = self._saves.finish(state, self._preemption.end_bound())
+            committed = self._saves.finish(
+                self._preemption.end_bound(), leader=state.is_world_process_zero
+            )
         except Exception as exc:
             if not self._preemption.stopping:
                 self._preemption.finish(state, True)
@@ -415,4 +417,4 @@ class TaskpointTrainerCallback(TrainerCallback):
         """SIGTERM not turned into a save, inside a task context: wait for the upload in
         flight (``preempt_timeout``, and never past the grace period), then the attempt
         ends."""
-        self._saves.wait_on_preempt(self._preemption.signal_bound(self._preempt_timeout))
+        self._saves.wait_on_signal(self._preemption.signal_bound(self._preempt_timeout))

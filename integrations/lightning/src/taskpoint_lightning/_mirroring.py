@@ -15,11 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import taskpoint
 from taskpoint import CheckpointLike, TaskpointWarning, preemption
+from taskpoint.checkpoint.job_mirror import JobMirror, Nodes
 from taskpoint.checkpoint.mirror import FolderMirror, unshare
-from taskpoint.distributed import nodes
-from taskpoint.distributed.torch_coordination import TorchCoordinator
 
 from taskpoint_lightning._mirror import flush_async_io, unfinished_files
 from taskpoint_lightning._on_exception import ExceptionFiles
@@ -28,18 +26,9 @@ from taskpoint_lightning._preemption import Preemption
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["Fit", "Mirroring", "Nodes", "describe"]
+__all__ = ["Fit", "Mirroring", "describe"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """A multi-process job's coordinators (one per thread) and its disks."""
-
-    main: TorchCoordinator
-    uploads: TorchCoordinator
-    disks: nodes.Disks
 
 
 @dataclass
@@ -79,17 +68,27 @@ class Mirroring:
     _taskpoint: CheckpointLike
     _blocking: bool | None
     _timeout: float
-    _nodes: Nodes | None
     _unmirrored: bool
-    _folder_mirror: FolderMirror | None
+    _job_mirror: JobMirror | None
     _fit: Fit | None
 
     @property
-    def _uploads(self) -> FolderMirror:
+    def _job(self) -> JobMirror:
         """The mirror of ``dirpath`` to the store, made at first use."""
-        if self._folder_mirror is None:
-            self._folder_mirror = FolderMirror(self._taskpoint, blocking=self._blocking)
-        return self._folder_mirror
+        if self._job_mirror is None:
+            self._job_mirror = JobMirror(
+                self._taskpoint, blocking=self._blocking, timeout=self._timeout
+            )
+        return self._job_mirror
+
+    @property
+    def _uploads(self) -> FolderMirror:
+        return self._job.uploads
+
+    @property
+    def _nodes(self) -> Nodes | None:
+        """Every rank's part of the mirror, once setup found several processes."""
+        return None if self._job_mirror is None else self._job_mirror.nodes
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the mirror in flight (if any) has committed.
@@ -103,23 +102,7 @@ class Mirroring:
         Raises:
             taskpoint.CheckpointError: the upload failed.
         """
-        return self._folder_mirror is None or self._folder_mirror.wait(timeout)
-
-    def _find_nodes(self, trainer: pl.Trainer, root: Path) -> Nodes | None:
-        """Several processes saving to a taskpoint.Checkpoint: the coordinators and which
-        ranks share ``dirpath``'s disk (collectives: every rank calls this once)."""
-        import torch.distributed as dist
-
-        if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-            return None
-        if not isinstance(self._taskpoint, taskpoint.Checkpoint):
-            return None  # another system's checkpoint: global rank zero mirrors alone
-        main = TorchCoordinator(timeout=self._timeout)
-        uploads = TorchCoordinator(timeout=self._timeout)  # used by the upload thread only
-        disks = nodes.find_disks(main, root)
-        if disks.leads(main.rank):
-            nodes.discard_stale_parts(root)
-        return Nodes(main, uploads, disks)
+        return self._job_mirror is None or self._job_mirror.uploads.wait(timeout)
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         if trainer.is_global_zero:
@@ -164,12 +147,9 @@ class Mirroring:
         """Wait for the mirror in flight (raising its error; within the grace period of a
         SIGTERM received) and log what is left."""
         bound = None if self._fit is None else self._fit.stop.bound(None)
-        if self._nodes is not None:  # every rank takes part in the upload
-            nodes.run_everywhere(
-                self._nodes.main, lambda: self._uploads.wait(bound), "finish the last mirror"
-            )
+        done = self._job.finish(bound, leader=trainer.is_global_zero)
         if trainer.is_global_zero:
-            if not self._uploads.wait(bound):
+            if not done:
                 log.warning(
                     "the mirror to %s still runs %ss into the grace period of a SIGTERM; "
                     "not waiting for it", describe(self._taskpoint), bound,
@@ -193,7 +173,7 @@ class Mirroring:
         if not self._unmirrored:
             return
         if self._nodes is not None and self.dirpath is not None:
-            self._mirror_parts(trainer, self._nodes, Path(self.dirpath), final=final)
+            self._mirror_parts(trainer, Path(self.dirpath), final=final)
             return
         if not trainer.is_global_zero or self.dirpath is None:
             self._unmirrored = False
@@ -229,9 +209,7 @@ class Mirroring:
             self._fit.flagged = preemption.requested()
             self._fit.files.mirrored()
 
-    def _mirror_parts(
-        self, trainer: pl.Trainer, ranks: Nodes, root: Path, *, final: bool
-    ) -> None:
+    def _mirror_parts(self, trainer: pl.Trainer, root: Path, *, final: bool) -> None:
         """Every rank commits its disk's share of ``dirpath`` (sharded checkpoints are
         written by every rank) as one checkpoint."""
         flush_async_io(trainer.strategy.checkpoint_io)
@@ -239,9 +217,7 @@ class Mirroring:
             unfinished_files(root, [self._last_checkpoint_saved])
             if trainer.is_global_zero else []
         )
-        problems = nodes.run_everywhere(
-            ranks.main, lambda: problems, "check its checkpoint files"
-        )[0]
+        problems = self._job.everywhere(lambda: problems, "check its checkpoint files")[0]
         if problems:
             if trainer.is_global_zero:
                 message = (
@@ -253,24 +229,20 @@ class Mirroring:
                 else:
                     log.info("%s; trying again after the next save", message)
             return
-        nodes.run_everywhere(ranks.main, self._uploads.wait, "finish the previous mirror")
-        part = nodes.stage_part(ranks.main, root, ranks.disks)
-        self._uploads.save_part(
-            part, coordinator=ranks.uploads, step=trainer.global_step, remove=part.parent
-        )
+        self._job.save_parts(root, step=trainer.global_step)
         self._mirrored()
 
     # -- a SIGTERM's save (see _preemption.Preemption.stop) -----------------------------
 
     def _preemption_first(self) -> None:
-        if self._folder_mirror is not None and self._folder_mirror.drop_waiting():
+        if self._job_mirror is not None and self._job_mirror.uploads.drop_waiting():
             self._unmirrored = True  # the preemption's own mirror saves the folder anew
 
     def _preemption_wait(self, trainer: pl.Trainer, timeout: float | None) -> bool:
-        if self._folder_mirror is None:
+        if self._job_mirror is None:
             return True
         try:
-            return self._folder_mirror.wait(timeout)
+            return self._job_mirror.uploads.wait(timeout)
         except Exception as exc:  # that save is lost; the folder is mirrored again
             log.warning(
                 "the mirror to %s failed: %s: %s (the store keeps the mirror before)",

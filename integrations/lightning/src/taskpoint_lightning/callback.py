@@ -32,11 +32,11 @@ import taskpoint
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from taskpoint import CheckpointLike
-from taskpoint.checkpoint.mirror import FolderMirror
+from taskpoint.checkpoint.job_mirror import JobMirror
 from taskpoint.distributed.coordination import check_timeout
 
 from taskpoint_lightning._interval import TimedSaves, check_time_interval
-from taskpoint_lightning._mirroring import Fit, Mirroring, Nodes, describe
+from taskpoint_lightning._mirroring import Fit, Mirroring, describe
 from taskpoint_lightning._on_exception import ExceptionFiles
 from taskpoint_lightning._preemption import Preemption
 from taskpoint_lightning._rng import (
@@ -115,7 +115,6 @@ class _TaskpointMirror(Mirroring):
             self._timeout = check_timeout(timeout)
         except ValueError as exc:
             raise ValueError(f"{type(self).__name__}: {exc}") from None
-        self._nodes: Nodes | None = None
         if preempt_timeout is not None and not preempt_timeout >= 0:
             raise ValueError(
                 f"{type(self).__name__}: preempt_timeout must be a number of seconds >= 0 or "
@@ -137,7 +136,7 @@ class _TaskpointMirror(Mirroring):
         self._rng_for_train_start: dict[str, Any] | None = None
         # This process's machinery, made when first needed and never copied (see
         # __getstate__): the upload thread, the task contexts told to wait for it, the fit's.
-        self._folder_mirror: FolderMirror | None = None
+        self._job_mirror: JobMirror | None = None
         self._preempt_contexts: list[taskpoint.TaskContext] = []
         self._fit: Fit | None = None
 
@@ -153,10 +152,10 @@ class _TaskpointMirror(Mirroring):
         Raises:
             taskpoint.CheckpointError: the mirror in flight failed.
         """
-        if self._folder_mirror is not None:
-            self._folder_mirror.wait()
+        if self._job_mirror is not None:
+            self._job_mirror.uploads.wait()
         state = dict(self.__dict__)
-        state.update(_folder_mirror=None, _nodes=None, _preempt_contexts=[], _fit=None)
+        state.update(_job_mirror=None, _preempt_contexts=[], _fit=None)
         return state
 
     @property
@@ -202,8 +201,8 @@ class _TaskpointMirror(Mirroring):
             )
         if trainer.is_global_zero:
             self._wait_on_preempt()
-        if self._nodes is None and self.dirpath is not None:
-            self._nodes = self._find_nodes(trainer, Path(self.dirpath))
+        if self.dirpath is not None:
+            self._job.join(Path(self.dirpath))
         if stage == "fit":
             self._timed.start(self._taskpoint)
             if self._fit is not None:
@@ -312,7 +311,7 @@ class _TaskpointMirror(Mirroring):
             self._mirror(trainer)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         # Every rank with an upload: with several processes each commits its own part.
-        if self._folder_mirror is not None and not self._folder_mirror.wait(left):
+        if self._job_mirror is not None and not self._job_mirror.uploads.wait(left):
             log.warning(
                 "the mirror of %s to %s still runs after %ss; %s ends the attempt without "
                 "it (the store keeps the mirror before)", self.dirpath,
@@ -348,15 +347,7 @@ class _TaskpointMirror(Mirroring):
         context.on_preempt(self._on_preempt)
 
     def _on_preempt(self) -> None:
-        try:
-            if not self._uploads.wait(self._preempt_timeout):
-                log.warning(
-                    "SIGTERM: the mirror to %s still runs after %ss; ending the attempt "
-                    "without it (the store keeps the mirror before)",
-                    describe(self._taskpoint), self._preempt_timeout,
-                )
-        except Exception as exc:  # the attempt ends with Preempted either way
-            log.warning("SIGTERM: the mirror to %s failed: %s", describe(self._taskpoint), exc)
+        self._job.wait_on_signal(self._preempt_timeout)
 
     # -- random state ------------------------------------------------------------------
 

@@ -1,0 +1,71 @@
+"""``JobMirror``, the job-wide folder mirror both framework adapters use: in one process it
+has no nodes; in a real two-rank torchrun job (gloo) each rank's disk is committed as one
+checkpoint, and another system's checkpoint is mirrored by rank zero alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import taskpoint
+from taskpoint.checkpoint.job_mirror import JobMirror
+from taskpoint.distributed import nodes
+
+RANK = Path(__file__).with_name("tp_job_mirror_rank.py")
+HANG_S = 600
+"""Bounds the torchrun job (two ranks importing torch, however loaded the machine): only a
+hang reaches it."""
+
+
+def test_in_one_process_a_job_mirror_has_no_nodes_and_saves_alone(tmp_path: Path) -> None:
+    job = JobMirror(taskpoint.Checkpoint(tmp_path / "store"), timeout=30)
+    assert job.join(tmp_path / "out") is None and job.leads
+    assert job.gather("x") == ["x"]
+    with pytest.raises(RuntimeError, match=r"call join\(\) on every rank"):
+        job.save_parts(tmp_path / "out", step=1)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "weights.bin").write_bytes(b"w")
+    job.uploads.save(tmp_path / "out", step=1)
+    assert job.finish(30, leader=True) and job.finish(30, leader=False)
+    assert len(taskpoint.Checkpoint(tmp_path / "store").committed()) == 1
+
+
+@pytest.mark.slow
+def test_every_rank_commits_its_disk_as_one_checkpoint(tmp_path: Path) -> None:
+    store = f"file://{tmp_path / 'store'}"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(RANK), store,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S,
+        check=False,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    for rank in (0, 1):
+        assert f"rank {rank}: disks 2 leads True" in out
+        assert f"rank {rank}: stale left []" in out  # the staging folder a kill left is gone
+        assert f"rank {rank}: gathered [0, 1]" in out
+        assert f"rank {rank}: finished True" in out
+        assert f"rank {rank}: staging left ['checkpoint-6']" in out
+        assert f"rank {rank}: plain nodes None leads True" in out
+        assert f"rank {rank}: done" in out
+    # another system's checkpoint: rank zero alone says the other node's files are not saved
+    assert "rank 0: warnings 1" in out and "rank 1: warnings 0" in out
+
+    checkpoint = taskpoint.Checkpoint(store)
+    (newest,) = checkpoint.committed()
+    assert newest.step == 6
+    restored = checkpoint.load_sync()
+    assert restored is not None and restored.name == "out"  # rank 0's folder name
+    assert nodes.list_files(restored) == [
+        "checkpoint-6/model.bin", "checkpoint-6/rng_state_0.pth", "checkpoint-6/rng_state_1.pth",
+    ]
+    assert (restored / "checkpoint-6" / "rng_state_1.pth").read_text() == (
+        "rng_state_1.pth from rank 1"
+    )
