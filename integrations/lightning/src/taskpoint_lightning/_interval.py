@@ -85,6 +85,14 @@ class TimedSaves:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
 
+    def __eq__(self, other: object) -> bool:
+        """Equal settings: what a pickled or deep-copied callback carries is equal."""
+        if not isinstance(other, TimedSaves):
+            return NotImplemented
+        return self.__getstate__() == other.__getstate__()
+
+    __hash__ = None  # type: ignore[assignment]
+
     def key(self) -> timedelta | str | None:
         """What the callback's ``state_key`` names the setting by: the ``timedelta``, or
         ``"auto"`` / ``"SaveInterval"`` (stable while the chosen interval changes)."""

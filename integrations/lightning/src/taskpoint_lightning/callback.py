@@ -329,12 +329,6 @@ class _TaskpointMirror(Mirroring):
             self._finish(trainer)
             if fit is not None:
                 fit.stop.close()
-            # The fit is over: close the checkpoint, so that the upload process, once no
-            # open checkpoint uses it, ends (and its thread with it). An upload still in
-            # flight (past a SIGTERM's grace period) is left to finish, never waited for.
-            ckpt = self._taskpoint
-            if isinstance(ckpt, taskpoint.Checkpoint) and ckpt.wait(0):
-                ckpt.close()
 
     def _wait_on_preempt(self) -> None:
         """Inside a taskpoint task, make its SIGTERM handler wait for the mirror in flight
