@@ -750,6 +750,7 @@ def test_store_layout_block(workdir: Path) -> None:
     for _ in range(2):  # outside the runtime, the store numbers the attempts
         bound = taskpoint.Checkpoint.at(root / "plain.job" / "run-1")
         bound.load_sync()
+        taskpoint.SaveInterval.for_checkpoint(bound, 600)  # saves by time: its interval recorded
         bound.save_sync(b"state")
     tree = workdir / "tree"
     tree.mkdir()

@@ -13,6 +13,7 @@ from taskpoint.runtime.interval import (
     MTBF_PRIOR_S,
     IntervalChoice,
     SaveInterval,
+    SaveSchedule,
     mean_time_between_failures,
     young_daly,
 )
@@ -331,3 +332,22 @@ def test_a_garbage_interval_record_reads_as_unknown() -> None:
     assert choice is not None and choice.failures == 0 and choice.save_cost_s is None
     full = IntervalChoice(120.0, "young-daly", 2.0, 3600.0, 1, 50.0, 3600.0)
     assert IntervalChoice.from_record(full.to_record()) == full
+
+
+def test_a_schedule_that_changes_its_interval_records_only_the_new_one(tmp_path: Path) -> None:
+    """An adapter's schedule makes a new interval when ``every_s`` changes; the old one's
+    commit listener, still on the checkpoint, records nothing more."""
+    checkpoint = Checkpoint(tmp_path.as_uri())
+    clock = FakeClock()
+    schedule = SaveSchedule(clock)
+    schedule.start()
+    clock.advance(600.0)
+    assert schedule.due(checkpoint, 1, None, 600)
+    checkpoint.save_sync(b"fixed")
+    schedule.saved(blocked_s=0.5)
+    assert schedule.due(checkpoint, 2, None, "auto"), "a new auto interval saves first"
+    checkpoint.save_sync(b"auto")
+    schedule.saved(blocked_s=0.5)
+    checkpoint.save_sync(b"again")
+    (record,) = read_attempts(Store(tmp_path.as_uri()))
+    assert record.interval is not None and record.interval["every"] == "auto"

@@ -433,6 +433,14 @@ class SaveInterval:
             self._recorder = _Recorder(checkpoint)
         checkpoint.on_commit(self.committed)
 
+    def detach(self) -> None:
+        """Stop hearing of the checkpoint's commits and recording the choice (the
+        interval was replaced by another one for the same checkpoint); the rest works on."""
+        with self._lock:
+            self._recorder, self._listening, self._pending = None, False, 0
+            if self._uploading_until == math.inf:
+                self._uploading_until = self._clock()
+
     def step_done(self) -> None:
         """A training step finished: time it. Steps that ran beside an upload count what
         they took beyond a plain step towards that save's cost."""
@@ -507,6 +515,8 @@ class SaveInterval:
         again (a save it replaced, ``stats.coalesced``, ends with it); the choice is
         recorded in the attempt's records when it changed."""
         with self._lock:
+            if self._recorder is None:  # detached (or never listening)
+                return
             if stats.background:
                 self._pending -= 1 + stats.coalesced
                 if self._pending <= 0 and self._uploading_until is not None:
@@ -635,6 +645,8 @@ class SaveSchedule:
             every_s = check_every(every_s, "every_s")
             interval = self._interval
             if interval is None or self._checkpoint is not checkpoint or self._every_s != every_s:
+                if interval is not None:
+                    interval.detach()  # its listener stays on the checkpoint: silence it
                 interval = SaveInterval.for_checkpoint(
                     checkpoint, every_s, clock=self.clock, since=self._started
                 )
