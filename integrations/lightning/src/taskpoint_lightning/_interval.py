@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Literal
 
-import taskpoint
 from taskpoint import CheckpointLike, SaveInterval
 
 if TYPE_CHECKING:
@@ -101,18 +100,15 @@ class TimedSaves:
         return self.spec
 
     def start(self, checkpoint: CheckpointLike) -> None:
-        """Make the interval (once): ``SaveInterval.for_checkpoint`` for a
-        :class:`taskpoint.Checkpoint` (its attempt history, its uploads' cost), a plain
-        ``SaveInterval`` for another system's checkpoint."""
+        """Make the interval (once) with ``SaveInterval.for_checkpoint``: a
+        :class:`taskpoint.Checkpoint`'s attempt history and uploads' commits (another
+        system's checkpoint: the prior and the time blocked)."""
         if self.interval is not None or self.spec is None or isinstance(self.spec, SaveInterval):
             return
         every: float | Literal["auto"] = (
             "auto" if self.spec == "auto" else self.spec.total_seconds()
         )
-        if isinstance(checkpoint, taskpoint.Checkpoint):
-            self.interval = SaveInterval.for_checkpoint(checkpoint, every)
-        else:
-            self.interval = SaveInterval(every)
+        self.interval = SaveInterval.for_checkpoint(checkpoint, every)
 
     def due(self, trainer: pl.Trainer) -> bool:
         """At a step boundary: count the step and say whether a timed save is due, global
