@@ -498,6 +498,18 @@ def kill_lives() -> None:
             os.killpg(group, signal.SIGKILL)
 
 
+def clean_up(server: Weed | Moto | None, folder: Path, *, keep: bool) -> None:
+    """The bench's end, however it ends: every life killed, the S3 server stopped, and the
+    lives' logs folder removed (kept, and its path printed, with ``keep``)."""
+    kill_lives()
+    if server is not None:
+        server.stop()
+    if keep:
+        print(f"logs kept in {folder}", flush=True)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=float, default=200, help="state size (MiB)")
@@ -611,13 +623,7 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1, default=str))
     finally:
-        kill_lives()
-        if server is not None:
-            server.stop()
-        if args.keep:
-            print(f"logs kept in {folder}", flush=True)
-        else:
-            shutil.rmtree(folder, ignore_errors=True)
+        clean_up(server, folder, keep=args.keep)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import statistics
 import tempfile
@@ -94,8 +93,8 @@ from bench_goodput import (
     Side,
     _stop,
     account,
+    clean_up,
     job_env,
-    kill_lives,
     run_side,
     start_store,
     view,
@@ -686,13 +685,7 @@ def main() -> None:
         args.svg.write_text(figure(results))
         print(f"plot written to {args.svg}", flush=True)
     finally:
-        kill_lives()
-        if server is not None:
-            server.stop()
-        if args.keep:
-            print(f"logs kept in {folder}", flush=True)
-        else:
-            shutil.rmtree(folder, ignore_errors=True)
+        clean_up(server, folder, keep=args.keep)
 
 
 if __name__ == "__main__":
