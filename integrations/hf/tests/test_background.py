@@ -289,8 +289,13 @@ def test_sigterm_during_an_upload_ends_the_attempt_after_it(tmp_path: Path) -> N
     # Its output goes to a file: a pipe nobody reads while the test waits for the marker
     # would stop the child once full.
     errors = tmp_path / "stderr.txt"
+    # Steps from 6 on take 2 s: the signal reaches the process before step 9, the next
+    # save, however late a loaded machine starts checkpoint-6's upload (CI once saw
+    # checkpoint-9 commit, the signal having come at step 8).
     with errors.open("w") as sink:
-        child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=sink)
+        child = subprocess.Popen(
+            [*command, "--pause", "6:2"], env=env, stdout=subprocess.DEVNULL, stderr=sink
+        )
     try:
         deadline = time.monotonic() + 300
         while not marker.exists():
