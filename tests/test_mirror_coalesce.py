@@ -3,6 +3,7 @@ the newest waits behind the upload and commits next, the ones it replaced are co
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -42,9 +43,13 @@ def gated_url() -> Any:
 
 
 def _write(folder: Path, step: int) -> Path:
+    """Replace the folder's files, as frameworks do (a new file renamed over the old): the
+    snapshots' hard links keep their content. Writing in place would change a snapshot an
+    upload still reads, which then refuses to commit (tested in test_background_save)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "weights.bin").write_bytes(bytes([step]) * (2 << 20))  # linked, not copied
-    (folder / "step.txt").write_text(str(step))
+    for name, data in (("weights.bin", bytes([step]) * (2 << 20)), ("step.txt", b"%d" % step)):
+        (folder / f".{name}.new").write_bytes(data)
+        os.replace(folder / f".{name}.new", folder / name)
     return folder
 
 

@@ -192,7 +192,9 @@ def test_ddp_ranks_save_at_rank_zeros_steps(tmp_path: Path) -> None:
         [sys.executable, str(SCRIPT), f"file://{tmp_path / 'store'}", str(tmp_path)],
         capture_output=True, text=True, timeout=400, env=env,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
+    # each rank's error lines first: the tail alone may hold only the rank that saw the other fail
+    errors = [line for line in done.stderr.splitlines() if "Error" in line][-20:]
+    assert done.returncode == 0, "\n".join(errors) + "\n...\n" + done.stderr[-3000:]
     # 20 samples over 2 ranks in batches of 4: 3 steps an epoch, 12 in all.
     steps = {r: (tmp_path / f"saves-rank{r}.txt").read_text().split() for r in (0, 1)}
     assert steps[0] == ["3", "6", "9", "12"]

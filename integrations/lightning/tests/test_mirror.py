@@ -4,6 +4,8 @@ partially written file, and only after saves."""
 from __future__ import annotations
 
 import inspect
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +168,28 @@ def test_unfinished_files_reports_truncated_empty_and_dangling(tmp_path: Path) -
     for name in ("cut.ckpt", "empty.ckpt", "dangling.ckpt", "gone.ckpt"):
         assert any(name in p for p in problems), name
     assert not any("good.ckpt (" in p for p in problems)
+
+
+def test_unfinished_files_skips_staged_parts_even_as_they_vanish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job mirror stages each rank's part in a ``.taskpoint-part-*`` folder inside the
+    checkpoint folder and removes it when the upload ends, which may be while rank 0 looks:
+    the look neither reports the staged files nor fails on the folder going away."""
+    torch.save({"w": torch.ones(3)}, tmp_path / "good.ckpt")
+    staged = tmp_path / ".taskpoint-part-1-abc" / "ckpts"
+    staged.mkdir(parents=True)
+    (staged / "half.ckpt").write_bytes(b"PK\x03\x04 cut short")
+    scandir = os.scandir
+
+    def removed_first(path: Any) -> Any:  # the upload ends between listing and looking in
+        if Path(path).name.startswith(".taskpoint-part-"):
+            shutil.rmtree(path)
+        return scandir(path)
+
+    assert unfinished_files(tmp_path) == []
+    monkeypatch.setattr(os, "scandir", removed_first)
+    assert unfinished_files(tmp_path, [tmp_path / "good.ckpt"]) == []
 
 
 def test_remote_dirpath_is_refused(tmp_path: Path) -> None:

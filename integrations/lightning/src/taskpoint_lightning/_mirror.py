@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from taskpoint.distributed.nodes import list_files
+
 __all__ = ["flush_async_io", "unfinished_files"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -84,14 +86,17 @@ def unfinished_files(root: Path, written: Iterable[str | os.PathLike[str]] = ())
 
     Returns:
         Descriptions of missing files, links to missing files, and ``.ckpt`` files that
-        are empty or truncated zip archives; empty when the folder is complete.
+        are empty or truncated zip archives; empty when the folder is complete. taskpoint's
+        own ``.taskpoint-*`` entries (a job mirror's staged parts) are not looked at.
     """
     problems = [
         f"{os.fspath(p)} (reported saved but missing)"
         for p in written
         if p and not os.path.lexists(os.fspath(p))
     ]
-    for path in sorted(root.rglob("*")):
+    # list_files leaves out taskpoint's own staging folders, which uploads remove while this
+    # looks (rglob raises when a folder it listed is gone), and tolerates files that vanish
+    for path in (root / rel for rel in list_files(root)):
         if path.is_symlink():
             if not path.exists():
                 problems.append(f"{path} (link to a missing file)")
