@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from pathlib import Path
@@ -90,7 +91,10 @@ def test_a_new_run_saves_first_then_follows_young_daly_on_the_prior() -> None:
     assert "young-daly" in choice.describe() and "2 s" in choice.describe()
 
 
-def test_the_interval_rises_when_saves_get_cheaper_and_falls_when_dearer() -> None:
+def test_saves_come_more_often_when_cheaper_and_less_often_when_dearer() -> None:
+    """Young/Daly: the interval is the square root of the cost times the failure rate's
+    inverse, so a cheaper save shortens it (saves come more often) and a dearer one
+    lengthens it."""
     clock = FakeClock()
     interval = SaveInterval("auto", mtbf_prior_s=36_000.0, clock=clock)
     interval.saved(blocked_s=8.0)
@@ -116,13 +120,20 @@ def test_an_upload_beside_training_counts_what_it_takes_from_the_steps() -> None
     assert interval.save_cost_s == pytest.approx(0.1 + 2 * 0.5)
 
 
-def test_saves_stay_within_the_overhead_bound_and_the_longest_interval() -> None:
+def test_saves_stay_within_the_overhead_bound_on_the_prior_and_the_longest_interval(
+    tmp_path: Path,
+) -> None:
     clock = FakeClock()
     cheap_failures = SaveInterval("auto", mtbf_prior_s=60.0, max_overhead=0.02, clock=clock)
     cheap_failures.saved(blocked_s=1.0)
     # Young/Daly says sqrt(2 x 1 x 60) ~ 11 s: 9% of training in saves; raised to 50 s.
     assert cheap_failures.choice.rule == "overhead"
     assert cheap_failures.choice.interval_s == pytest.approx(50.0)
+    # the run's own failures every 60 s: Young/Daly's 11 s holds, 9% in saves, since 50 s
+    # would lose more in recomputed steps (about 25 s a failure, not 5.5 s) than it saves
+    cheap_failures.failures_seen(_history(tmp_path, [(60.0, "crashed", None)] * 3))
+    assert cheap_failures.choice.rule == "young-daly"
+    assert cheap_failures.choice.interval_s == pytest.approx(math.sqrt(2 * 1.0 * 60.0))
     rare = SaveInterval("auto", mtbf_prior_s=1e9, max_interval_s=600.0, clock=clock)
     rare.saved(blocked_s=1.0)
     assert rare.choice.rule == "max-interval"
@@ -160,7 +171,22 @@ def test_the_mean_time_between_failures_counts_the_failures_that_lose_work(tmp_p
     mtbf, failures, observed = mean_time_between_failures(records, prior_s=1000.0)
     assert failures == 4
     assert observed == pytest.approx(1500.0)
-    assert mtbf == pytest.approx((1000.0 + 1500.0) / 5)
+    assert mtbf == pytest.approx(1500.0 / 4)  # the run's own rate: the prior is set aside
+
+
+def test_a_run_learns_a_fast_failure_rate_from_its_first_failures(tmp_path: Path) -> None:
+    """A run failing every 30 s under the 4-hour default prior: the estimate is the
+    prior (plus what it saw) until the first failure, then the run's own rate at once,
+    not hundreds of failures later (as a prior weighing as one 4-hour failure made it)."""
+    none_yet = _history(tmp_path / "none", [(30.0, None, None)])
+    mtbf, failures, _ = mean_time_between_failures(
+        none_yet, current=0, now=none_yet[0].started + 30.0  # type: ignore[operator]
+    )
+    assert (mtbf, failures) == (pytest.approx(MTBF_PRIOR_S + 30.0), 0)
+    for count in (1, 3):
+        lives = _history(tmp_path / str(count), [(30.0, "crashed", None)] * count)
+        mtbf, failures, _ = mean_time_between_failures(lives)
+        assert (mtbf, failures) == (pytest.approx(30.0), count)
 
 
 def test_the_interval_falls_as_failures_come_more_often_and_rises_as_they_get_rarer(
@@ -177,6 +203,19 @@ def test_the_interval_falls_as_failures_come_more_often_and_rises_as_they_get_ra
     assert interval.choice.interval_s > prior_only
 
 
+def test_the_time_between_failures_is_training_time_not_restores(tmp_path: Path) -> None:
+    """Each life counts from the end of its restore: 3 lives of 100 s, the last two
+    spending 40 s restoring first, observe 100 + 60 + 60 s."""
+    lives = _history(tmp_path, [(100.0, "crashed", None)] * 3)
+    restored = [lives[0]] + [
+        dataclasses.replace(r, resumed_at=r.started + 40.0)  # type: ignore[operator]
+        for r in lives[1:]
+    ]
+    mtbf, failures, observed = mean_time_between_failures(restored)
+    assert (failures, observed) == (3, pytest.approx(220.0))
+    assert mtbf == pytest.approx(220.0 / 3)
+
+
 def test_the_current_attempt_is_running_not_failed(tmp_path: Path) -> None:
     records = _history(tmp_path, [(100.0, "crashed", None), (50.0, None, None)])
     mtbf, failures, observed = mean_time_between_failures(
@@ -184,7 +223,7 @@ def test_the_current_attempt_is_running_not_failed(tmp_path: Path) -> None:
     )
     assert failures == 1
     assert observed == pytest.approx(500.0)
-    assert mtbf == pytest.approx(750.0)
+    assert mtbf == pytest.approx(500.0)  # and it grows while the current attempt runs on
 
 
 # -- the public API over a real checkpoint: history, commits, rank agreement, records --------

@@ -12,9 +12,15 @@ rules:
   steps it overlapped) and the run's mean time ``M`` between failures that lose work, read
   from the run's own history (:func:`mean_time_between_failures`). Until the run has
   failed, ``M`` leans on a prior (:data:`MTBF_PRIOR_S`, ``TASKPOINT_MTBF_PRIOR_S`` or the
-  argument). The result is kept within two bounds: saves take at most ``max_overhead`` of
-  training time (2% by default), and the interval never exceeds ``max_interval_s``, which
-  wins where the two disagree (a failure that loses an hour costs more than a save).
+  argument); from its first failure on, on the run's own rate alone. The result is kept
+  within two bounds: while ``M`` rests on the prior, saves take at most ``max_overhead`` of
+  training time (2% by default), so a guessed failure rate cannot make the job save
+  often; and the interval never exceeds ``max_interval_s``, which wins where the two
+  disagree (a failure that loses an hour costs more than a save). Once the run has failed,
+  the overhead bound no longer holds: Young/Daly's interval is then the one that wastes
+  least in saves and lost work together, and raising it to keep saves under 2% would lose
+  more in recomputed steps than it saves (a job whose failures come every few minutes
+  pays more than 2% either way).
 
 Each new measurement (a committed save's cost, a failure in the history) recomputes the
 interval; :attr:`SaveInterval.choice` says what was chosen and from what, and every change
@@ -78,10 +84,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MTBF_PRIOR_S = 4 * 3600.0
-"""The mean time between failures (seconds) assumed for a run with no history: four
+"""The mean time between failures (seconds) assumed for a run that has not failed yet: four
 hours, between on-demand machines (days) and spot instances in a busy zone (an hour or
-less). It weighs as one failure: after ``T`` seconds of failure-free training the estimate
-is ``MTBF_PRIOR_S + T``; after ``n`` failures in ``T`` seconds, ``(MTBF_PRIOR_S + T) / (1 + n)``."""
+less). After ``T`` seconds of failure-free training the estimate is ``MTBF_PRIOR_S + T``;
+after ``n >= 1`` failures in ``T`` seconds it is the run's own ``T / n``, the prior set
+aside (a run that fails knows its failure rate better than a platform's figure does)."""
 ENV_MTBF_PRIOR = "TASKPOINT_MTBF_PRIOR_S"
 """The environment variable that sets the prior, in seconds (a platform's figure: a spot
 fleet's mean time to reclaim, a cluster's mean time between node losses)."""
@@ -93,6 +100,7 @@ MAX_INTERVAL_S = 3600.0
 _LOSSES = frozenset({"failed", "crashed", "died"})
 _EWMA = 0.2  # weight of the newest sample in the running step-time and cost estimates
 _RECORD_CHANGE = 0.1  # how far the interval moves before its record is rewritten
+_MIN_OBSERVED_S = 1.0  # a history of failures that lasted no time still has a rate
 
 
 def young_daly(cost_s: float, mtbf_s: float) -> float:
@@ -126,12 +134,17 @@ def mean_time_between_failures(
 ) -> tuple[float, int, float]:
     """The run's mean time between failures that lose work, from its attempt records.
 
-    Each attempt counts from its claim to its end record; one without an end record (a
-    process killed outright, a node lost) to the next attempt's claim, and the
-    ``current`` one to ``now``. A failure loses work when the attempt failed, crashed or
-    died, or was preempted without a committed preemption save. The prior weighs as one
-    failure after ``prior_s`` seconds (the mean of a Gamma posterior on the failure rate),
-    so a new run gets ``prior_s`` and a long failure-free run drifts above it.
+    Each attempt counts its training time: from the end of its restore (its claim when it
+    loaded nothing) to its end record; one without an end record (a process killed
+    outright, a node lost) to the next attempt's claim, and the ``current`` one to
+    ``now``. The interval trades saves against training lost, so the seconds that count
+    are training's: a restore's or a restart's do not scale with the job's length. A failure loses work when the attempt failed, crashed or
+    died, or was preempted without a committed preemption save.
+
+    Before the first such failure the estimate is ``prior_s`` plus the seconds observed
+    (the prior counts as one failure, so a long failure-free run drifts above it); from
+    the first on, the seconds observed over the failures (the run's own rate, which a
+    prior weighing as hours would hide for hundreds of failures at a rate of one a minute).
 
     Args:
         history: the run's attempt records (:func:`taskpoint.format.history.read_attempts`), in
@@ -155,16 +168,21 @@ def mean_time_between_failures(
     for index, record in enumerate(records):
         if record.started is None:
             continue
+        begin = record.started
+        if record.resumed_at is not None and record.resumed_at > begin:
+            begin = record.resumed_at  # training time: the restore before it risked no work
         end = record.ended
         if end is None and record.attempt == current:
             end = now
         if end is None:
             later = [r.started for r in records[index + 1 :] if r.started is not None]
             end = later[0] if later else None
-        if end is not None and end > record.started:
-            observed += end - record.started
+        if end is not None and end > begin:
+            observed += end - begin
         failures += _lost_work(record, current)
-    return (prior_s + observed) / (1 + failures), failures, observed
+    if failures == 0:
+        return prior_s + observed, 0, observed
+    return max(observed, _MIN_OBSERVED_S) / failures, failures, observed
 
 
 def check_every(every: object, name: str = "every") -> float | Literal["auto"]:
@@ -210,8 +228,8 @@ class IntervalChoice:
     Attributes:
         interval_s: seconds of training between saves.
         rule: ``"fixed"``, ``"young-daly"``, ``"overhead"`` (raised to keep saves within
-            ``max_overhead``), ``"max-interval"`` (capped) or ``"first-save"`` (no save
-            cost measured yet: the first save is due at once).
+            ``max_overhead`` while the run has not failed), ``"max-interval"`` (capped) or
+            ``"first-save"`` (no save cost measured yet: the first save is due at once).
         save_cost_s: the measured cost of one save as training sees it (``None``: none
             measured yet).
         mtbf_s: the mean time between failures used (``None`` for a fixed interval).
@@ -300,7 +318,8 @@ class SaveInterval:
         current: the running attempt's number, when ``history`` includes it.
         mtbf_prior_s: the prior mean time between failures, seconds (``None``:
             ``TASKPOINT_MTBF_PRIOR_S``, else :data:`MTBF_PRIOR_S`).
-        max_overhead: the largest share of training time automatic saves may cost, in (0, 1).
+        max_overhead: the largest share of training time automatic saves may cost while
+            the run has not failed, in (0, 1).
         max_interval_s: the longest automatic interval, seconds.
         clock: seconds, monotonic (:func:`time.monotonic`); tests pass a fake one.
         since: the clock's reading when training started (or resumed), from which the
@@ -384,7 +403,8 @@ class SaveInterval:
             every: seconds of training between saves, or ``"auto"``.
             clock: seconds, monotonic.
             mtbf_prior_s: the prior mean time between failures (see the class).
-            max_overhead: the largest share of training time automatic saves may cost.
+            max_overhead: the largest share of training time automatic saves may cost while
+                the run has not failed.
             max_interval_s: the longest automatic interval, seconds.
             since: the clock's reading when training started (``None``: now).
 
@@ -556,7 +576,7 @@ class SaveInterval:
             return IntervalChoice(0.0, "first-save", None, mtbf, failures, observed, self._prior)
         interval, rule = young_daly(cost, mtbf), "young-daly"
         floor = cost / self._max_overhead
-        if interval < floor:
+        if failures == 0 and interval < floor:  # only a guessed rate is bounded (see module)
             interval, rule = floor, "overhead"
         if interval > self._max_interval:
             interval, rule = self._max_interval, "max-interval"
