@@ -230,12 +230,65 @@ def test_blocking_is_the_default_and_each_call_can_override_it(
 def test_the_copy_is_private_and_keeps_shared_tensors_shared() -> None:
     weight = torch.ones(3)
     value = {"a": weight, "b": [weight, (weight, 2)], "c": {"n": 1, "s": "x"}}
-    copied = cpu_copy(value)
+    copied, tensors = cpu_copy(value)
+    assert len(tensors) == 1 and tensors[0] is copied["a"]
     weight.add_(1)
     assert torch.equal(copied["a"], torch.ones(3))
     assert copied["a"] is copied["b"][0] is copied["b"][1][0]
     assert copied["b"][1][1] == 2 and copied["c"] == {"n": 1, "s": "x"}
     assert isinstance(copied["b"][1], tuple)
+
+
+def test_a_copy_writes_into_an_earlier_copys_tensors_when_they_fit() -> None:
+    """The memory an earlier copy touched takes the next one (no page faults on fresh
+    memory: the time training waits); a bundle whose tensors changed shape gets new ones."""
+    value = {"w": torch.zeros(4, 3), "b": torch.zeros(3), "step": 1}
+    _, buffers = cpu_copy(value)
+    value["w"].add_(2)
+    second, again = cpu_copy(value, buffers)
+    assert [t.data_ptr() for t in again] == [t.data_ptr() for t in buffers]
+    assert torch.equal(second["w"], torch.full((4, 3), 2.0)) and second["step"] == 1
+    assert second["w"] is not value["w"] and second["w"].data_ptr() != value["w"].data_ptr()
+    grown = {"w": torch.zeros(5, 3), "b": torch.zeros(3), "step": 2}
+    third, fresh = cpu_copy(grown, again)
+    assert all(t.data_ptr() not in {b.data_ptr() for b in again} for t in fresh)
+    assert third["w"].shape == (5, 3)
+
+
+def test_coalesced_background_saves_reuse_copies_without_mixing_them(tmp_path: Path) -> None:
+    """Saves 2 and 3 wait behind a held upload and are replaced in turn; save 4 copies into
+    save 2's dropped tensors. The commits hold save 1's and save 4's weights exactly."""
+    gate = Gate()
+    url = f"file://{tmp_path / 'store'}"
+    checkpoint = taskpoint.Checkpoint(url, keep=5, progress=gate)
+    committed: list[torch.Tensor] = []
+
+    def newest_weight(_: taskpoint.SaveStats) -> None:  # what the store holds at each commit
+        folder = taskpoint.Checkpoint(url).load_sync(into=tmp_path / f"restored{len(committed)}")
+        assert folder is not None
+        bundle = torch.load(next(Path(folder).rglob("state.pt")), weights_only=True)
+        (weights,) = bundle["models"].values()
+        committed.append(weights["weight"])
+
+    checkpoint.on_commit(newest_weight)
+    model, opt = _trained()
+    state = TaskpointState(model, opt, blocking=False)
+    gate.close()
+    expected = {}
+    for epoch in (1, 2, 3, 4):
+        with torch.no_grad():
+            model.weight.fill_(float(epoch))
+        expected[epoch] = model.weight.detach().clone()
+        state.save_sync(checkpoint, epoch=epoch)
+        if epoch == 1:
+            assert gate.held.wait(timeout=30)  # save 1's upload is in flight, held
+    with torch.no_grad():
+        model.weight.fill_(-1.0)  # training goes on while the uploads run
+    gate.open()
+    assert state.wait()
+    assert len(committed) == 2
+    for weight, epoch in zip(committed, (1, 4), strict=True):
+        assert torch.equal(weight, expected[epoch]), epoch
 
 
 @pytest.mark.parametrize("failures", [(5,), (6, 14)], ids=lambda f: "fail-" + "-".join(map(str, f)))

@@ -75,7 +75,7 @@ def test_every_cuda_device_rng_state_is_restored(store_url: str) -> None:
 
 def test_a_background_save_copies_to_pinned_memory_at_the_call(store_url: str) -> None:
     model, opt = _trained("cuda")
-    copied = cpu_copy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    copied, _ = cpu_copy({"model": model.state_dict(), "optimizer": opt.state_dict()})
     tensors = [*copied["model"].values()] + [
         v for entry in copied["optimizer"]["state"].values() for v in entry.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0

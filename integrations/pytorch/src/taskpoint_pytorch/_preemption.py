@@ -66,7 +66,11 @@ class _TimedUploads(UploadThread):
         self._owner = owner
 
     def start(
-        self, job: Callable[[], object], *, on_drop: Callable[[], object] | None = None
+        self,
+        job: Callable[[], object],
+        *,
+        on_drop: Callable[[], object] | None = None,
+        ticket: int | None = None,
     ) -> bool:
         owner = self._owner
         step, called = progress.current_step(), owner.turn_started or time.monotonic()
@@ -80,7 +84,7 @@ class _TimedUploads(UploadThread):
                 job()
             owner.last_save_s = queued + time.monotonic() - began
 
-        return super().start(run, on_drop=on_drop)
+        return super().start(run, on_drop=on_drop, ticket=ticket)
 
 
 class Preemption:

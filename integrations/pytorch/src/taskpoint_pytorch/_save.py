@@ -16,7 +16,7 @@ import logging
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ class _Staged:
     folder: Path | None = None
     path: Path | None = None
     bundle: dict[str, Any] | None = None  # a background save's private copy
+    buffers: list[torch.Tensor] | None = None  # that copy's tensors, to reuse once written
 
     def cleanup(self) -> None:
         """Remove the bundle's temporary folder, if any."""
@@ -84,6 +85,7 @@ class BundleSaver:
         self._components = components
         self._blocking = blocking
         self._uploads = uploads
+        self._buffers = _Buffers()
 
     def save_sync(
         self, checkpoint: CheckpointLike, epoch: int, step: int,
@@ -137,9 +139,16 @@ class BundleSaver:
         staged = self._stage(checkpoint, epoch, step, extra, copy=True)
         staged.settle()  # every rank raises if rank 0 could not build the bundle
         if staged.bundle is not None:
-            bundle = staged.bundle
+            bundle, buffers = staged.bundle, staged.buffers or []
+
+            def write() -> None:
+                try:
+                    _write_and_save(checkpoint, bundle)
+                finally:  # serialised (or failed): the next copy may write into them
+                    self._buffers.give(buffers)
+
             # Behind an upload in flight it waits, replacing (coalescing) one waiting there.
-            if self._uploads.start(lambda: _write_and_save(checkpoint, bundle)):
+            if self._uploads.start(write, on_drop=lambda: self._buffers.give(buffers)):
                 note_coalesced(checkpoint)
 
     def _stage(
@@ -178,7 +187,7 @@ class BundleSaver:
             for key, value in bundle.items():
                 check_weights_only(value, key)
             if copy:
-                staged.bundle = cpu_copy(bundle)
+                staged.bundle, staged.buffers = cpu_copy(bundle, self._buffers.take())
                 return staged
             staged.folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
             staged.path = staged.folder / STATE_FILE
@@ -193,43 +202,110 @@ class BundleSaver:
         return staged
 
 
-def cpu_copy(value: Any) -> Any:
+def cpu_copy(value: Any, into: Sequence[torch.Tensor] = ()) -> tuple[Any, list[torch.Tensor]]:
     """A copy of ``value`` whose tensors are private CPU tensors, taken now.
 
     CUDA tensors go to pinned memory with non-blocking copies, then each device's current
     stream is synchronised once; a tensor appearing twice is copied once.
-    """
-    devices: set[torch.device] = set()
-    seen: dict[int, torch.Tensor] = {}
 
-    def walk(item: Any) -> Any:
+    Args:
+        value: the bundle (tensors in dicts, lists, tuples and sets; other leaves are
+            deep-copied).
+        into: host tensors of an earlier copy that nothing uses any more: where every
+            tensor matches (same order, shapes and dtypes, pinned for CUDA sources) the
+            copy is written into them. Memory already touched takes a copy several times
+            faster than fresh memory, which page-faults on the first write (200 MB: about
+            0.2 s against 1 s on a 2-core machine); this is the time training waits.
+
+    Returns:
+        The copy, and its tensors in order (what a later call may pass as ``into``).
+    """
+    sources: dict[int, torch.Tensor] = {}
+
+    def collect(item: Any) -> None:
         if isinstance(item, torch.Tensor):
-            if id(item) in seen:
-                return seen[id(item)]
-            tensor = item.detach()
-            if tensor.device.type == "cuda" and tensor.layout == torch.strided:
-                out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                out.copy_(tensor, non_blocking=True)
-                devices.add(tensor.device)
-            elif tensor.device.type == "cpu":
-                out = tensor.clone()
-            else:
-                out = tensor.to("cpu")
-            seen[id(item)] = out
-            return out
+            sources.setdefault(id(item), item.detach())
+        elif isinstance(item, dict):
+            for child in item.values():
+                collect(child)
+        elif isinstance(item, (list, tuple, set)):
+            for child in item:
+                collect(child)
+
+    collect(value)
+    tensors = list(sources.values())
+    reuse = len(into) == len(tensors) and all(
+        _fits(buffer, tensor) for buffer, tensor in zip(into, tensors, strict=True)
+    )
+    devices: set[torch.device] = set()
+    copies: list[torch.Tensor] = []
+    for index, tensor in enumerate(tensors):
+        on_cuda = tensor.device.type == "cuda" and tensor.layout == torch.strided
+        if reuse:
+            out = into[index]
+            out.copy_(tensor, non_blocking=on_cuda)
+        elif on_cuda:
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            out.copy_(tensor, non_blocking=True)
+        elif tensor.device.type == "cpu":
+            out = tensor.clone()
+        else:
+            out = tensor.to("cpu")
+        if on_cuda:
+            devices.add(tensor.device)
+        copies.append(out)
+    copied_of = {key: out for key, out in zip(sources, copies, strict=True)}
+
+    def rebuild(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            return copied_of[id(item)]
         if isinstance(item, dict):
             mapped = type(item)()
             for key, child in item.items():
-                mapped[key] = walk(child)
+                mapped[key] = rebuild(child)
             return mapped
         if isinstance(item, (list, tuple, set)):
-            return type(item)(walk(child) for child in item)
+            return type(item)(rebuild(child) for child in item)
         return copy.deepcopy(item)  # primitives (kept as they are) or a registered safe type
 
-    copied = walk(value)
+    copied = rebuild(value)
     for device in devices:
         torch.cuda.current_stream(device).synchronize()
-    return copied
+    return copied, copies
+
+
+def _fits(buffer: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` can be copied into ``buffer`` as :func:`cpu_copy` would copy it."""
+    if tensor.layout != torch.strided or buffer.device.type != "cpu":
+        return False
+    if buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+        return False
+    if not buffer.is_contiguous():
+        return False
+    return tensor.device.type != "cuda" or buffer.is_pinned()
+
+
+class _Buffers:
+    """The host tensors of background saves' copies, kept for the next copies once their
+    save has serialised them (or was dropped): at most :data:`_KEEP` sets, the number a
+    running save, one waiting behind it and a new copy use at once. Thread-safe: the
+    upload thread gives sets back."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[list[torch.Tensor]] = []
+
+    def take(self) -> list[torch.Tensor]:
+        with self._lock:
+            return self._free.pop() if self._free else []
+
+    def give(self, tensors: list[torch.Tensor]) -> None:
+        with self._lock:
+            if tensors and len(self._free) < _KEEP:
+                self._free.append(tensors)
+
+
+_KEEP = 2
 
 
 def _upload_target(checkpoint: object, path: Path) -> Path:
