@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from taskpoint import CheckpointLike
 from taskpoint.distributed import gather_or_raise, rank_and_size
+from taskpoint.runtime.boundary_saves import BoundarySaves
 
 from taskpoint_pytorch._agreement import settle_every_rank
 from taskpoint_pytorch._arguments import check_checkpoint
 from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import read_bundle
-from taskpoint_pytorch._preemption import Preemption
 
 __all__ = ["BundleRestorer", "MapLocation"]
 
@@ -38,7 +38,7 @@ class BundleRestorer:
         preemption: the state's step boundaries, begun once a restore is done.
     """
 
-    def __init__(self, components: Components, preemption: Preemption) -> None:
+    def __init__(self, components: Components, preemption: BoundarySaves) -> None:
         self._components = components
         self._preemption = preemption
 
@@ -100,10 +100,10 @@ class BundleRestorer:
         if bundle is None:
             if rank == 0:
                 log.info("no state bundle committed yet: starting from scratch")
-            self._preemption.begin(0, 0)
+            self._preemption.begin(0)
             return None
         self._components.load(bundle, rank, world)
-        self._preemption.begin(bundle["epoch"], bundle["step"])
+        self._preemption.begin(bundle["step"] or bundle["epoch"])
         if rank == 0:
             log.info(
                 "restored state bundle saved by %d rank(s): epoch=%d step=%d",

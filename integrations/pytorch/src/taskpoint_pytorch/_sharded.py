@@ -34,6 +34,7 @@ from taskpoint.distributed import (
     raise_first_failure,
     rank_and_size,
 )
+from taskpoint.runtime.boundary_saves import BoundarySaves
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -55,7 +56,6 @@ from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._dcp import TaskpointStorageReader, TaskpointStorageWriter
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import check_layout
-from taskpoint_pytorch._preemption import Preemption
 from taskpoint_pytorch._safety import check_weights_only
 
 __all__ = ["ShardedState", "load_sharded", "owner_of", "save_sharded"]
@@ -181,7 +181,7 @@ class ShardedState:
         ValueError: an optimizer's parameters belong to none of the models.
     """
 
-    def __init__(self, components: Components, preemption: Preemption) -> None:
+    def __init__(self, components: Components, preemption: BoundarySaves) -> None:
         for optimizer in components.optimizers.values():
             owner_of(optimizer, components.unwrapped_models())
         self._components = components
@@ -265,7 +265,7 @@ class ShardedState:
         if newest is None:
             if rank == 0:
                 log.info("no state committed yet: starting from scratch")
-            self._preemption.begin(0, 0)
+            self._preemption.begin(0)
             return None
         assert isinstance(checkpoint, taskpoint.Checkpoint)
         rest = load_sharded(checkpoint, self._components.unwrapped_models(), self._components.optimizers)
@@ -274,7 +274,7 @@ class ShardedState:
             self._components.rng,
         )
         self._components.load(rest, rank, world, tensors=False)
-        self._preemption.begin(rest["epoch"], rest["step"])
+        self._preemption.begin(rest["step"] or rest["epoch"])
         if rank == 0:
             log.info(
                 "restored sharded state saved by %d rank(s) on %d: epoch=%d step=%d",

@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 from taskpoint import CheckpointLike, IntervalChoice
 from taskpoint.checkpoint.mirror import track
+from taskpoint.runtime.boundary_saves import BoundarySaves
 from torch import nn
 
 from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION, STATE_FILE
-from taskpoint_pytorch._preemption import Preemption
 from taskpoint_pytorch._restore import BundleRestorer, MapLocation
 from taskpoint_pytorch._save import BundleSaver
 
@@ -139,7 +139,9 @@ class TaskpointState:
         self._components = Components(model, optimizer, scheduler, scaler, generators, rng)
         if sharded and not blocking:
             raise ValueError("sharded=True saves are blocking: pass blocking=True")
-        self._preemption = Preemption(save_on_preemption, size=self._components.state_bytes)
+        self._preemption = BoundarySaves(
+            save_on_preemption, size=self._components.state_bytes, thread="taskpoint-state-upload"
+        )
         self._uploads = self._preemption.uploads
         self._sharded: ShardedState | None = None
         if sharded:  # imports torch.distributed.checkpoint, which only sharded saves need
@@ -224,7 +226,7 @@ class TaskpointState:
             taskpoint.Preempted: a rank received SIGTERM; the preemption save committed,
                 failed (chained) or could not fit in the grace period left (none made).
         """
-        turn = self._preemption.reached(checkpoint, epoch, step, every, every_s)
+        turn = self._preemption.reached(checkpoint, step or epoch, every, every_s)
         if not turn.save:
             return False
         with turn:
@@ -248,7 +250,7 @@ class TaskpointState:
         """Async :meth:`save_sync`: the upload is awaited; serialisation, and under
         ``torch.distributed`` the collectives, run on the calling thread. A background save
         returns once the copy is taken, as :meth:`save_sync`'s does."""
-        turn = self._preemption.reached(checkpoint, epoch, step, every, every_s)
+        turn = self._preemption.reached(checkpoint, step or epoch, every, every_s)
         if not turn.save:
             return False
         with turn:
@@ -264,8 +266,7 @@ class TaskpointState:
         from (:class:`taskpoint.IntervalChoice`; its ``metrics()`` are ``taskpoint/*``
         figures for a logger); ``None`` before a call with ``every_s``. Local to this
         rank: rank 0's decides."""
-        interval = self._preemption.schedule.interval
-        return None if interval is None else interval.choice
+        return self._preemption.interval_choice
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the background save in flight (if any) has committed.
