@@ -1,25 +1,5 @@
 """``TaskpointSklearnCheckpoint``: save a :class:`PartialFitBundle` after each chunk,
-restore it on the next attempt.
-
-Example::
-
-    import numpy as np
-    import taskpoint
-    from sklearn.linear_model import SGDClassifier
-    from taskpoint_sklearn import TaskpointSklearnCheckpoint
-
-    env = taskpoint.TaskEnvironment(name="sk")
-
-    @env.task(retries=3)
-    def train(chunks: int = 10) -> float:
-        ckpt = TaskpointSklearnCheckpoint(taskpoint.ctx().checkpoint)
-        bundle = ckpt.resume_sync(SGDClassifier(random_state=0), rng=np.random.default_rng(0))
-        for i in range(bundle.progress, chunks):
-            x = bundle.rng.standard_normal((32, 8))
-            bundle.partial_fit(x, (x[:, 0] > 0).astype(int), classes=[0, 1])
-            bundle.progress = i + 1
-            ckpt.save_sync(bundle)
-        return float(bundle.estimator.coef_.sum())
+restore it on the next attempt (the package's documentation shows a loop).
 """
 
 from __future__ import annotations
@@ -34,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 from taskpoint import CheckpointLike, IntervalChoice
+from taskpoint._types import check_checkpoint_like
 from taskpoint.runtime.boundary_saves import BoundarySaves, Turn
 
 from taskpoint_sklearn.bundle import PartialFitBundle
@@ -86,18 +67,7 @@ class TaskpointSklearnCheckpoint:
         filename: str = "sklearn-bundle",
         save_on_preemption: bool | None = None,
     ) -> None:
-        if not isinstance(checkpoint, CheckpointLike):
-            hint = (
-                " (taskpoint.ctx() is None outside a task, and ctx().checkpoint is None "
-                "where checkpoints are disabled)"
-                if checkpoint is None
-                else ""
-            )
-            raise TypeError(
-                "checkpoint must have save/save_sync/load/load_sync, like "
-                f"taskpoint.ctx().checkpoint or taskpoint.Checkpoint(url); got "
-                f"{type(checkpoint).__name__}{hint}"
-            )
+        check_checkpoint_like(checkpoint)
         if format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}; got {format!r}")
         if not isinstance(filename, str) or not filename or "/" in filename or "\\" in filename:
