@@ -111,23 +111,18 @@ class TaskpointSklearnCheckpoint:
         (``save_on_preemption``) a signal received since the last call makes this call
         save at once and raise :class:`taskpoint.Preempted` once it committed; the next
         attempt resumes at this chunk. A save that took longer last time than the grace
-        period left is skipped (the newest earlier checkpoint stays). A loop that saves
-        every N chunks calls it after every chunk with ``every=N``; one that saves every N
-        seconds of training, with ``every_s=N``, or ``every_s="auto"`` for an interval
-        chosen from what a save costs and how often the run fails
-        (:class:`taskpoint.SaveInterval`). Given both, it saves when either says so.
+        period left is skipped (the newest earlier checkpoint stays). Given ``every`` and
+        ``every_s``, it saves when either says so.
 
         Args:
             bundle: the bundle, its ``progress`` set for the chunk just done.
             every: save only when ``bundle.progress`` is a multiple of ``every`` (or on a
                 preemption); ``None``: save now, unless ``every_s`` is given.
             every_s: save once this many seconds of training passed since the last save,
-                or ``"auto"``: Young/Daly's interval from the measured cost of a save and
-                the run's mean time between failures (its attempt history in the store;
-                the prior ``TASKPOINT_MTBF_PRIOR_S`` until there is one), within 2% of
-                training time and one hour. Each call times the chunk, so call it after
-                every chunk. With a preemption warning a SIGTERM saves anyway: the
-                interval only matters for failures without one.
+                or ``"auto"``: the Young/Daly interval from the measured cost of a save and
+                the run's mean time between failures (:class:`taskpoint.SaveInterval`).
+                Each call times the chunk, so call it after every chunk. A SIGTERM saves
+                anyway: the interval is for failures without warning.
 
         Returns:
             Whether it saved (``False``: ``every``/``every_s`` said not yet).
