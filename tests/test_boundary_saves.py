@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
 LOOP = """
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     import taskpoint
     from taskpoint.runtime.boundary_saves import BoundarySaves
 
@@ -43,7 +43,8 @@ LOOP = """
             with turn:
                 data = str(step).encode()
                 if background:
-                    saves.uploads.start(lambda data=data: ckpt.save_sync(data))
+                    # Slow on purpose: the stop must wait for this commit.
+                    saves.uploads.start(lambda data=data: (time.sleep(1), ckpt.save_sync(data)))
                 else:
                     ckpt.save_sync(data)
             seen["saved"].append(step)
