@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["CheckpointLike"]
+__all__ = ["CheckpointLike", "check_checkpoint_like"]
 
 
 @runtime_checkable
@@ -24,3 +24,23 @@ class CheckpointLike(Protocol):
     async def load(self) -> Path | None: ...
 
     def load_sync(self) -> Path | None: ...
+
+
+def check_checkpoint_like(checkpoint: object) -> None:
+    """Raise ``TypeError`` unless ``checkpoint`` is :class:`CheckpointLike` (the check an
+    adapter makes of the checkpoint it is given), with a hint where it is ``None``.
+
+    Raises:
+        TypeError: it is not; the message names what it got.
+    """
+    if not isinstance(checkpoint, CheckpointLike):
+        hint = (
+            " (taskpoint.ctx().checkpoint is None when the task's environment has "
+            "checkpoints=False, and taskpoint.ctx() is None outside a task)"
+            if checkpoint is None
+            else ""
+        )
+        raise TypeError(
+            "checkpoint must be a taskpoint.Checkpoint or another object with save, "
+            f"save_sync, load and load_sync; got {type(checkpoint).__name__}{hint}"
+        )

@@ -1,5 +1,5 @@
-"""How the ranks of a job agree before any goes on: a save's checks and RNG capture,
-gathered with core's :func:`taskpoint.distributed.gather_or_raise` (every rank raises its
+"""How the ranks of a job agree before any goes on: a save's checks (each raising
+``TypeError``/``ValueError`` naming the argument) and RNG capture, gathered with core's :func:`taskpoint.distributed.gather_or_raise` (every rank raises its
 own error, or a ``StateError`` naming the first failed rank, so no rank is left waiting in
 a collective the others never reach), and the wait for every rank's uploads.
 
@@ -14,11 +14,37 @@ from typing import Any
 from taskpoint.checkpoint.mirror import settle_uploads
 from taskpoint.distributed import all_gather_object, gather_or_raise
 
-from taskpoint_pytorch._arguments import check_counter, check_extra
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._rng import capture_rng
 
-__all__ = ["agree_to_save", "settle_every_rank"]
+__all__ = ["agree_to_save", "check_counter", "check_extra", "settle_every_rank"]
+
+
+def check_counter(name: str, value: object) -> int:
+    """``value``, checked to be a non-negative int (not a bool).
+
+    Raises:
+        ValueError: it is not; the message names ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int; got {value!r}")
+    return value
+
+
+def check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A save's ``extra`` as a new dict (empty for ``None``).
+
+    Raises:
+        TypeError: it is not a mapping, or a key is not a string.
+    """
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a mapping of str keys to values; got {type(extra).__name__}")
+    for key in extra:
+        if not isinstance(key, str):
+            raise TypeError(f"extra keys must be strings; got {key!r}")
+    return dict(extra)
 
 
 def agree_to_save(

@@ -178,20 +178,10 @@ class Components:
         *,
         tensors: bool = True,
     ) -> dict[str, Any]:
-        """A new bundle of the objects' current state (not copied) and the given values.
-
-        Args:
-            epoch: the checked epoch counter.
-            step: the checked step counter.
-            extra: the checked extra state.
-            rng_states: every rank's RNG state, in rank order (kept only with ``rng``).
-            world: the world size.
-            tensors: whether to take the models' and optimizers' state (a sharded save
-                leaves them empty: DCP saves them).
-
-        Returns:
-            The bundle, with a fresh ``save_id``; its entries in the layout's order.
-        """
+        """A new bundle (a fresh ``save_id``, entries in the layout's order) of the objects'
+        current state, not copied, and the checked counters, ``extra``, every rank's RNG
+        state in rank order (kept only with ``rng``) and the world size. Without
+        ``tensors`` the models' and optimizers' entries are empty (DCP saves them)."""
         return {
             "layout": LAYOUT,
             "version": LAYOUT_VERSION,
@@ -214,15 +204,9 @@ class Components:
         }
 
     def load(self, bundle: dict[str, Any], rank: int, world: int, *, tensors: bool = True) -> None:
-        """Load a checked bundle's state into the objects, and this rank's RNG state into the
-        global generators (with ``rng``; see ``_rng.restore_rank_rng``).
-
-        Args:
-            bundle: a bundle that passed ``_layout``'s checks.
-            rank: this process's global rank.
-            world: the world size.
-            tensors: whether to load the models' and optimizers' state (a sharded restore
-                has loaded them through DCP).
+        """Load a bundle that passed ``_layout``'s checks into the objects, and this rank's
+        RNG state into the global generators (with ``rng``; ``_rng.restore_rank_rng``);
+        without ``tensors`` not the models' and optimizers' (DCP loaded them).
 
         Raises:
             StateMismatchError: an optimizer cannot take its saved state.

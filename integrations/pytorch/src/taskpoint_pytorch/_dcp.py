@@ -1,14 +1,7 @@
-"""``torch.distributed.checkpoint`` (DCP) through a taskpoint checkpoint.
-
-:class:`TaskpointStorageWriter` makes ``dcp.save`` and ``dcp.async_save`` commit one
-taskpoint checkpoint written by every rank: each rank serialises its own shards to a local
-staging folder (with DCP's ``FileSystemWriter``), uploads them from its ``write_data`` as
-format-2 objects, and the coordinator rank, in ``finish``, adds DCP's ``.metadata`` and
-commits the parts (:meth:`taskpoint.Checkpoint.begin_parts`). DCP carries the part records
-(metadata only) to the coordinator with its own gather and reports a failed commit to every
-rank. :class:`TaskpointStorageReader` makes ``dcp.load`` read the newest committed
-checkpoint with DCP's ``FileSystemReader``, on any number of ranks (DCP reshards): each
-rank restores ``.metadata`` and then only the shard files its load plan reads::
+"""``torch.distributed.checkpoint`` (DCP) through a taskpoint checkpoint: each ``dcp.save``
+is one commit of every rank's shards (:class:`TaskpointStorageWriter`), and ``dcp.load``
+reads the newest on any number of ranks, each fetching only the shard files its plan reads
+(:class:`TaskpointStorageReader`)::
 
     import taskpoint
     import torch.distributed.checkpoint as dcp
@@ -18,9 +11,6 @@ rank restores ``.metadata`` and then only the shard files its load plan reads::
     dcp.save(state, storage_writer=TaskpointStorageWriter(ckpt))
     ...
     dcp.load(state, storage_reader=TaskpointStorageReader(ckpt))
-
-DCP's ``.metadata`` is a pickle, which ``FileSystemReader`` unpickles: load only from
-stores whose writers you trust (the shards themselves load with ``weights_only=True``).
 """
 
 from __future__ import annotations
@@ -46,7 +36,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-__all__ = ["TaskpointStorageReader", "TaskpointStorageWriter"]
+__all__ = ["TaskpointStorageReader", "TaskpointStorageWriter", "need_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +61,56 @@ class _PartRecord:
     record: dict[str, Any]
 
 
-def _check_checkpoint(checkpoint: object) -> taskpoint.Checkpoint:
+def need_checkpoint(checkpoint: object, user: str) -> taskpoint.Checkpoint:
+    """``checkpoint``, checked to be the :class:`taskpoint.Checkpoint` that ``user`` (for
+    the message) needs: every rank's part of a DCP save is one commit of it.
+
+    Raises:
+        TypeError: it is not.
+    """
     if not isinstance(checkpoint, taskpoint.Checkpoint):
         raise TypeError(
-            "checkpoint must be a taskpoint.Checkpoint (the one each rank's part is "
-            f"committed to); got {type(checkpoint).__name__}"
+            f"{user} keeps every rank's torch.distributed.checkpoint shards as one taskpoint "
+            f"checkpoint, so it needs a taskpoint.Checkpoint; got {type(checkpoint).__name__}"
         )
     return checkpoint
+
+
+class _AtCheckpoint:
+    """What the writer and the reader share: the checkpoint (checked), its URL as DCP's
+    ``checkpoint_id``, and a local staging folder per save or load."""
+
+    def __init__(self, checkpoint: object, staging: str | os.PathLike[str] | None) -> None:
+        super().__init__()
+        self._checkpoint = need_checkpoint(checkpoint, type(self).__name__)
+        self._staging = None if staging is None else Path(os.fspath(staging))
+        self._folder: Path | None = None
+        self._cleanup: weakref.finalize[Any, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._checkpoint.url!r})"
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint location's URL."""
+        return self._checkpoint.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # never picked for a bare checkpoint_id: pass the writer or reader
+
+    def _new_folder(self, prefix: str) -> Path:
+        """A fresh local folder for this save's or load's files (under ``staging``)."""
+        if self._staging is not None:
+            self._staging.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=self._staging))
+
+    def _drop_folder(self) -> None:
+        """Release the folder (and what its cleanup holds) now."""
+        if self._cleanup is not None:
+            self._cleanup()
+            self._cleanup = None
+        self._folder = None
 
 
 class _StagingWriter(FileSystemWriter):
@@ -93,10 +126,13 @@ class _StagingWriter(FileSystemWriter):
         return None if meta is None else dataclasses.replace(meta, checkpoint_id=self._url)
 
 
-class TaskpointStorageWriter(StorageWriter):
+class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
     """A DCP ``StorageWriter`` that commits each ``dcp.save`` as one taskpoint checkpoint.
 
-    Every rank passes a writer for the same location. Nothing loads the checkpoint until
+    Every rank passes a writer for the same location: it stages its shards with DCP's
+    ``FileSystemWriter`` and uploads them in ``write_data``; the coordinator adds DCP's
+    ``.metadata`` in ``finish`` and commits every rank's part
+    (:meth:`taskpoint.Checkpoint.begin_parts`). Nothing loads the checkpoint until
     every rank's shard files are in the store and the coordinator has committed it; a rank
     that fails or dies fails the save on every rank (DCP's collectives) and commits nothing.
 
@@ -117,27 +153,11 @@ class TaskpointStorageWriter(StorageWriter):
         staging: str | os.PathLike[str] | None = None,
         thread_count: int = 1,
     ) -> None:
-        super().__init__()
-        self._checkpoint = _check_checkpoint(checkpoint)
-        self._staging = None if staging is None else Path(os.fspath(staging))
+        super().__init__(checkpoint, staging)
         self._thread_count = thread_count
-        self._folder: Path | None = None
         self._inner: _StagingWriter | None = None
         self._commit: taskpoint.PartsCommit | None = None
-        self._cleanup: weakref.finalize[Any, Any] | None = None
         self._rank = 0
-
-    def __repr__(self) -> str:
-        return f"TaskpointStorageWriter({self._checkpoint.url!r})"
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint location's URL."""
-        return self._checkpoint.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False  # never picked for a bare checkpoint_id: pass the writer explicitly
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save (DCP calls this first, on every rank).
@@ -145,9 +165,7 @@ class TaskpointStorageWriter(StorageWriter):
         ``checkpoint_id`` is ignored: the checkpoint's URL is where it goes.
         """
         self._finish()
-        if self._staging is not None:
-            self._staging.mkdir(parents=True, exist_ok=True)
-        self._folder = Path(tempfile.mkdtemp(prefix="taskpoint-dcp-", dir=self._staging))
+        self._folder = self._new_folder("taskpoint-dcp-")
         (self._folder / DCP_FOLDER).mkdir()
         self._held: list[taskpoint.PartsCommit] = []
         self._cleanup = weakref.finalize(self, _release, self._folder, self._held)
@@ -167,11 +185,8 @@ class TaskpointStorageWriter(StorageWriter):
         self._finish()
 
     def _finish(self) -> None:
-        if self._cleanup is not None:
-            self._cleanup()
-            self._cleanup = None
+        self._drop_folder()
         self._commit = None
-        self._folder = None
         self._inner = None
 
     def _ready(self) -> tuple[_StagingWriter, Path]:
@@ -287,7 +302,7 @@ def _release(folder: Path, commits: list[taskpoint.PartsCommit]) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-class TaskpointStorageReader(StorageReader):
+class TaskpointStorageReader(_AtCheckpoint, StorageReader):
     """A DCP ``StorageReader`` that loads the newest committed taskpoint checkpoint.
 
     Each rank restores only what it reads: DCP's ``.metadata`` first (to plan), then the
@@ -315,27 +330,11 @@ class TaskpointStorageReader(StorageReader):
         *,
         staging: str | os.PathLike[str] | None = None,
     ) -> None:
-        super().__init__()
-        self._checkpoint = _check_checkpoint(checkpoint)
-        self._staging = None if staging is None else Path(os.fspath(staging))
-        self._folder: Path | None = None
-        self._cleanup: weakref.finalize[Any, Any] | None = None
+        super().__init__(checkpoint, staging)
         self._inner: FileSystemReader | None = None
         self._metadata: bytes | None = None
         self._save_id: str | None = None
         self._setup: tuple[Metadata, bool, tuple[Any, ...], dict[str, Any]] | None = None
-
-    def __repr__(self) -> str:
-        return f"TaskpointStorageReader({self._checkpoint.url!r})"
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint location's URL."""
-        return self._checkpoint.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load; ``checkpoint_id`` is ignored (the checkpoint's URL is read)."""
@@ -343,10 +342,7 @@ class TaskpointStorageReader(StorageReader):
 
     def _finish(self) -> None:
         """Remove this load's local files and forget what it planned with."""
-        if self._cleanup is not None:
-            self._cleanup()
-            self._cleanup = None
-        self._folder = None
+        self._drop_folder()
         self._inner = None
         self._metadata = None
         self._save_id = None
@@ -360,9 +356,7 @@ class TaskpointStorageReader(StorageReader):
             CheckpointCoordinationError: the newest checkpoint holds none of some of them.
         """
         if self._folder is None:
-            if self._staging is not None:
-                self._staging.mkdir(parents=True, exist_ok=True)
-            self._folder = Path(tempfile.mkdtemp(prefix="taskpoint-dcp-load-", dir=self._staging))
+            self._folder = self._new_folder("taskpoint-dcp-load-")
             self._cleanup = weakref.finalize(self, shutil.rmtree, self._folder, ignore_errors=True)
         # Into the same folder each time: a .metadata already there and unchanged is kept.
         path = self._checkpoint.load_sync(into=self._folder / DCP_FOLDER, paths=paths)

@@ -14,14 +14,13 @@ from typing import Any
 
 import torch
 from taskpoint import CheckpointLike
+from taskpoint._types import check_checkpoint_like
 from taskpoint.distributed import gather_or_raise, rank_and_size
 
 from taskpoint_pytorch._agreement import settle_every_rank
-from taskpoint_pytorch._arguments import check_checkpoint
 from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import read_bundle
-from taskpoint_pytorch._preemption import Preemption
 
 __all__ = ["BundleRestorer", "MapLocation"]
 
@@ -35,12 +34,10 @@ class BundleRestorer:
 
     Args:
         components: the objects restored into.
-        preemption: the state's step boundaries, begun once a restore is done.
     """
 
-    def __init__(self, components: Components, preemption: Preemption) -> None:
+    def __init__(self, components: Components) -> None:
         self._components = components
-        self._preemption = preemption
 
     def restore_sync(
         self, checkpoint: CheckpointLike, map_location: MapLocation
@@ -53,7 +50,7 @@ class BundleRestorer:
         """
         settle_every_rank()
         try:
-            check_checkpoint(checkpoint)
+            check_checkpoint_like(checkpoint)
             bundle = self._read(checkpoint.load_sync(), map_location)
         except Exception as exc:
             return self._finish(None, exc)
@@ -65,7 +62,7 @@ class BundleRestorer:
         """Async :meth:`restore_sync`: the download is awaited."""
         settle_every_rank()
         try:
-            check_checkpoint(checkpoint)
+            check_checkpoint_like(checkpoint)
             bundle = self._read(await checkpoint.load(), map_location)
         except Exception as exc:
             return self._finish(None, exc)
@@ -98,12 +95,8 @@ class BundleRestorer:
                 "path or object storage)"
             )
         if bundle is None:
-            if rank == 0:
-                log.info("no state bundle committed yet: starting from scratch")
-            self._preemption.begin(0, 0)
             return None
         self._components.load(bundle, rank, world)
-        self._preemption.begin(bundle["epoch"], bundle["step"])
         if rank == 0:
             log.info(
                 "restored state bundle saved by %d rank(s): epoch=%d step=%d",

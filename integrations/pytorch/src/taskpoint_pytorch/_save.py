@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
+from taskpoint._types import check_checkpoint_like
 from taskpoint.checkpoint.mirror import UploadThread, note_coalesced
 from taskpoint.distributed import broadcast_from_zero, describe_error, rank_and_size
 from taskpoint.format.manifest import TREE_FORMAT
 
 from taskpoint_pytorch._agreement import agree_to_save
-from taskpoint_pytorch._arguments import check_checkpoint
 from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import STATE_FILE
@@ -174,7 +174,7 @@ class BundleSaver:
                     self._uploads.raise_error()
                 else:
                     self._uploads.wait()
-            check_checkpoint(checkpoint)
+            check_checkpoint_like(checkpoint)
 
         epoch, step, extra_state, rng_states = agree_to_save(
             prepare, epoch, step, extra, self._components.rng

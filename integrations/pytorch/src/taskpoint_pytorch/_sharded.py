@@ -1,18 +1,14 @@
-"""Sharded state: models and optimizers through ``torch.distributed.checkpoint``.
+"""Sharded state (``TaskpointState(..., sharded=True)``): models and optimizers through
+``torch.distributed.checkpoint``.
 
-``TaskpointState(..., sharded=True)`` saves each model's and optimizer's state with
-``torch.distributed.checkpoint.state_dict.get_model_state_dict`` /
-``get_optimizer_state_dict`` (sharded ``DTensor`` under FSDP2, so no rank ever holds the
-whole state) and writes it with ``dcp.save`` through
-:class:`~taskpoint_pytorch.TaskpointStorageWriter`: every rank uploads its own shards, and
-one commit covers them all. The rest of the bundle (schedulers, scalers, generators, every
-rank's RNG state, the counters and ``extra``) is one small ``torch.save`` blob, equal on
-every rank, stored once beside the shards under ``rest`` (as bytes). Restoring loads with DCP into the
-current sharding, whatever the world size (DCP reshards), and reads ``rest`` with
-``weights_only=True``.
-
-:class:`ShardedState` runs a sharded ``TaskpointState``'s saves and restores on every rank:
-the ranks agree (``_agreement``) before any of them calls ``dcp.save`` or ``dcp.load``.
+Their state comes from ``get_model_state_dict`` / ``get_optimizer_state_dict`` (sharded
+``DTensor`` under FSDP2: no rank ever holds the whole state) and goes through
+:class:`~taskpoint_pytorch.TaskpointStorageWriter`, one commit for every rank's shards. The
+rest of the bundle (schedulers, scalers, generators, every rank's RNG state, the counters,
+``extra``), equal on every rank, is one ``torch.save`` blob stored once beside the shards
+under ``rest`` and read back with ``weights_only=True``. A restore loads into the current
+sharding, whatever the world size (DCP reshards). The ranks agree (``_agreement``) before
+any of them calls ``dcp.save`` or ``dcp.load``.
 """
 
 from __future__ import annotations
@@ -50,12 +46,10 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from taskpoint_pytorch._agreement import agree_to_save, settle_every_rank
-from taskpoint_pytorch._arguments import check_sharded_checkpoint
 from taskpoint_pytorch._components import Components
-from taskpoint_pytorch._dcp import TaskpointStorageReader, TaskpointStorageWriter
+from taskpoint_pytorch._dcp import TaskpointStorageReader, TaskpointStorageWriter, need_checkpoint
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import check_layout
-from taskpoint_pytorch._preemption import Preemption
 from taskpoint_pytorch._safety import check_weights_only
 
 __all__ = ["ShardedState", "load_sharded", "owner_of", "save_sharded"]
@@ -101,6 +95,19 @@ def _translate(exc: CheckpointException, what: str) -> StateError:
     return StateError(f"cannot {what}: " + "; ".join(failed))
 
 
+def _state_dict(
+    models: Mapping[str, nn.Module], optimizers: Mapping[str, torch.optim.Optimizer], rest: bytes
+) -> dict[str, Any]:
+    """What DCP saves or loads: the models' and optimizers' (sharded) state, and ``rest``."""
+    return {
+        "models": {name: get_model_state_dict(m) for name, m in models.items()},
+        "optimizers": {
+            name: get_optimizer_state_dict(owner_of(o, models), o) for name, o in optimizers.items()
+        },
+        REST: rest,
+    }
+
+
 def save_sharded(
     checkpoint: taskpoint.Checkpoint,
     models: Mapping[str, nn.Module],
@@ -114,14 +121,7 @@ def save_sharded(
     """
     blob = io.BytesIO()
     torch.save(rest, blob)
-    state: dict[str, Any] = {
-        "models": {name: get_model_state_dict(m) for name, m in models.items()},
-        "optimizers": {
-            name: get_optimizer_state_dict(owner_of(o, models), o)
-            for name, o in optimizers.items()
-        },
-        REST: blob.getvalue(),  # bytes: DCP stores it once, as a non-tensor value
-    }
+    state = _state_dict(models, optimizers, blob.getvalue())  # bytes: stored once
     writer = TaskpointStorageWriter(checkpoint)
     try:
         dcp_save(state, storage_writer=writer)
@@ -142,14 +142,7 @@ def load_sharded(
     Raises:
         StateError: any rank failed (naming each failed rank and its error).
     """
-    state: dict[str, Any] = {
-        "models": {name: get_model_state_dict(m) for name, m in models.items()},
-        "optimizers": {
-            name: get_optimizer_state_dict(owner_of(o, models), o)
-            for name, o in optimizers.items()
-        },
-        REST: b"",
-    }
+    state = _state_dict(models, optimizers, b"")
     try:
         dcp_load(state, storage_reader=TaskpointStorageReader(checkpoint), planner=_SafeLoadPlanner())
     except CheckpointException as exc:
@@ -175,17 +168,15 @@ class ShardedState:
 
     Args:
         components: the objects saved and restored.
-        preemption: the state's step boundaries, begun once a restore is done.
 
     Raises:
         ValueError: an optimizer's parameters belong to none of the models.
     """
 
-    def __init__(self, components: Components, preemption: Preemption) -> None:
+    def __init__(self, components: Components) -> None:
         for optimizer in components.optimizers.values():
             owner_of(optimizer, components.unwrapped_models())
         self._components = components
-        self._preemption = preemption
 
     def save(
         self,
@@ -208,7 +199,7 @@ class ShardedState:
         def prepare() -> None:
             if background:
                 raise ValueError("sharded=True saves are blocking: background=True is refused")
-            check_sharded_checkpoint(checkpoint)
+            need_checkpoint(checkpoint, "TaskpointState(sharded=True)")
 
         epoch, step, extra_state, rng_states = agree_to_save(
             prepare, epoch, step, extra, self._components.rng
@@ -249,9 +240,7 @@ class ShardedState:
         error: Exception | None = None
         newest: str | None = None
         try:
-            check_sharded_checkpoint(checkpoint)
-            assert isinstance(checkpoint, taskpoint.Checkpoint)
-            committed = checkpoint.committed()
+            committed = need_checkpoint(checkpoint, "TaskpointState(sharded=True)").committed()
             newest = committed[0].key if committed else None
         except Exception as exc:
             error = exc
@@ -263,9 +252,6 @@ class ShardedState:
                 "store (a memory:// store is private to its process)"
             )
         if newest is None:
-            if rank == 0:
-                log.info("no state committed yet: starting from scratch")
-            self._preemption.begin(0, 0)
             return None
         assert isinstance(checkpoint, taskpoint.Checkpoint)
         rest = load_sharded(checkpoint, self._components.unwrapped_models(), self._components.optimizers)
@@ -274,7 +260,6 @@ class ShardedState:
             self._components.rng,
         )
         self._components.load(rest, rank, world, tensors=False)
-        self._preemption.begin(rest["epoch"], rest["step"])
         if rank == 0:
             log.info(
                 "restored sharded state saved by %d rank(s) on %d: epoch=%d step=%d",

@@ -1,32 +1,11 @@
-"""``TaskpointState``: everything a PyTorch training loop needs back after a crash.
+"""``TaskpointState``: everything a PyTorch training loop needs back after a crash (the
+package's documentation shows a loop), saved as one bundle of plain tensors, numbers and
+containers (``_layout``) and restored with ``torch.load(weights_only=True)``. On a
+:class:`taskpoint.Checkpoint` the bundle is the one file of a folder the store keeps by
+content: a save uploads only the chunks of ``state.pt`` that changed since the last one.
 
-Example::
-
-    import taskpoint
-    from taskpoint_pytorch import TaskpointState
-
-    state = TaskpointState(model, optimizer, scheduler, scaler)
-    resume = state.restore_sync(checkpoint)          # None on the first attempt
-    start = resume.epoch if resume else 0
-    for epoch in range(start, epochs):
-        train_one_epoch(...)
-        state.save_sync(checkpoint, epoch=epoch + 1, step=global_step)
-
-A bundle is one ``torch.save`` file, ``state.pt``, holding plain tensors, numbers, strings
-and containers only, so restoring runs ``torch.load(..., weights_only=True)`` and never
-executes pickled code. Its ``layout`` entry names the format and its version. On a
-:class:`taskpoint.Checkpoint` it is saved as the one file of a folder (a restore returns
-the folder), which the store keeps by content: a save uploads only the chunks of
-``state.pt`` that changed since the last one.
-
-Under ``torch.distributed`` every rank calls ``save``/``restore``: the RNG states of all
-ranks are gathered, global rank 0 alone writes and commits, and no rank returns from
-``save`` before the commit (or its failure) is known. On restore every rank loads the same
-committed bundle and they check they agree; each rank gets its own RNG state back.
-
-``save_sync(..., background=True)`` (or ``TaskpointState(..., blocking=False)``) copies the
-state off the training tensors (to pinned CPU memory from CUDA) and returns; serialising and
-uploading run in a background thread, one save at a time::
+A background save copies the state off the training tensors (to pinned CPU memory from
+CUDA) and returns; serialising and uploading run in a thread, one save at a time::
 
     state = TaskpointState(model, optimizer, blocking=False)
     for epoch in range(start, epochs):
@@ -37,6 +16,7 @@ uploading run in a background thread, one save at a time::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -44,11 +24,12 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 from taskpoint import CheckpointLike, IntervalChoice
 from taskpoint.checkpoint.mirror import track
+from taskpoint.distributed import rank_and_size
+from taskpoint.runtime.boundary_saves import BoundarySaves
 from torch import nn
 
 from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION, STATE_FILE
-from taskpoint_pytorch._preemption import Preemption
 from taskpoint_pytorch._restore import BundleRestorer, MapLocation
 from taskpoint_pytorch._save import BundleSaver
 
@@ -56,6 +37,8 @@ if TYPE_CHECKING:
     from taskpoint_pytorch._sharded import ShardedState
 
 __all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
+
+log = logging.getLogger(__name__)
 
 
 class Stateful(Protocol):
@@ -139,15 +122,17 @@ class TaskpointState:
         self._components = Components(model, optimizer, scheduler, scaler, generators, rng)
         if sharded and not blocking:
             raise ValueError("sharded=True saves are blocking: pass blocking=True")
-        self._preemption = Preemption(save_on_preemption, size=self._components.state_bytes)
+        self._preemption = BoundarySaves(
+            save_on_preemption, size=self._components.state_bytes, thread="taskpoint-state-upload"
+        )
         self._uploads = self._preemption.uploads
         self._sharded: ShardedState | None = None
         if sharded:  # imports torch.distributed.checkpoint, which only sharded saves need
             from taskpoint_pytorch._sharded import ShardedState
 
-            self._sharded = ShardedState(self._components, self._preemption)
+            self._sharded = ShardedState(self._components)
         self._saver = BundleSaver(self._components, blocking=bool(blocking), uploads=self._uploads)
-        self._restorer = BundleRestorer(self._components, self._preemption)
+        self._restorer = BundleRestorer(self._components)
         track(self._uploads)
 
     def __repr__(self) -> str:
@@ -196,15 +181,11 @@ class TaskpointState:
             every: save only when the counter is a multiple of ``every`` (or on a
                 preemption); ``None``: save now, unless ``every_s`` is given.
             every_s: save once this many seconds of training passed since the last save
-                (any save: by steps, by time), or ``"auto"`` for the interval Young/Daly
-                chooses from the measured cost of a save (time blocked, plus what its
-                background upload took from the steps it ran beside) and the run's mean
-                time between failures (its attempt history in the store; the prior
-                ``TASKPOINT_MTBF_PRIOR_S`` until there is one), within 2% of training
-                time and one hour. Each call times the step, so call it at every step.
-                Under ``torch.distributed`` rank 0's clock decides for every rank (one
-                collective per call). With a preemption warning a SIGTERM saves anyway:
-                the interval only matters for failures without one.
+                (any save), or ``"auto"``: the Young/Daly interval from the measured cost of
+                a save and the run's mean time between failures
+                (:class:`taskpoint.SaveInterval`). Each call times the step, so call it at
+                every step; under ``torch.distributed`` rank 0's clock decides for every
+                rank. A SIGTERM saves anyway: the interval is for failures without warning.
 
         Returns:
             Whether it saved (``False``: ``every``/``every_s`` said not yet).
@@ -224,7 +205,7 @@ class TaskpointState:
             taskpoint.Preempted: a rank received SIGTERM; the preemption save committed,
                 failed (chained) or could not fit in the grace period left (none made).
         """
-        turn = self._preemption.reached(checkpoint, epoch, step, every, every_s)
+        turn = self._preemption.reached(checkpoint, step or epoch, every, every_s)
         if not turn.save:
             return False
         with turn:
@@ -248,7 +229,7 @@ class TaskpointState:
         """Async :meth:`save_sync`: the upload is awaited; serialisation, and under
         ``torch.distributed`` the collectives, run on the calling thread. A background save
         returns once the copy is taken, as :meth:`save_sync`'s does."""
-        turn = self._preemption.reached(checkpoint, epoch, step, every, every_s)
+        turn = self._preemption.reached(checkpoint, step or epoch, every, every_s)
         if not turn.save:
             return False
         with turn:
@@ -264,8 +245,7 @@ class TaskpointState:
         from (:class:`taskpoint.IntervalChoice`; its ``metrics()`` are ``taskpoint/*``
         figures for a logger); ``None`` before a call with ``every_s``. Local to this
         rank: rank 0's decides."""
-        interval = self._preemption.schedule.interval
-        return None if interval is None else interval.choice
+        return self._preemption.interval_choice
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the background save in flight (if any) has committed.
@@ -312,20 +292,24 @@ class TaskpointState:
             taskpoint.CheckpointError: the store failed or holds no intact checkpoint.
         """
         if self._sharded is not None:
-            return _resume_point(self._sharded.restore(checkpoint))
-        return _resume_point(self._restorer.restore_sync(checkpoint, map_location))
+            return self._resumed(self._sharded.restore(checkpoint))
+        return self._resumed(self._restorer.restore_sync(checkpoint, map_location))
 
     async def restore(
         self, checkpoint: CheckpointLike, *, map_location: MapLocation = None
     ) -> ResumePoint | None:
         """Async :meth:`restore_sync`: the download is awaited."""
         if self._sharded is not None:
-            return _resume_point(self._sharded.restore(checkpoint))
-        return _resume_point(await self._restorer.restore(checkpoint, map_location))
+            return self._resumed(self._sharded.restore(checkpoint))
+        return self._resumed(await self._restorer.restore(checkpoint, map_location))
 
-
-def _resume_point(bundle: dict[str, Any] | None) -> ResumePoint | None:
-    """Where a loop resumes after restoring ``bundle``; ``None`` for no bundle."""
-    if bundle is None:
-        return None
-    return ResumePoint(epoch=bundle["epoch"], step=bundle["step"], extra=dict(bundle["extra"]))
+    def _resumed(self, bundle: dict[str, Any] | None) -> ResumePoint | None:
+        """Training resumes from ``bundle`` (every rank; ``None``: from scratch): begin the
+        step boundaries there; where the loop resumes."""
+        if bundle is None:
+            if rank_and_size()[0] == 0:
+                log.info("no state committed yet: starting from scratch")
+            self._preemption.begin(0)
+            return None
+        self._preemption.begin(bundle["step"] or bundle["epoch"])
+        return ResumePoint(epoch=bundle["epoch"], step=bundle["step"], extra=dict(bundle["extra"]))

@@ -39,6 +39,15 @@ def _check_progress(progress: object) -> int:
     return int(progress)
 
 
+def _check_rng(rng: object) -> np.random.Generator | None:
+    if rng is not None and not isinstance(rng, np.random.Generator):
+        raise TypeError(
+            "rng must be a numpy.random.Generator (np.random.default_rng(seed)) or None; "
+            f"got {type(rng).__name__}"
+        )
+    return rng
+
+
 @dataclass
 class PartialFitBundle:
     """An estimator trained with ``partial_fit``, with its loop's progress and RNG.
@@ -68,11 +77,7 @@ class PartialFitBundle:
     def __post_init__(self) -> None:
         check_partial_fit(self.estimator)
         self.progress = _check_progress(self.progress)
-        if self.rng is not None and not isinstance(self.rng, np.random.Generator):
-            raise TypeError(
-                "rng must be a numpy.random.Generator (np.random.default_rng(seed)) or None; "
-                f"got {type(self.rng).__name__}"
-            )
+        _check_rng(self.rng)
         if not isinstance(self.metadata, Mapping):
             raise TypeError(f"metadata must be a mapping; got {type(self.metadata).__name__}")
         self.metadata = dict(self.metadata)
@@ -91,18 +96,13 @@ class PartialFitBundle:
             TypeError, ValueError: a field was set to an unsupported value since construction.
         """
         check_partial_fit(self.estimator)
-        rng_state = None
-        if self.rng is not None:
-            if not isinstance(self.rng, np.random.Generator):
-                raise TypeError(
-                    f"rng must be a numpy.random.Generator or None; got {type(self.rng).__name__}"
-                )
-            rng_state = self.rng.bit_generator.state
-            if rng_state.get("bit_generator") not in BIT_GENERATORS:
-                raise TypeError(
-                    f"rng uses bit generator {rng_state.get('bit_generator')!r}; supported: "
-                    f"{sorted(BIT_GENERATORS)}"
-                )
+        rng = _check_rng(self.rng)
+        rng_state = None if rng is None else rng.bit_generator.state
+        if rng_state is not None and rng_state.get("bit_generator") not in BIT_GENERATORS:
+            raise TypeError(
+                f"rng uses bit generator {rng_state.get('bit_generator')!r}; supported: "
+                f"{sorted(BIT_GENERATORS)}"
+            )
         return {
             "taskpoint_sklearn": BUNDLE_VERSION,
             "estimator": self.estimator,

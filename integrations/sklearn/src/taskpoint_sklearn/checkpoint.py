@@ -1,40 +1,21 @@
 """``TaskpointSklearnCheckpoint``: save a :class:`PartialFitBundle` after each chunk,
-restore it on the next attempt.
-
-Example::
-
-    import numpy as np
-    import taskpoint
-    from sklearn.linear_model import SGDClassifier
-    from taskpoint_sklearn import TaskpointSklearnCheckpoint
-
-    env = taskpoint.TaskEnvironment(name="sk")
-
-    @env.task(retries=3)
-    def train(chunks: int = 10) -> float:
-        ckpt = TaskpointSklearnCheckpoint(taskpoint.ctx().checkpoint)
-        bundle = ckpt.resume_sync(SGDClassifier(random_state=0), rng=np.random.default_rng(0))
-        for i in range(bundle.progress, chunks):
-            x = bundle.rng.standard_normal((32, 8))
-            bundle.partial_fit(x, (x[:, 0] > 0).astype(int), classes=[0, 1])
-            bundle.progress = i + 1
-            ckpt.save_sync(bundle)
-        return float(bundle.estimator.coef_.sum())
+restore it on the next attempt (the package's documentation shows a loop).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from taskpoint import CheckpointLike, IntervalChoice, report_step
-from taskpoint.runtime.interval import SaveSchedule
-from taskpoint.runtime.step_boundary import StepBoundary
+from taskpoint import CheckpointLike, IntervalChoice
+from taskpoint._types import check_checkpoint_like
+from taskpoint.runtime.boundary_saves import BoundarySaves, Turn
 
 from taskpoint_sklearn.bundle import PartialFitBundle
 from taskpoint_sklearn.errors import BundleFormatError
@@ -86,18 +67,7 @@ class TaskpointSklearnCheckpoint:
         filename: str = "sklearn-bundle",
         save_on_preemption: bool | None = None,
     ) -> None:
-        if not isinstance(checkpoint, CheckpointLike):
-            hint = (
-                " (taskpoint.ctx() is None outside a task, and ctx().checkpoint is None "
-                "where checkpoints are disabled)"
-                if checkpoint is None
-                else ""
-            )
-            raise TypeError(
-                "checkpoint must have save/save_sync/load/load_sync, like "
-                f"taskpoint.ctx().checkpoint or taskpoint.Checkpoint(url); got "
-                f"{type(checkpoint).__name__}{hint}"
-            )
+        check_checkpoint_like(checkpoint)
         if format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}; got {format!r}")
         if not isinstance(filename, str) or not filename or "/" in filename or "\\" in filename:
@@ -106,9 +76,8 @@ class TaskpointSklearnCheckpoint:
         self._format: Format = format
         self._allowed = DEFAULT_TRUSTED_TYPES | type_names(trusted)
         self._filename = filename_for(format, filename)
-        self._boundary = StepBoundary(save_on_preemption, ranks=False)
-        self._last_save_s: float | None = None  # how long the last save took
-        self._schedule = SaveSchedule()  # which chunks save: every N chunks and/or seconds
+        self._saves = BoundarySaves(save_on_preemption, ranks=False, unit="chunks")
+        self._schedule = self._saves.schedule  # which chunks save: every N and/or seconds
 
     def __repr__(self) -> str:
         return f"TaskpointSklearnCheckpoint({self._checkpoint!r}, format={self._format!r})"
@@ -124,11 +93,6 @@ class TaskpointSklearnCheckpoint:
         return self._allowed
 
     # -- saving -----------------------------------------------------------------------
-
-    def _encode(self, bundle: PartialFitBundle) -> bytes:
-        if not isinstance(bundle, PartialFitBundle):
-            raise TypeError(f"save() takes a PartialFitBundle; got {type(bundle).__name__}")
-        return encode(bundle.to_payload(), self._format, self._allowed)
 
     def save_sync(
         self,
@@ -147,23 +111,18 @@ class TaskpointSklearnCheckpoint:
         (``save_on_preemption``) a signal received since the last call makes this call
         save at once and raise :class:`taskpoint.Preempted` once it committed; the next
         attempt resumes at this chunk. A save that took longer last time than the grace
-        period left is skipped (the newest earlier checkpoint stays). A loop that saves
-        every N chunks calls it after every chunk with ``every=N``; one that saves every N
-        seconds of training, with ``every_s=N``, or ``every_s="auto"`` for an interval
-        chosen from what a save costs and how often the run fails
-        (:class:`taskpoint.SaveInterval`). Given both, it saves when either says so.
+        period left is skipped (the newest earlier checkpoint stays). Given ``every`` and
+        ``every_s``, it saves when either says so.
 
         Args:
             bundle: the bundle, its ``progress`` set for the chunk just done.
             every: save only when ``bundle.progress`` is a multiple of ``every`` (or on a
                 preemption); ``None``: save now, unless ``every_s`` is given.
             every_s: save once this many seconds of training passed since the last save,
-                or ``"auto"``: Young/Daly's interval from the measured cost of a save and
-                the run's mean time between failures (its attempt history in the store;
-                the prior ``TASKPOINT_MTBF_PRIOR_S`` until there is one), within 2% of
-                training time and one hour. Each call times the chunk, so call it after
-                every chunk. With a preemption warning a SIGTERM saves anyway: the
-                interval only matters for failures without one.
+                or ``"auto"``: the Young/Daly interval from the measured cost of a save and
+                the run's mean time between failures (:class:`taskpoint.SaveInterval`).
+                Each call times the chunk, so call it after every chunk. A SIGTERM saves
+                anyway: the interval is for failures without warning.
 
         Returns:
             Whether it saved (``False``: ``every``/``every_s`` said not yet).
@@ -179,20 +138,11 @@ class TaskpointSklearnCheckpoint:
             taskpoint.Preempted: SIGTERM arrived; the save committed, failed (chained) or
                 did not fit in the grace period left (none made).
         """
-        step, action = self._boundary_at(bundle, every, every_s)
-        if action == "skip":
+        turn = self._turn(bundle, every, every_s)
+        if not turn.save:
             return False
-        started = time.monotonic()
-        try:
-            data = self._encode(bundle)
-            with tempfile.TemporaryDirectory(prefix="taskpoint-sklearn-") as tmp:
-                path = Path(tmp) / self._filename
-                path.write_bytes(data)
-                self._checkpoint.save_sync(path)
-        except Exception as exc:
-            self._saved(step, action, started, exc)
-            raise
-        self._saved(step, action, started, None, bundle, len(data))
+        with turn, self._staged(bundle) as path:
+            self._checkpoint.save_sync(path)
         return True
 
     async def save(
@@ -203,79 +153,41 @@ class TaskpointSklearnCheckpoint:
         every_s: float | Literal["auto"] | None = None,
     ) -> bool:
         """Async :meth:`save_sync`: serialises now, then awaits the checkpoint's upload."""
-        step, action = self._boundary_at(bundle, every, every_s)
-        if action == "skip":
+        turn = self._turn(bundle, every, every_s)
+        if not turn.save:
             return False
-        started = time.monotonic()
-        try:
-            data = self._encode(bundle)
-            with tempfile.TemporaryDirectory(prefix="taskpoint-sklearn-") as tmp:
-                path = Path(tmp) / self._filename
-                path.write_bytes(data)
-                await self._checkpoint.save(path)
-        except Exception as exc:
-            self._saved(step, action, started, exc)
-            raise
-        self._saved(step, action, started, None, bundle, len(data))
+        with turn, self._staged(bundle) as path:
+            await self._checkpoint.save(path)
         return True
 
     @property
     def save_interval(self) -> IntervalChoice | None:
         """The time interval ``every_s`` asked for, and for ``"auto"`` what it was chosen
         from (:class:`taskpoint.IntervalChoice`); ``None`` before a call with ``every_s``."""
-        interval = self._schedule.interval
-        return None if interval is None else interval.choice
+        return self._saves.interval_choice
 
-    def _boundary_at(
+    def _turn(
         self, bundle: PartialFitBundle, every: int | None,
         every_s: float | Literal["auto"] | None,
-    ) -> tuple[int | None, Literal["save", "skip", "stop"]]:
-        """Report the step, and say what a save call does: ``save``, ``skip`` (``every``
-        or ``every_s`` says not yet) or ``stop`` (save, then stop); raise :class:`taskpoint.Preempted`
-        at once when a preemption save would not fit in the time left."""
+    ) -> Turn:
+        """What a save call does (see :meth:`BoundarySaves.reached`)."""
         if not isinstance(bundle, PartialFitBundle):
             raise TypeError(f"save() takes a PartialFitBundle; got {type(bundle).__name__}")
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(f"every must be a positive int (chunks between saves); got {every!r}")
-        progress = bundle.progress  # set by the loop: the save refuses it if it is no count
-        valid = isinstance(progress, int) and not isinstance(progress, bool) and progress >= 0
-        step = progress if valid else None
-        if not self._boundary.reached(step):
-            due = self._schedule.due(self._checkpoint, step, every, every_s)
-            return step, "save" if due else "skip"
-        if not self._boundary.fits(self._last_save_s):
-            took = "" if self._last_save_s is None else f"the last save took {self._last_save_s:.1f} s, "
-            left = max(0.0, self._boundary.budget())
-            self._boundary.stop(
-                step, saved=False, reason=f"{took}{left:.1f} s of the grace period left",
-                checkpoint=self._checkpoint,
-            )
-        return step, "stop"
+        return self._saves.reached(self._checkpoint, bundle.progress, every, every_s)
 
-    def _saved(
-        self,
-        step: int | None,
-        action: str,
-        started: float,
-        error: Exception | None,
-        bundle: PartialFitBundle | None = None,
-        size: int = 0,
-    ) -> None:
-        """After a save: time it, log it; for a preemption save, stop."""
-        if error is None:
-            self._last_save_s = time.monotonic() - started
-            self._schedule.saved(blocked_s=self._last_save_s)
-            assert bundle is not None
-            log.debug(
-                "saved %s bundle of %s at progress %d (%d bytes) in %.2fs",
-                self._format, type(bundle.estimator).__name__, bundle.progress, size,
-                self._last_save_s,
-            )
-        if action == "stop":
-            self._boundary.stop(
-                step, saved=error is None, reason=f"{type(error).__name__}: {error}",
-                checkpoint=self._checkpoint, cause=error,
-            )
+    @contextlib.contextmanager
+    def _staged(self, bundle: PartialFitBundle) -> Iterator[Path]:
+        """The bundle serialised to a temporary file, for the body to commit."""
+        started = time.monotonic()
+        data = encode(bundle.to_payload(), self._format, self._allowed)
+        with tempfile.TemporaryDirectory(prefix="taskpoint-sklearn-") as tmp:
+            path = Path(tmp) / self._filename
+            path.write_bytes(data)
+            yield path
+        log.debug(
+            "saved %s bundle of %s at progress %d (%d bytes) in %.2fs", self._format,
+            type(bundle.estimator).__name__, bundle.progress, len(data), time.monotonic() - started,
+        )
 
     # -- loading ----------------------------------------------------------------------
 
@@ -323,9 +235,7 @@ class TaskpointSklearnCheckpoint:
         metadata: Mapping[str, Any] | None,
     ) -> PartialFitBundle:
         if restored is None:
-            fresh = PartialFitBundle(estimator, 0, rng, dict(metadata or {}))
-            self._begin(fresh)
-            return fresh
+            restored = PartialFitBundle(estimator, 0, rng, dict(metadata or {}))
         if type(restored.estimator) is not type(estimator):
             raise BundleFormatError(
                 f"the checkpoint holds a {type(restored.estimator).__name__} but this run "
@@ -341,15 +251,8 @@ class TaskpointSklearnCheckpoint:
                 + ": keep the rng argument the same across attempts",
                 path=self._filename,
             )
-        self._begin(restored)
+        self._saves.begin(restored.progress)  # report it; defer SIGTERM to the next save
         return restored
-
-    def _begin(self, bundle: PartialFitBundle) -> None:
-        """Training starts at ``bundle``: report its progress and defer SIGTERM to the
-        next :meth:`save_sync`."""
-        report_step(bundle.progress)
-        self._schedule.start()  # ``every_s`` counts from here
-        self._boundary.begin()
 
     def resume_sync(
         self,
