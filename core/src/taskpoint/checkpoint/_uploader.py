@@ -544,9 +544,10 @@ class Worker:
         (:data:`RELEASED_EXIT_S`). Never waits: the process and its reader thread end a
         moment later."""
         with self._lock:
-            was = user in self._users
+            if user not in self._users:
+                return  # not a user (a thread's uploads, or let go of already)
             self._users.discard(user)
-            if self._users or not (was or at_once):
+            if self._users:
                 return
             self._idle_exit_s = RELEASED_EXIT_S if at_once else IDLE_EXIT_S
             child = self._child
