@@ -336,3 +336,65 @@ def test_stopping_the_reader_thread_ends_the_upload_process(
     ckpt.save_sync(b"y", background=True)
     ckpt.close()
     assert Checkpoint(tmp_path / "store").load_sync().read_bytes() == b"y"  # type: ignore[union-attr]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_release_ends_the_upload_process_at_once_and_the_next_save_takes_it_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Checkpoint.release`` (the adapters' end of training) lets go of the upload process
+    without closing: once no open checkpoint holds it, it ends at once, reader thread too,
+    and the next background save through the same checkpoint takes it up again."""
+    monkeypatch.setattr(_uploader, "_shared", None)
+    ckpt = Checkpoint(tmp_path / "store", background_upload="process")
+    other = Checkpoint(tmp_path / "other", background_upload="process")
+    pid = _upload_pid()
+    ckpt.save_sync(b"x", background=True)
+    ckpt.wait()
+    assert ckpt._saves.process_uploads == 1
+    thread = _uploader.shared().thread
+    ckpt.release()
+    time.sleep(_uploader.IDLE_POLL_S * 4)
+    assert _alive(pid) and thread in threading.enumerate(), "another open checkpoint uses it"
+    other.release()
+    took = _ended_within(_uploader.shared(), pid, thread, _uploader.IDLE_EXIT_S + 30)
+    assert took < _uploader.IDLE_EXIT_S / 2  # not a closed checkpoint's idle wait
+    assert not ckpt.closed and not other.closed
+
+    ckpt.save_sync(b"y", background=True)  # a thread, while a new upload process starts
+    ckpt.wait()
+    pid = _upload_pid()
+    ckpt.save_sync(b"z", background=True)
+    ckpt.wait()
+    assert ckpt._saves.process_uploads == 2  # through the new upload process
+    thread = _uploader.shared().thread
+    ckpt.release()
+    assert _ended_within(_uploader.shared(), pid, thread, 30) < _uploader.IDLE_EXIT_S / 2
+    assert Checkpoint(tmp_path / "store").load_sync().read_bytes() == b"z"  # type: ignore[union-attr]
+    ckpt.close()
+    ckpt.release()  # closed: nothing to let go of
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_a_released_upload_process_ends_once_the_save_in_flight_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Released with a save in flight, the upload process answers it (the save commits)
+    and then ends; the save, begun before the release, does not take it up again."""
+    monkeypatch.setattr(_uploader, "_shared", None)
+    ckpt = Checkpoint(tmp_path / "store", background_upload="process")
+    pid = _upload_pid()
+    thread = _uploader.shared().thread
+    os.kill(pid, signal.SIGSTOP)  # the request waits, unanswered, in its input
+    try:
+        ckpt.save_sync(_tree(tmp_path / "tree", 1, seed=7), background=True)
+        _sent(ckpt, 1)
+        ckpt.release()
+        time.sleep(_uploader.IDLE_POLL_S * 4)
+        assert not ckpt.wait(0) and thread in threading.enumerate()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    ckpt.wait()
+    assert _ended_within(_uploader.shared(), pid, thread, 30) < _uploader.IDLE_EXIT_S / 2
+    restored = Checkpoint(tmp_path / "store").load_sync()
+    assert restored is not None and (restored / "step.txt").read_text() == "7"

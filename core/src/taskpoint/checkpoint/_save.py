@@ -455,6 +455,7 @@ class Saves:
         self._lock = threading.Lock()  # held while a save commits
         self._state = threading.Lock()  # guards _closed
         self._closed = False
+        self._released = False  # let go of the upload process since the last save began
         self._tickets = itertools.count()
         self._background = UploadThread("taskpoint-background-save", nice=False)  # run() nices
         self._idle = _Idle(self._background)
@@ -488,6 +489,7 @@ class Saves:
         if not background:
             self._background.supersede(ticket)
         else:  # while the snapshot is taken (a copy: outside the GIL); neither waits
+            self._released = False
             if self._upload_in_process:
                 _uploader.shared().start(self._protocols, user=self)
             self._attempt.claim_soon()  # a first save's claim: the client's import, requests
@@ -498,6 +500,7 @@ class Saves:
         checkpoint before it trains), so that the first background saves find it ready:
         one committed from a thread while it starts dies with a killed training process."""
         if self._upload_in_process and not self._closed:
+            self._released = False
             _uploader.shared().start(self._protocols, user=self)  # never waits
 
     def queue(self, source: Source, ticket: int) -> None:
@@ -550,11 +553,11 @@ class Saves:
     def _worker(self) -> _uploader.Worker | None:
         """The upload process for a background save, once it is ready; ``None`` while it
         starts (it is started if need be): the save then commits in this thread rather than
-        wait for it."""
+        wait for it. A save begun before :meth:`release` uses it without taking it up again."""
         if not self._upload_in_process:
             return None
         worker = _uploader.shared()
-        worker.start(self._protocols, user=self)  # never waits
+        worker.start(self._protocols, user=None if self._released else self)  # never waits
         return worker if worker.ready else None
 
     @property
@@ -654,6 +657,16 @@ class Saves:
             _settle.untrack(self._idle)
             _uploader.shared().release(self)  # unused, the upload process ends
         self.raise_error()
+
+    def release(self) -> None:
+        """Let go of the upload process, staying open (see
+        :meth:`taskpoint.Checkpoint.release`): saves begun before still commit through it;
+        the next background save (or :meth:`prepare`) takes it up again. Never waits."""
+        with self._state:
+            if self._closed:
+                return  # closing let go already
+            self._released = True
+        _uploader.shared().release(self, at_once=True)
 
     @property
     def closed(self) -> bool:

@@ -11,7 +11,10 @@ One upload process serves a whole Python process (a job, or one attempt of it): 
 :class:`Worker`, which starts the child (running :func:`main`) at the first background
 save, without waiting for it, and keeps it while an open checkpoint uses it: once the last
 is closed (or collected) and no request is in flight, it ends after :data:`IDLE_EXIT_S`
-seconds, and the next background save starts a new one. Interpreter exit ends it too, once
+seconds; once the last lets go of it without closing (:meth:`Worker.release` with
+``at_once``, what :meth:`taskpoint.Checkpoint.release` does at the end of a fit), it ends
+at once, or right after the requests in flight are answered. The next background save
+starts a new one. Interpreter exit ends it too, once
 its requests are answered (a fork's child starts its own). The child runs :mod:`taskpoint.checkpoint._upload_child`, which commits
 each request with a :class:`~taskpoint.checkpoint._save.Saver` built from it. The child commits each request in a thread of its own, so the checkpoints
 of one job never queue behind one another; each checkpoint sends one save at a time. The
@@ -147,6 +150,12 @@ IDLE_EXIT_S = 10.0
 for one before it ends (seconds). A checkpoint whose background saves would go there
 uses it from its construction until it is closed or collected; the next background save
 after it ended starts a new one."""
+RELEASED_EXIT_S = 0.0
+"""How long an upload process waits for a new user once its last one let go of it without
+closing (:meth:`Worker.release` with ``at_once``; seconds): none. Letting go says saving is
+over for now (the end of a fit), so nothing of taskpoint's outlives it, thread or process
+(test harnesses flag a thread a test left running); the next background save starts a new
+one, committing from a thread until it is ready."""
 IDLE_POLL_S = 0.25
 """How often the idle upload process's reader checks whether it is still wanted (seconds)."""
 
@@ -271,7 +280,7 @@ class _Child:
     The thread starts the process, waits for its ready frame, then hands each reply to
     the request waiting for it; when the process ends, every request still waiting fails
     with :class:`WorkerDied`. While no request waits and ``wanted`` says no open
-    checkpoint uses it, it ends once :data:`IDLE_EXIT_S` seconds have passed so.
+    checkpoint uses it, it ends once :attr:`idle_exit_s` seconds have passed so.
     """
 
     def __init__(
@@ -282,6 +291,9 @@ class _Child:
         self.protocols = protocols
         self._wanted = wanted
         self._idle_since = time.monotonic()
+        self.idle_exit_s = IDLE_EXIT_S
+        """How long it waits, idle and unwanted, before it ends (seconds; set by
+        :class:`Worker`: :data:`IDLE_EXIT_S`, or :data:`RELEASED_EXIT_S` once let go of)."""
         self.ready = threading.Event()
         self.ended = threading.Event()
         self.started = threading.Event()  # ready, or ended without starting
@@ -370,16 +382,16 @@ class _Child:
 
     def _await_reply(self, replies: IO[bytes]) -> None:
         """Wait until a reply (or the end of the process's output) can be read; meanwhile
-        end the process once it has been idle, unwanted, :data:`IDLE_EXIT_S` seconds."""
+        end the process once it has been idle, unwanted, :attr:`idle_exit_s` seconds."""
         while not select.select([replies], [], [], IDLE_POLL_S)[0]:
             with self._lock:
                 if self._closing or self._pending or self._wanted():
                     if self._pending or self._wanted():
                         self._idle_since = time.monotonic()
                     continue
-                if time.monotonic() - self._idle_since < IDLE_EXIT_S:
+                if time.monotonic() - self._idle_since < self.idle_exit_s:
                     continue
-            log.debug("the upload process has been idle, unused, %ss: it ends", IDLE_EXIT_S)
+            log.debug("the upload process has been idle, unused, %ss: it ends", self.idle_exit_s)
             self.close(timeout=0)  # it exits at once (no request): its output ends
 
     def _failed_start(self, why: str) -> None:
@@ -468,16 +480,28 @@ class Worker:
 
     It knows the open checkpoints that use it (its *users*, held weakly): once none is
     left and no request is in flight, the upload process ends after :data:`IDLE_EXIT_S`
-    seconds, and its reader thread with it.
+    seconds (at once after a :meth:`release` with ``at_once``), and its reader thread with
+    it. A request being made (:meth:`run`, from its call on) keeps it as a user does.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._child: _Child | None = None
         self._users: weakref.WeakSet[object] = weakref.WeakSet()
+        self._requests = 0  # run() calls not yet answered
+        self._idle_exit_s = IDLE_EXIT_S  # what a child waits, idle and unwanted, to end
 
     def _wanted(self) -> bool:
-        return len(self._users) > 0
+        """Whether a user holds it or a request is being made (read without the lock: the
+        reader thread asks with its child's lock held)."""
+        return len(self._users) > 0 or self._requests > 0
+
+    def _add_user(self, user: object) -> None:
+        """Count ``user`` (with ``_lock`` held): the child waits :data:`IDLE_EXIT_S` again."""
+        self._users.add(user)
+        self._idle_exit_s = IDLE_EXIT_S
+        if self._child is not None:
+            self._child.idle_exit_s = IDLE_EXIT_S
 
     def start(self, protocols: tuple[str, ...] = (), *, user: object = None) -> None:
         """Start the upload process unless it runs or is starting with this process's
@@ -493,7 +517,7 @@ class Worker:
         env = dict(os.environ)
         with self._lock:
             if user is not None:
-                self._users.add(user)
+                self._add_user(user)
             old = self._child
             if (
                 old is not None and not old.ended.is_set() and not old.closing
@@ -501,6 +525,7 @@ class Worker:
             ):
                 return
             self._child = _Child(env, protocols, self._wanted)
+            self._child.idle_exit_s = self._idle_exit_s
         if old is not None and not old.ended.is_set():
             log.debug("the environment changed: a new upload process takes over")
             old.close(timeout=0)
@@ -509,13 +534,30 @@ class Worker:
         """Count ``user`` (an open checkpoint's saves) among those using the upload
         process, until :meth:`release` or until it is collected; starts nothing."""
         with self._lock:
-            self._users.add(user)
+            self._add_user(user)
 
-    def release(self, user: object) -> None:
-        """``user`` (a checkpoint closed) no longer uses the upload process: the last user
-        gone, it ends once idle :data:`IDLE_EXIT_S` seconds."""
+    def release(self, user: object, *, at_once: bool = False) -> None:
+        """``user`` no longer uses the upload process. The last user gone, it ends once
+        idle :data:`IDLE_EXIT_S` seconds (a checkpoint closed), or, with ``at_once`` (a
+        checkpoint letting go without closing: :meth:`taskpoint.Checkpoint.release`), now
+        when no request is in flight, else as soon as the last is answered
+        (:data:`RELEASED_EXIT_S`). Never waits: the process and its reader thread end a
+        moment later."""
         with self._lock:
+            if user not in self._users:
+                return  # not a user (a thread's uploads, or let go of already)
             self._users.discard(user)
+            if self._users:
+                return
+            self._idle_exit_s = RELEASED_EXIT_S if at_once else IDLE_EXIT_S
+            child = self._child
+            if child is None or child.ended.is_set():
+                return
+            child.idle_exit_s = self._idle_exit_s
+            if at_once and not self._requests:
+                # Under the lock, so a start() meanwhile sees it closing and starts anew.
+                log.debug("the last checkpoint let go of the upload process: it ends")
+                child.close(timeout=0)  # no request: it exits at once
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -563,11 +605,17 @@ class Worker:
                 is lost; a new child starts at the next call).
             Exception: what the save raised in the child.
         """
-        self.start()
-        child = self._child
-        assert child is not None
-        child.started.wait()
-        return child.run(request)
+        with self._lock:
+            self._requests += 1  # wanted from here on: no idle end before it is sent
+        try:
+            self.start()
+            child = self._child
+            assert child is not None
+            child.started.wait()
+            return child.run(request)
+        finally:
+            with self._lock:
+                self._requests -= 1
 
     def close(self, timeout: float | None = CLOSE_WAIT_S) -> bool:
         """Let the child finish its requests and exit, waiting for that up to ``timeout``

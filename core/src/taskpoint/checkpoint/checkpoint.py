@@ -124,7 +124,8 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
     background saves and ends saving through the object. Neither is needed to free
     anything: a ``Checkpoint`` holds no process or thread of its own once its background
     saves have committed; the upload process it shares with this process's other
-    checkpoints ends 10 seconds after the last of them using it was closed or collected.
+    checkpoints ends 10 seconds after the last of them using it was closed or collected,
+    or at once after the last let go of it with :meth:`release` (which keeps it open).
     At interpreter exit (an exit on an uncaught exception too)
     every background save still queued or in flight is waited for, up to
     :data:`taskpoint.checkpoint.mirror.EXIT_WAIT_S` seconds in all.
@@ -285,6 +286,22 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
                 does); the checkpoint is closed all the same.
         """
         self._saves.close()
+
+    def release(self) -> None:
+        """Let go of what saving holds in this process without closing: the checkpoint
+        stays open, and its next background save (or a load, which readies saving) takes
+        it up again, transparently.
+
+        What it lets go of is its share of the upload process (see ``background_upload``):
+        once no other open checkpoint uses that process, it ends now, or, with a save
+        still in flight, as soon as that save is answered, and its reader thread with it
+        (the upload thread of each checkpoint ends on its own once its saves are done).
+        So after a fit's last save has committed, nothing of taskpoint's runs on; the
+        framework adapters call it when training ends. Saves begun before it still commit.
+        Never waits: call :meth:`wait` first to have the saves committed. Does nothing on
+        a closed checkpoint.
+        """
+        self._saves.release()
 
     @property
     def closed(self) -> bool:

@@ -387,6 +387,10 @@ class TaskpointTrainerCallback(TrainerCallback):
                 )
             elif metrics:
                 log.info("taskpoint figures at the end of training: %s", metrics)
+        # Training is over: let go of the upload process (it ends once no open checkpoint
+        # uses it); the checkpoint stays open for a later train().
+        if isinstance(self._checkpoint, taskpoint.Checkpoint):
+            self._checkpoint.release()
         self._preemption.finish(state, committed, error, self._checkpoint)
 
     def _add_figures(

@@ -329,6 +329,10 @@ class _TaskpointMirror(Mirroring):
             self._finish(trainer)
             if fit is not None:
                 fit.stop.close()
+            # The fit is over: let go of the upload process (it ends once no open
+            # checkpoint uses it); the checkpoint stays open for a later fit.
+            if isinstance(self._taskpoint, taskpoint.Checkpoint):
+                self._taskpoint.release()
 
     def _wait_on_preempt(self) -> None:
         """Inside a taskpoint task, make its SIGTERM handler wait for the mirror in flight
