@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["CheckpointLike"]
+__all__ = ["CheckpointLike", "check_checkpoint_like"]
 
 
 @runtime_checkable
@@ -24,3 +24,24 @@ class CheckpointLike(Protocol):
     async def load(self) -> Path | None: ...
 
     def load_sync(self) -> Path | None: ...
+
+
+def check_checkpoint_like(checkpoint: object, owner: str) -> CheckpointLike:
+    """``checkpoint``, once it is a :class:`CheckpointLike`: the check every adapter makes
+    of the checkpoint it is given (``owner`` names the adapter's class or function).
+
+    Raises:
+        TypeError: it lacks the checkpoint methods; for ``None``, the message says where
+            ``taskpoint.ctx().checkpoint`` is ``None``.
+    """
+    if isinstance(checkpoint, CheckpointLike):
+        return checkpoint
+    hint = (
+        " (taskpoint.ctx().checkpoint is None outside a task or when checkpoints are off; "
+        "pass taskpoint.Checkpoint(url) instead)" if checkpoint is None else ""
+    )
+    raise TypeError(
+        f"{owner} takes a checkpoint with save/save_sync/load/load_sync (a "
+        "taskpoint.Checkpoint, taskpoint.ctx().checkpoint or another CheckpointLike) as its "
+        f"first argument; got {type(checkpoint).__name__}{hint}"
+    )

@@ -1,14 +1,8 @@
-"""Lightning's ``OnExceptionCheckpoint`` next to ``TaskpointModelCheckpoint``: its file is
-mirrored when it lands in the callback's ``dirpath``.
-
-``OnExceptionCheckpoint`` saves with ``trainer.save_checkpoint`` from its ``on_exception``
-hook, which none of ``ModelCheckpoint``'s save methods see, and deletes the file in its
-``teardown`` hook, which Lightning calls only when fit did not fail. So the callback runs
-its own ``on_exception`` after every ``OnExceptionCheckpoint`` whose file is in its
-``dirpath`` (at setup it moves them just before itself in ``trainer.callbacks``, which
-keeps the order of the rest), mirrors the folder when one of their files changed, and
-mirrors again at teardown when one was deleted. One saving outside ``dirpath`` is not
-mirrored; a WARNING at setup names it.
+"""Lightning's ``OnExceptionCheckpoint`` next to ``TaskpointModelCheckpoint``: it saves from
+its ``on_exception`` (no ``ModelCheckpoint`` save method sees it) and deletes the file at
+``teardown``. So the callback moves every one saving into its ``dirpath`` just before
+itself in ``trainer.callbacks``, mirrors the folder when one of their files changed, and
+again at teardown when one was deleted; one saving elsewhere is named in a WARNING.
 """
 
 from __future__ import annotations
