@@ -6,7 +6,6 @@ another asynchronous plugin may leave a file half written (:func:`unfinished_fil
 from __future__ import annotations
 
 import os
-import sys
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -14,21 +13,11 @@ from typing import Any
 
 from taskpoint.distributed.nodes import list_files
 
+from taskpoint_lightning._compat import loaded_classes
+
 __all__ = ["flush_async_io", "unfinished_files"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
-_IO_MODULES = ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io")
-
-
-def _async_io_types() -> tuple[type, ...]:
-    """Lightning's ``AsyncCheckpointIO`` from each Lightning package already imported."""
-    found = []
-    for name in _IO_MODULES:
-        module = sys.modules.get(name)
-        cls = getattr(module, "AsyncCheckpointIO", None) if module is not None else None
-        if isinstance(cls, type):
-            found.append(cls)
-    return tuple(found)
 
 
 def flush_async_io(checkpoint_io: Any) -> int:
@@ -39,7 +28,7 @@ def flush_async_io(checkpoint_io: Any) -> int:
     Raises:
         BaseException: whatever a queued write raised, re-raised by the plugin.
     """
-    async_types = _async_io_types()
+    async_types = loaded_classes("plugins.io", "AsyncCheckpointIO")
     flushed = 0
     seen: set[int] = set()
     current = checkpoint_io

@@ -9,26 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any
+
+from taskpoint_lightning._compat import loaded_classes
 
 __all__ = ["ExceptionFiles"]
 
 log = logging.getLogger(__name__)
-
-_CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
-
-
-def _on_exception_types() -> tuple[type, ...]:
-    """``OnExceptionCheckpoint`` from each Lightning package already imported."""
-    found = []
-    for name in _CALLBACK_MODULES:
-        module = sys.modules.get(name)
-        cls = getattr(module, "OnExceptionCheckpoint", None) if module is not None else None
-        if isinstance(cls, type):
-            found.append(cls)
-    return tuple(found)
-
 
 def _ckpt_path(callback: Any) -> str:
     path: str = os.fspath(callback.ckpt_path)
@@ -64,7 +51,7 @@ class ExceptionFiles:
         that save into ``dirpath``, moved before ``owner`` in ``trainer.callbacks`` (a new
         list: Lightning may be going through the old one), so their ``on_exception`` runs
         first."""
-        types = _on_exception_types()
+        types = loaded_classes("callbacks", "OnExceptionCheckpoint")
         callbacks: list[Any] = list(trainer.callbacks)  # (set by Lightning, not declared)
         if not types or owner not in callbacks:
             return cls([])
