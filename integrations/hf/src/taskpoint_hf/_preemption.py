@@ -230,16 +230,10 @@ class Preemption:
             return self.stop.budget()
         return within_grace(None) if self.mode == "jit" else None
 
-    def finish(
-        self,
-        state: TrainerState,
-        committed: bool,
-        error: BaseException | None = None,
-        checkpoint: object = None,
-    ) -> None:
+    def finish(self, state: TrainerState, committed: bool, error: BaseException | None = None) -> None:
         """End of training: leave the deferral; after a preemption stop (:attr:`stop`), say
         what became of its save and raise (every rank; outside a task world process zero
-        records the end as preempted in ``checkpoint``).
+        records the end as preempted in the mirror's checkpoint).
 
         Raises:
             taskpoint.Preempted: training stopped for a preemption signal.
@@ -260,7 +254,7 @@ class Preemption:
             outcome = f"checkpoint-{stop.step} missed ({why})"
         self._stop.end(
             f"received {stop.signal}; training stopped at step {stop.step}: {outcome}",
-            step=stop.step, leader=state.is_world_process_zero, checkpoint=checkpoint,
+            step=stop.step, leader=state.is_world_process_zero, checkpoint=self.job.checkpoint,
             cause=error,
         )
 

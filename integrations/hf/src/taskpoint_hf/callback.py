@@ -315,7 +315,7 @@ class TaskpointTrainerCallback(TrainerCallback):
                 )
             elif metrics:
                 log.info("taskpoint figures at the end of training: %s", metrics)
-        self._preemption.finish(state, committed, error, self._checkpoint)
+        self._preemption.finish(state, committed, error)
 
     def _add_figures(
         self, state: TrainerState, control: TrainerControl, logs: dict[str, float]

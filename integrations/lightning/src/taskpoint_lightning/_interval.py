@@ -56,7 +56,7 @@ def check_time_interval(value: object, owner: str, kwargs: dict[str, Any]) -> Ti
                 f"{owner}: train_time_interval={value!r} and {name}={kwargs[name]!r} are "
                 "mutually exclusive (as in Lightning's ModelCheckpoint): save by time or by count"
             )
-    return value  # type: ignore[return-value]
+    return value
 
 
 class TimedSaves(_TimedSaves):
@@ -88,9 +88,8 @@ class TimedSaves(_TimedSaves):
     def key(self) -> timedelta | str | None:
         """What the callback's ``state_key`` names the setting by: the ``timedelta``, or
         ``"auto"`` / ``"SaveInterval"`` (stable while the chosen interval changes)."""
-        if isinstance(self.spec, SaveInterval):
-            return "SaveInterval"
-        return self.spec
+        spec = self.spec
+        return "SaveInterval" if isinstance(spec, SaveInterval) else spec  # type: ignore[return-value]
 
     def due_on(self, trainer: pl.Trainer) -> bool:
         """At a step boundary: whether a timed save is due, global rank zero's answer on

@@ -57,12 +57,8 @@ def _main_thread() -> bool:
 
 
 class Preemption:
-    """One fit's SIGTERM handling (see the module's documentation).
-
-    Args:
-        active: whether SIGTERM becomes a save (agreed by every rank).
-        stop: the shared stop sequence.
-    """
+    """One fit's SIGTERM handling (see the module's documentation): ``active``, whether
+    SIGTERM becomes a save (agreed by every rank), through core's ``stop`` sequence."""
 
     def __init__(self, active: bool, stop: PreemptionStop) -> None:
         self.active = active
@@ -71,12 +67,11 @@ class Preemption:
 
     @classmethod
     def start(cls, trainer: pl.Trainer, choice: bool | None, timeout: float) -> Preemption:
-        """Set up at the callback's ``setup`` (every rank, before Lightning registers its
-        handlers): decide, install taskpoint's handler, defer, make the vote.
+        """Set up at ``setup`` (every rank, before Lightning registers its handlers).
 
         Raises:
             ValueError: ``TASKPOINT_SAVE_ON_PREEMPTION`` or ``TASKPOINT_GRACE_PERIOD`` is
-                set to something unusable.
+                unusable.
         """
         active = preemption.save_on_preemption(
             choice, in_task=taskpoint.runtime.context.supervised()

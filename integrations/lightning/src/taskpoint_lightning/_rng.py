@@ -81,17 +81,9 @@ def _native(stored: dict[str, Any]) -> dict[str, Any]:
 
 def capture_rng(*, include_cuda: bool, mid_epoch: bool) -> dict[str, Any]:
     """Every rank's random state, gathered on every rank (a collective, as Lightning's
-    checkpoint dump is).
-
-    Args:
-        include_cuda: also keep the CUDA generators (only when training on CUDA, so a CPU
-            run never starts a CUDA context).
-        mid_epoch: whether the state is taken inside an epoch, after its data iterator
-            was made; a resume then sets the state again once Lightning has re-made it.
-
-    Returns:
-        ``{"format", "mid_epoch", "ranks"}``, ``ranks`` indexed by global rank.
-    """
+    checkpoint dump is): ``{"format", "mid_epoch", "ranks"}``, ``ranks`` by global rank.
+    ``include_cuda`` only when training on CUDA (a CPU run never starts a CUDA context);
+    ``mid_epoch``: taken inside an epoch, whose iterator a resume makes again."""
     local = _storable(_collect_rng_states(include_cuda=include_cuda))
     ranks: list[Any] = [local]
     if is_distributed():

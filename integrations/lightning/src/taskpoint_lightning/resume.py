@@ -1,10 +1,5 @@
-"""``resume_ckpt_path``: the ``ckpt_path`` that ``Trainer.fit`` resumes from.
-
-Example::
-
-    ckpt = taskpoint.ctx().checkpoint
-    trainer.fit(model, ckpt_path=resume_ckpt_path(ckpt, dirpath="ckpts"))   # None at first
-"""
+"""``resume_ckpt_path``: the ``ckpt_path`` that ``Trainer.fit`` resumes from (the package
+docstring shows how)."""
 
 from __future__ import annotations
 
