@@ -15,6 +15,7 @@ from taskpoint.runtime.interval import (
     IntervalChoice,
     SaveInterval,
     SaveSchedule,
+    TimedSaves,
     mean_time_between_failures,
     young_daly,
 )
@@ -390,3 +391,36 @@ def test_a_schedule_that_changes_its_interval_records_only_the_new_one(tmp_path:
     checkpoint.save_sync(b"again")
     (record,) = read_attempts(Store(tmp_path.as_uri()))
     assert record.interval is not None and record.interval["every"] == "auto"
+
+
+def test_timed_saves_make_their_interval_once_from_seconds_a_timedelta_or_the_users_own(
+    tmp_path: Path,
+) -> None:
+    from datetime import timedelta
+
+    ckpt = Checkpoint(tmp_path / "store")
+    none = TimedSaves(None)
+    none.start(ckpt)
+    assert none.interval is None and none.choice is None and not none.due(lambda due: due)
+    for spec, seconds in ((45.0, 45.0), (timedelta(minutes=2), 120.0)):
+        timed = TimedSaves(spec)
+        assert timed.choice is None  # made at training start
+        timed.start(ckpt)
+        made = timed.interval
+        assert made is not None and timed.choice is not None
+        assert timed.choice.interval_s == seconds
+        timed.start(ckpt)
+        assert timed.interval is made
+        made.detach()
+    clock = FakeClock()
+    own = SaveInterval(30, clock=clock)
+    timed = TimedSaves(own)
+    timed.start(ckpt)
+    assert timed.interval is own
+    asked: list[bool] = []
+    clock.advance(31.0)
+    assert timed.due(lambda due: asked.append(due) or False) is False  # rank 0 said no
+    assert asked == [True]
+    assert timed.due(lambda due: due) is True
+    timed.saved(blocked_s=-1.0, background=False)  # a clock step back counts as no wait
+    assert not timed.due(lambda due: due)

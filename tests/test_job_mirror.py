@@ -69,3 +69,40 @@ def test_every_rank_commits_its_disk_as_one_checkpoint(tmp_path: Path) -> None:
     assert (restored / "checkpoint-6" / "rng_state_1.pth").read_text() == (
         "rng_state_1.pth from rank 1"
     )
+
+
+class _FailingCheckpoint:
+    """Any system's checkpoint whose saves fail (a store that is down)."""
+
+    async def save(self, data: object, /) -> None:
+        raise taskpoint.CheckpointStoreError("store is down", url="test://down")
+
+    def save_sync(self, data: object, /) -> None:
+        raise taskpoint.CheckpointStoreError("store is down", url="test://down")
+
+    async def load(self) -> Path | None:
+        return None
+
+    def load_sync(self) -> Path | None:
+        return None
+
+
+def test_settle_waits_for_the_upload_and_logs_a_failure_instead_of_raising(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "weights.bin").write_bytes(b"w")
+    job = JobMirror(taskpoint.Checkpoint(tmp_path / "store"), blocking=False, timeout=30)
+    assert job.settle(30) is None  # nothing in flight
+    job.uploads.save(tmp_path / "out", step=1)
+    assert job.settle(30) is True and job.lost is None
+    assert len(taskpoint.Checkpoint(tmp_path / "store").committed()) == 1
+
+    broken = JobMirror(_FailingCheckpoint(), blocking=False, timeout=30)
+    broken.uploads.save(tmp_path / "out", step=2)
+    with caplog.at_level("INFO", logger="taskpoint"):
+        broken.settle_failed(RuntimeError("boom"), 30, 2)
+    assert isinstance(broken.lost, taskpoint.CheckpointStoreError)
+    assert "failed: CheckpointStoreError: store is down" in caplog.text
+    assert "training ended by RuntimeError at step 2; the upload in flight committed" in caplog.text
+    assert broken.settle(30) is None  # the failure is not raised again

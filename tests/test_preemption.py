@@ -210,3 +210,49 @@ def test_a_rank_told_by_another_notes_the_notice_without_running_any_handler(
     assert seen["ran"] == [] and seen["before"] is False and seen["kept"] is True
     assert seen["signal"] == "SIGTERM" and 10 < seen["remaining"] <= 20
     assert seen["marked"] == [False, True] and seen["after"] is True
+
+
+DEDUP_TASK = """
+import os, signal, sys, time
+import taskpoint
+
+env = taskpoint.TaskEnvironment(name="dedup", root=sys.argv[1], run_id="r1")
+
+
+class Adapter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_preempt(self) -> None:
+        self.calls += 1
+        print("CALLS", self.calls, flush=True)
+
+
+adapter = Adapter()
+
+
+@env.task(retries=0)
+def train() -> None:
+    context = taskpoint.ctx()
+    for _ in range(3):  # an adapter's hook at every training start
+        context.on_preempt(adapter.on_preempt)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+
+
+try:
+    train()
+except taskpoint.Preempted:
+    print("PREEMPTED", adapter.calls, flush=True)
+"""
+
+
+def test_a_preempt_callback_registered_again_runs_once(tmp_path: Path) -> None:
+    script = tmp_path / "dedup.py"
+    script.write_text(DEDUP_TASK)
+    done = subprocess.run(
+        [sys.executable, str(script), f"file://{tmp_path / 'store'}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert "PREEMPTED 1" in done.stdout, done.stdout + done.stderr
+    assert done.stdout.count("CALLS") == 1, done.stdout

@@ -26,21 +26,22 @@ class CheckpointLike(Protocol):
     def load_sync(self) -> Path | None: ...
 
 
-def check_checkpoint_like(checkpoint: object) -> None:
-    """Raise ``TypeError`` unless ``checkpoint`` is :class:`CheckpointLike` (the check an
-    adapter makes of the checkpoint it is given), with a hint where it is ``None``.
+def check_checkpoint_like(checkpoint: object, owner: str) -> CheckpointLike:
+    """``checkpoint``, once it is a :class:`CheckpointLike`: the check every adapter makes
+    of the checkpoint it is given (``owner`` names the adapter's class or function).
 
     Raises:
-        TypeError: it is not; the message names what it got.
+        TypeError: it lacks the checkpoint methods; for ``None``, the message says where
+            ``taskpoint.ctx().checkpoint`` is ``None``.
     """
-    if not isinstance(checkpoint, CheckpointLike):
-        hint = (
-            " (taskpoint.ctx().checkpoint is None when the task's environment has "
-            "checkpoints=False, and taskpoint.ctx() is None outside a task)"
-            if checkpoint is None
-            else ""
-        )
-        raise TypeError(
-            "checkpoint must be a taskpoint.Checkpoint or another object with save, "
-            f"save_sync, load and load_sync; got {type(checkpoint).__name__}{hint}"
-        )
+    if isinstance(checkpoint, CheckpointLike):
+        return checkpoint
+    hint = (
+        " (taskpoint.ctx().checkpoint is None outside a task or when checkpoints are off; "
+        "pass taskpoint.Checkpoint(url) instead)" if checkpoint is None else ""
+    )
+    raise TypeError(
+        f"{owner} takes a checkpoint with save, save_sync, load and load_sync (a "
+        "taskpoint.Checkpoint, taskpoint.ctx().checkpoint or another CheckpointLike) as its "
+        f"first argument; got {type(checkpoint).__name__}{hint}"
+    )

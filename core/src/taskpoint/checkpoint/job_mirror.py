@@ -26,6 +26,7 @@ thread alone (the multi-writer commit), so the two never interleave on one group
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,8 @@ class JobMirror:
         self.timeout = timeout
         self.nodes: Nodes | None = None
         """Set by :meth:`join` in a multi-process job saving to a ``Checkpoint``."""
+        self.lost: BaseException | None = None
+        """The last upload failure :meth:`settle` logged (``None``: none)."""
 
     def join(self, folder: Path) -> Nodes | None:
         """Find the job's ranks and which of them share ``folder``'s disk, once, and remove
@@ -171,6 +174,40 @@ class JobMirror:
                 )
         except Exception as exc:
             log.warning("SIGTERM: the upload to %r failed: %s", self.checkpoint, exc)
+
+    def settle(self, timeout: float | None) -> bool | None:
+        """Wait for this rank's upload in flight at most ``timeout`` seconds (``None``: no
+        limit), locally (no collective: the adapters call it as training fails or stops):
+        ``True`` committed or failed (the failure logged and kept in :attr:`lost`),
+        ``False`` still running, ``None`` none in flight."""
+        if not self.uploads.uploading:
+            return None
+        try:
+            return self.uploads.wait(timeout)
+        except Exception as exc:
+            self.lost = exc
+            log.warning(
+                "the upload to %r failed: %s: %s (the store keeps the checkpoint before)",
+                self.checkpoint, type(exc).__name__, exc,
+            )
+            return True
+
+    def settle_failed(self, exc: BaseException, timeout: float | None, step: int | None) -> None:
+        """Training ended by ``exc``: :meth:`settle` this rank's upload in flight (locally:
+        the failure may be another rank's death) and log how that went."""
+        started = time.monotonic()
+        done = self.settle(timeout)
+        took, why = time.monotonic() - started, type(exc).__name__
+        if done is True:
+            log.info(
+                "training ended by %s at step %s; the upload in flight committed first "
+                "(%.1fs)", why, step, took,
+            )
+        elif done is False:
+            log.warning(
+                "training ended by %s at step %s; the upload in flight had not committed "
+                "after %.1fs: the store may keep only the checkpoint before it", why, step, took,
+            )
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (a collective), in rank order: through the mirror's own

@@ -100,10 +100,13 @@ class TaskContext:
         """Run ``callback`` when this attempt receives SIGTERM, before it ends.
 
         Callbacks run in the order registered, in the main thread; a typical one saves a
-        checkpoint. Then the attempt fails with :class:`Preempted` and is retried. Usable
-        as a decorator; returns ``callback``.
+        checkpoint. Then the attempt fails with :class:`Preempted` and is retried. A
+        callback already registered (an equal bound method: an adapter's hook called at
+        each training start) is not added again. Usable as a decorator; returns
+        ``callback``.
         """
-        self._preempt_callbacks.append(callback)
+        if callback not in self._preempt_callbacks:
+            self._preempt_callbacks.append(callback)
         install_sigterm_handler()
         return callback
 

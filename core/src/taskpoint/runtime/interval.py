@@ -76,6 +76,7 @@ __all__ = [
     "IntervalChoice",
     "SaveInterval",
     "SaveSchedule",
+    "TimedSaves",
     "check_every",
     "mean_time_between_failures",
     "young_daly",
@@ -682,6 +683,50 @@ class SaveSchedule:
         and measure the save (see :meth:`SaveInterval.saved`)."""
         if self._interval is not None:
             self._interval.saved(blocked_s=max(0.0, blocked_s), background=background)
+
+
+class TimedSaves:
+    """A framework adapter's saves by training time, from what its user gave: seconds (a
+    ``timedelta`` too), ``"auto"`` or a :class:`SaveInterval` of their own (``None``: no
+    timed saves). The interval is made once, at training start (:meth:`start`), asked at
+    each step boundary (:meth:`due`) and restarted by each save (:meth:`saved`).
+
+    Args:
+        spec: the user's setting, checked by the adapter.
+    """
+
+    def __init__(self, spec: object) -> None:
+        self.spec = spec
+        self.interval: SaveInterval | None = spec if isinstance(spec, SaveInterval) else None
+
+    @property
+    def choice(self) -> IntervalChoice | None:
+        """The interval in force and what it was chosen from (``None``: none)."""
+        return None if self.interval is None else self.interval.choice
+
+    def start(self, checkpoint: object) -> None:
+        """Make the interval of the saves through ``checkpoint`` (once:
+        :meth:`SaveInterval.for_checkpoint`)."""
+        spec = self.spec
+        if self.interval is not None or spec is None:
+            return
+        seconds = getattr(spec, "total_seconds", None)  # a timedelta
+        every = check_every(seconds() if callable(seconds) else spec, "every")
+        self.interval = SaveInterval.for_checkpoint(checkpoint, every)
+
+    def due(self, agree: Callable[[bool], bool]) -> bool:
+        """A step boundary: count the step and say whether a timed save is due, by
+        ``agree`` (every rank's collective returning rank 0's value: every rank calls this)."""
+        interval = self.interval
+        if interval is None:
+            return False
+        interval.step_done()
+        return interval.due(agree=agree)
+
+    def saved(self, *, blocked_s: float, background: bool) -> None:
+        """A save was made: restart the interval (see :meth:`SaveInterval.saved`)."""
+        if self.interval is not None:
+            self.interval.saved(blocked_s=max(0.0, blocked_s), background=background)
 
 
 def _mix(old: float, new: float) -> float:

@@ -21,13 +21,9 @@ brings it back on the next attempt and returns the newest complete ``checkpoint-
                           callbacks=[TaskpointTrainerCallback(ckpt, args.output_dir)])
         trainer.train(resume_from_checkpoint=resume)
 
-The same two objects work unchanged with ``trl.SFTTrainer`` and PEFT (LoRA) models, and
-under ``torchrun``: every node's files reach one checkpoint, every rank resumes.
-
-Inside a task, SIGTERM becomes the Trainer's own ``checkpoint-N`` at the next step
-boundary (every rank stops at the same step), committed within the grace period, and
-``trainer.train()`` raises :class:`taskpoint.Preempted`; the retry resumes at that step.
-Training that ends by an exception waits for the upload in flight first.
+The same two objects work unchanged with ``trl.SFTTrainer``, PEFT (LoRA) models and
+``torchrun``. Inside a task, SIGTERM becomes the Trainer's own ``checkpoint-N`` at the next
+step boundary, and ``trainer.train()`` raises :class:`taskpoint.Preempted`.
 """
 
 from taskpoint_hf._compat import SUPPORTED_TRANSFORMERS, check_transformers_version

@@ -55,16 +55,11 @@ def calling_trainer(callback: TrainerCallback) -> Any:
 
 
 class FiguresIntoLogs:
-    """Stands in for a ``CallbackHandler``'s ``on_log``: adds the callback's figures to the
-    logs before the handler hands them to any callback.
-
-    The Trainer appends its copy of the logs to ``state.log_history`` before calling
-    ``on_log``, so the figures reach every callback (the ``report_to`` integrations, the
-    console) and never the training history.
-    """
+    """Stands in for a ``CallbackHandler``'s ``on_log``: adds the figures of ``callback``
+    (its ``_add_figures(state, control, logs)``) before any callback sees the logs; the
+    Trainer has already kept its copy in ``state.log_history``, which never gets them."""
 
     def __init__(self, callback: Any, handler: CallbackHandler) -> None:
-        """``callback`` has ``_add_figures(state, control, logs)``."""
         self.callback = callback
         self.handler = handler
         self.original = handler.on_log

@@ -1,6 +1,4 @@
-"""The callback's saves: the Trainer's ``output_dir`` to the checkpoint, from world process
-zero alone or, in a multi-process job saving to a :class:`taskpoint.Checkpoint`, as every
-node's part of one multi-writer commit; and what each save cost."""
+"""The callback's saves of ``output_dir`` (core's job-wide mirror) and what each cost."""
 
 from __future__ import annotations
 
@@ -37,14 +35,8 @@ def marks(folder: Path) -> dict[str, int]:
 
 
 class OutputMirror(JobMirror):
-    """Uploads ``output_dir`` (see :class:`~taskpoint_hf.TaskpointTrainerCallback`): the
-    job-wide mirror, and what the Trainer's saves and logs need of it.
-
-    Args:
-        checkpoint: where to save.
-        blocking: as the callback's argument.
-        timeout: seconds a rank waits for the others at each step of a save.
-    """
+    """The job-wide mirror of ``output_dir``, and what the Trainer's saves and logs need of
+    it (arguments as :class:`JobMirror`'s)."""
 
     def __init__(self, checkpoint: CheckpointLike, *, blocking: bool | None, timeout: float) -> None:
         super().__init__(checkpoint, blocking=blocking, timeout=timeout)
@@ -62,8 +54,6 @@ class OutputMirror(JobMirror):
         newest = _scan(folder).complete
         self.step = _step(newest[-1]) if newest else None
         self.join(folder)
-
-    # -- saving -------------------------------------------------------------------------
 
     def save(self, folder: Path, state: TrainerState, step: int | None) -> None:
         """Save ``folder`` once every rank has written its files (every rank calls this)."""
@@ -120,35 +110,15 @@ class OutputMirror(JobMirror):
         if self.nodes is not None:
             _distributed.barrier()  # no rank writes before its disk's files are copied
 
-    # -- waiting --------------------------------------------------------------------------
-
     def raise_deferred(self) -> None:
         error, self.deferred = self.deferred, None
         if error is not None:
             raise error
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """The upload in flight, with an error met earlier raised first."""
-        self.raise_deferred()
-        return self.uploads.wait(timeout)
-
     def finish(self, timeout: float | None, *, leader: bool) -> bool:
         """As :meth:`JobMirror.finish`, an upload error met while logging raised first."""
         self.raise_deferred()
         return super().finish(timeout, leader=leader)
-
-    def settle(self, timeout: float | None) -> bool | None:
-        """This rank's upload in flight, waited for at most ``timeout`` seconds, locally:
-        ``True`` committed (or failed, logged), ``False`` still running, ``None`` none."""
-        if not self.uploads.uploading:
-            return None
-        try:
-            return self.uploads.wait(timeout)
-        except Exception as exc:
-            log.warning("the upload to %r failed: %s: %s", self.checkpoint, type(exc).__name__, exc)
-            return True
-
-    # -- figures --------------------------------------------------------------------------
 
     def _collect(self) -> None:
         """Move the committed saves' figures here, and remember what the last one cost."""

@@ -1,39 +1,23 @@
-"""What the callback does about SIGTERM, and about training that ends by an exception.
-
-Three modes, chosen at ``on_train_begin`` with :func:`taskpoint.preemption.save_on_preemption`
-(the callback's ``save_on_preemption`` argument, then ``TASKPOINT_SAVE_ON_PREEMPTION``, then
-"inside a taskpoint task or a process of the environment contract, or the Trainer was
-asked for just-in-time checkpoints"):
+"""The callback's SIGTERM and exception handling, in one of three modes chosen at
+``on_train_begin`` by :func:`taskpoint.preemption.save_on_preemption` (the argument,
+``TASKPOINT_SAVE_ON_PREEMPTION``, else inside a task or with ``enable_jit_checkpoint``):
 
 ``"save"``
-    SIGTERM becomes a save at the next step boundary: core's
-    :class:`taskpoint.runtime.preemption_stop.PreemptionStop`, the sequence every adapter
-    shares. The signal only sets the notice (:func:`taskpoint.preemption.deferred`); at
-    each ``on_step_end`` every rank votes (on a gloo group of ``torch.distributed``), so a
-    signal that reached one rank stops them all at the same step. There the upload in
-    flight is finished first, then, if the slowest rank's last save fits in what is left of
-    the grace period, the Trainer is told to save and stop (``control.should_save`` and ``should_training_stop``): its own
-    ``checkpoint-N``, written whole at a step boundary, which it resumes from exactly.
-    ``on_train_end`` waits for that upload until shortly before the deadline, then raises
-    :class:`taskpoint.Preempted`, so code after ``trainer.train()`` does not run as if
-    training had finished. transformers' just-in-time checkpoint
-    (``enable_jit_checkpoint``), which saves in the middle of a step (before the optimizer
-    update, after the forward pass drew its random numbers) so that a resume from it is not
-    exact, is switched off for the Trainer: this save takes its place.
+    Core's :class:`taskpoint.runtime.preemption_stop.PreemptionStop`: at each
+    ``on_step_end`` the ranks vote, and once one was signalled the Trainer is told to save
+    its own ``checkpoint-N`` and stop (its mid-step just-in-time checkpoint is switched
+    off: this save, at a step boundary, resumes exactly); ``on_train_end`` waits for the
+    upload within the grace period and raises :class:`taskpoint.Preempted`.
 ``"jit"``
     The switch is off but the Trainer has just-in-time checkpoints: its handler runs under
-    taskpoint's (they compose), its checkpoint is uploaded at ``on_train_end``, and a save
-    it made in the middle of a step is reported at WARNING (the resume will not be exact).
+    taskpoint's, its checkpoint is uploaded at ``on_train_end``, and a save in the middle
+    of a step is named at WARNING (the resume will not be exact).
 ``"wait"``
-    The switch is off (outside a task by default): inside a task context, SIGTERM waits for
-    the upload in flight (``preempt_timeout``), then ends the attempt, as before.
+    Inside a task context SIGTERM waits for the upload in flight (``preempt_timeout``).
 
-In every mode, training that ends by an exception (the Trainer has no hook for it: the
-callback wraps ``trainer.train``) waits for the upload in flight before the exception
-leaves ``train()``: until shortly before the preemption deadline when a SIGTERM came, else
-``preempt_timeout`` seconds. That wait is local to the rank (no collective: the failure may
-be another rank's death), so a multi-writer commit already under way finishes on its own
-gloo group while the failing rank waits.
+In every mode, training that ends by an exception waits for this rank's upload in flight
+(no collective: the failure may be another rank's death) before the exception leaves
+``train()``.
 """
 
 from __future__ import annotations
@@ -42,12 +26,12 @@ import contextlib
 import logging
 import signal
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 import taskpoint
 from taskpoint import preemption
+from taskpoint.checkpoint.job_mirror import JobMirror
 from taskpoint.runtime import context
 from taskpoint.runtime.preemption_stop import Decision, PreemptionStop, within_grace
 from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -76,9 +60,6 @@ _JIT_EXACT = {
         "numbers were drawn before it was saved)"
     ),
 }
-Settle = Callable[[float | None], "bool | None"]
-"""Wait for this rank's upload in flight for at most so many seconds (``None``: no limit):
-``True`` committed (or failed: logged), ``False`` still running, ``None`` none in flight."""
 
 
 def _jit_callbacks(handler: CallbackHandler | None) -> list[Any]:
@@ -109,25 +90,21 @@ class Preemption:
 
     Args:
         choice: the callback's ``save_on_preemption`` argument.
+        job: the callback's mirror (its ``timeout`` is the vote's).
         wait_timeout: seconds an ending without a deadline waits for the upload in flight
             (``None``: no limit).
-        timeout: seconds a vote waits for the other ranks.
     """
 
-    def __init__(self, choice: bool | None, *, wait_timeout: float | None, timeout: float) -> None:
+    def __init__(self, choice: bool | None, job: JobMirror, *, wait_timeout: float | None) -> None:
         self.choice = choice
+        self.job = job
         self.wait_timeout = wait_timeout
-        self.timeout = timeout
         self.mode: Mode = "wait"
         self.stop: Decision | None = None
         self._stack = contextlib.ExitStack()  # "jit" mode's deferral
-        self._stop = PreemptionStop(timeout=timeout)
+        self._stop = PreemptionStop(timeout=job.timeout)
         self._ended = True  # no training under way
-        self._jit_seen = False
-        self._jit_settled = False
-        self._contexts: list[taskpoint.TaskContext] = []
-
-    # -- training begins --------------------------------------------------------------
+        self._jit_seen = self._jit_settled = False
 
     def begin(
         self,
@@ -150,8 +127,7 @@ class Preemption:
         self.stop, self._ended = None, False
         self._jit_seen = self._jit_settled = False
         jits = _jit_callbacks(handler)
-        asked = context.supervised() or bool(jits)
-        save = preemption.save_on_preemption(self.choice, in_task=asked)
+        save = preemption.save_on_preemption(self.choice, in_task=context.supervised() or bool(jits))
         if save and not guarded:
             if state.is_world_process_zero:
                 log.warning(
@@ -183,78 +159,59 @@ class Preemption:
                 self._stack.enter_context(preemption.deferred())
         else:
             self.mode = "wait"
-            self._wait_on_preempt(state, on_preempt)
+            task = taskpoint.ctx()
+            if state.is_world_process_zero and task is not None:
+                task.on_preempt(on_preempt)  # once per context: core ignores a repeat
         return self.mode
-
-    def _wait_on_preempt(self, state: TrainerState, on_preempt: Callable[[], None]) -> None:
-        """Inside a task context, make SIGTERM wait for the upload in flight (world process
-        zero, once per context)."""
-        task = taskpoint.ctx()
-        if not state.is_world_process_zero or task is None:
-            return
-        if any(c is task for c in self._contexts):
-            return
-        self._contexts.append(task)
-        task.on_preempt(on_preempt)
-
-    # -- step boundaries ----------------------------------------------------------------
 
     def at_step_end(
         self,
         args: TrainingArguments,
         state: TrainerState,
         control: TrainerControl,
-        *,
-        settle: Settle,
         estimate: Callable[[], float | None],
     ) -> None:
         """In ``"save"`` mode, vote; once any rank has the notice, stop here (every rank),
         saving if the save fits in the grace period left: ``estimate()`` is how long the
-        last save took (from the Trainer's write to the commit), asked once the upload in
-        flight is done."""
+        last save took (from the Trainer's write to the commit)."""
         if self.mode != "save" or self.stop is not None or not self._stop.requested():
             return
-        stop = self._stop.decide(
-            state.global_step, wait=lambda timeout: settle(timeout) is not False,
+        stop = self.stop = self._stop.decide(
+            state.global_step, wait=lambda timeout: self.job.settle(timeout) is not False,
             estimate=estimate,
         )
-        self.stop = stop
         control.should_training_stop = True
         control.should_save = stop.saving
         if stop.saving and str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
             control.should_evaluate = False  # its verdict would decide the save
-        if state.is_world_process_zero:
-            if not stop.saving:
-                log.warning(
-                    "%s: stopping at step %d WITHOUT saving: %s; the next attempt resumes "
-                    "from the last committed checkpoint", stop.signal, stop.step, stop.reason,
-                )
-            else:
-                log.warning(
-                    "%s: stopping at step %d and saving checkpoint-%d, %.1fs of the grace "
-                    "period left", stop.signal, stop.step, stop.step, stop.left(),
-                )
+        if not state.is_world_process_zero:
+            return
+        if not stop.saving:
+            log.warning(
+                "%s: stopping at step %d WITHOUT saving: %s; the next attempt resumes "
+                "from the last committed checkpoint", stop.signal, stop.step, stop.reason,
+            )
+        else:
+            log.warning(
+                "%s: stopping at step %d and saving checkpoint-%d, %.1fs of the grace "
+                "period left", stop.signal, stop.step, stop.step, stop.left(),
+            )
 
     def at_epoch_end(self, state: TrainerState, control: TrainerControl) -> None:
         """The epoch cut short by the stop ends without a second save (or evaluation) of
         the step already saved."""
         if self.stop is not None and self.stop.step == state.global_step:
-            control.should_save = False
-            control.should_evaluate = False
+            control.should_save = control.should_evaluate = False
 
-    def jit_hook(
-        self, where: str, state: TrainerState, control: TrainerControl, settle: Settle
-    ) -> None:
-        """In ``"jit"`` mode, after the Trainer's JIT callback ran its ``where`` hook. The
+    def jit_hook(self, where: str, state: TrainerState, control: TrainerControl) -> None:
+        """In ``"jit"`` mode, after the Trainer's JIT callback ran its ``where`` hook: the
         first hook after the signal finishes the upload in flight (the JIT checkpoint may
-        be written under that upload's ``checkpoint-N`` name, over its files); a JIT save
-        made before a step boundary is named at WARNING, since a resume from it may not
-        repeat an uninterrupted run."""
+        be written over its files); a JIT save before a step boundary is named at WARNING."""
         if self.mode != "jit" or not preemption.requested():
             return
         if not self._jit_settled:
             self._jit_settled = True
-            settle(within_grace(None))
+            self.job.settle(within_grace(None))
         if self._jit_seen or not control.should_training_stop or where not in _MID_STEP:
             return
         self._jit_seen = True
@@ -267,35 +224,16 @@ class Preemption:
                 _JIT_EXACT[where],
             )
 
-    # -- training ends ---------------------------------------------------------------------
-
-    @property
-    def stopping(self) -> bool:
-        """Whether training stops for a preemption signal (its last logs must not wait for
-        the upload without a bound)."""
-        return self.stop is not None
-
-    def signal_bound(self, timeout: float | None) -> float | None:
-        """``timeout`` seconds, or less: what is left of the grace period, less a margin."""
-        return within_grace(timeout)
-
     def end_bound(self) -> float | None:
         """Seconds ``on_train_end`` may wait for the upload (``None``: no limit)."""
         if self.stop is not None:
             return self.stop.budget()
         return within_grace(None) if self.mode == "jit" else None
 
-    def finish(
-        self,
-        state: TrainerState,
-        committed: bool,
-        error: BaseException | None = None,
-        checkpoint: object = None,
-    ) -> None:
-        """End of training: leave the deferral; after a preemption stop, say what became of
-        its save and raise :class:`taskpoint.Preempted` (every rank). Outside a task, where
-        no runner records the attempt, world process zero records its end as preempted in
-        ``checkpoint`` (a :class:`taskpoint.Checkpoint`).
+    def finish(self, state: TrainerState, committed: bool, error: BaseException | None = None) -> None:
+        """End of training: leave the deferral; after a preemption stop (:attr:`stop`), say
+        what became of its save and raise (every rank; outside a task world process zero
+        records the end as preempted in the mirror's checkpoint).
 
         Raises:
             taskpoint.Preempted: training stopped for a preemption signal.
@@ -316,32 +254,18 @@ class Preemption:
             outcome = f"checkpoint-{stop.step} missed ({why})"
         self._stop.end(
             f"received {stop.signal}; training stopped at step {stop.step}: {outcome}",
-            step=stop.step, leader=state.is_world_process_zero, checkpoint=checkpoint,
+            step=stop.step, leader=state.is_world_process_zero, checkpoint=self.job.checkpoint,
             cause=error,
         )
 
-    def failed(self, exc: BaseException, settle: Settle, step: int | None) -> None:
+    def failed(self, exc: BaseException, step: int | None) -> None:
         """Training ended by ``exc``: wait for this rank's upload in flight (no
         collective), bounded by the preemption deadline or ``wait_timeout``."""
         if self._ended:
             return
         self._ended = True
         try:
-            bound = self.signal_bound(self.wait_timeout)
-            started = time.monotonic()
-            done = settle(bound)
-            took = time.monotonic() - started
-            if done is True:
-                log.info(
-                    "training ended by %s at step %s; the upload in flight committed first "
-                    "(%.1fs)", type(exc).__name__, step, took,
-                )
-            elif done is False:
-                log.warning(
-                    "training ended by %s at step %s; the upload in flight had not committed "
-                    "after %.1fs: the store may keep only the checkpoint before it",
-                    type(exc).__name__, step, took,
-                )
+            self.job.settle_failed(exc, within_grace(self.wait_timeout), step)
         finally:
             self.close()
 
@@ -349,5 +273,3 @@ class Preemption:
         """Leave the deferral and drop the vote's group (local calls)."""
         self._stack.close()
         self._stop.close()
-
-

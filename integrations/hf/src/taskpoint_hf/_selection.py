@@ -1,36 +1,15 @@
 """Which files of a multi-node Trainer checkpoint the ranks on one disk need.
 
-In a distributed job without a shared disk, :func:`~taskpoint_hf.restore_last_checkpoint`
-restores the checkpoint once per disk. :func:`load` makes that restore fetch what the
-ranks on the disk read, not every node's files, when that is clearly safe:
-
-* kept: every file the Trainer on any rank reads (model, optimizer, scheduler,
-  ``trainer_state.json``, configs), whichever rank's part uploaded it, and everything
-  outside the ``checkpoint-N`` directories;
-* left out: in each ``checkpoint-N``, the ``rng_state_<r>.pth`` of ranks ``r`` on other
-  disks (the Trainer reads ``rng_state_<process_index>.pth`` only), and in a
-  ``torch.distributed.checkpoint`` folder (one holding ``.metadata``, as FSDP's
-  ``SHARDED_STATE_DICT`` writes) the ``__<r>_<j>.distcp`` files of ranks on other disks
-  whose every item is rank ``r``'s own shard: a chunk of a tensor stored as one chunk per
-  rank, in as many ranks' files. A file holding anything else (a bytes item, a tensor
-  stored whole, a chunk several ranks share: DCP's planner spreads such items over the
-  ranks' files, so a rank may need another rank's file) stays, and so does every file of
-  a folder whose ``.metadata`` cannot be read.
-
-Everything is restored (:meth:`~taskpoint.Checkpoint.load_sync` without ``paths``) whenever
-the selection is not clearly safe: the checkpoint is not a :class:`taskpoint.Checkpoint`
-(another system's :class:`~taskpoint.CheckpointLike` has no parts), its newest commit is
-not a format-2 tree written by one part per rank of a job of this size (its ``rng_state``
-files name other ranks than ``0 .. world_size - 1``: resharding needs every file), the
-ranks share one disk, or nothing would be left out. A commit landing while the selection
-is made or restored is a race: the whole newest checkpoint is restored instead, never a
-mix of two. Sharded files are matched to ranks by number, so a job resuming with the same
-world size but another sharding layout needs every file: it fails loudly (DCP cannot open
-a file it needs) rather than silently.
-
-Example (each disk's leader)::
-
-    tree = load(checkpoint, ranks=disks.sharing(rank), world_size=world)
+:func:`load` restores, per disk, every file the Trainer on any rank reads (and everything
+outside ``checkpoint-N``), leaving out only other disks' ranks' ``rng_state_<r>.pth`` and,
+in a ``torch.distributed.checkpoint`` folder (``.metadata``), the ``__<r>_<j>.distcp`` files
+of ranks on other disks whose every item is rank ``r``'s own chunk of a tensor stored one
+chunk per rank (anything else may be read by another rank: the file stays; so does every
+file of a folder whose ``.metadata`` cannot be read). The whole checkpoint is restored
+whenever that is not clearly safe: not a :class:`taskpoint.Checkpoint`, not a format-2
+tree written by one part per rank of a job of this size, one disk for all ranks, nothing
+to leave out, or a commit landing meanwhile (never a mix of two). Shards are matched to
+ranks by number: another sharding at the same world size fails loudly in DCP.
 """
 
 from __future__ import annotations
@@ -62,13 +41,8 @@ _SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 @dataclass(frozen=True)
 class Selection:
-    """What one disk restores of a checkpoint.
-
-    Attributes:
-        manifest: the commit the selection was made from (the newest when it was made).
-        paths: the paths of its tree to restore.
-        left_out: the files other disks' ranks need alone, sorted.
-    """
+    """What one disk restores of the commit ``manifest``: ``paths`` of its tree, leaving
+    out the files other disks' ranks need alone (``left_out``, sorted)."""
 
     manifest: Manifest
     paths: frozenset[str]
@@ -76,20 +50,13 @@ class Selection:
 
 
 def load(checkpoint: CheckpointLike, *, ranks: Collection[int], world_size: int) -> Path | None:
-    """Restore the newest checkpoint, only what ``ranks`` need when that is safe.
-
-    Args:
-        checkpoint: where the Trainer's ``output_dir`` was saved.
-        ranks: the ranks sharing the disk restored to.
-        world_size: the job's size.
-
-    Returns:
-        What :meth:`~taskpoint.CheckpointLike.load_sync` returns: the restored tree (with
-        :func:`select`'s paths, or whole), or ``None`` when nothing was committed.
+    """Restore the newest checkpoint, only what ``ranks`` (those sharing the disk, of a
+    job of ``world_size``) need when that is safe: the tree ``load_sync`` returns (with
+    :func:`select`'s paths, or whole; whole after a race with a newer commit), ``None``
+    when nothing was committed.
 
     Raises:
-        CheckpointError: the store's errors (a race with a newer commit is not one: the
-            whole newest checkpoint is restored then).
+        CheckpointError: the store's errors.
     """
     try:
         selection = select(checkpoint, ranks=ranks, world_size=world_size)
@@ -125,19 +92,9 @@ def load(checkpoint: CheckpointLike, *, ranks: Collection[int], world_size: int)
 def select(
     checkpoint: CheckpointLike, *, ranks: Collection[int], world_size: int
 ) -> Selection | None:
-    """What the ranks on one disk need of the newest committed checkpoint.
-
-    Reads the newest manifest and, for each DCP folder in it, restores its ``.metadata``
-    into a temporary folder to read which items each shard file holds (see the module
-    docstring for what is kept and what is left out).
-
-    Args:
-        checkpoint: where the Trainer's ``output_dir`` was saved.
-        ranks: the ranks sharing the disk restored to.
-        world_size: the job's size.
-
-    Returns:
-        The selection, or ``None`` where the whole checkpoint is to be restored.
+    """What ``ranks`` (those sharing one disk, of a job of ``world_size``) need of the
+    newest commit, from its manifest and its DCP folders' ``.metadata`` (restored into a
+    temporary folder); ``None`` where the whole checkpoint is to be restored.
 
     Raises:
         CheckpointCoordinationError: a newer commit replaced the one read while its

@@ -1,30 +1,12 @@
 """``TaskpointTrainerCallback``: mirror the Trainer's ``output_dir`` after every save.
 
-Example::
-
-    import taskpoint
-    from taskpoint_hf import TaskpointTrainerCallback, restore_last_checkpoint
-
-    ckpt = taskpoint.ctx().checkpoint
-    args = TrainingArguments(output_dir="out", save_strategy="epoch", save_total_limit=2)
-    trainer = Trainer(model=model, args=args, train_dataset=data,
-                      callbacks=[TaskpointTrainerCallback(ckpt, args.output_dir)])
-    trainer.train(resume_from_checkpoint=restore_last_checkpoint(ckpt, args))
-
-Each upload runs in the background: training goes on while the store is written, and the
-cost of each save is logged with the Trainer's own metrics (``taskpoint/blocked_s``,
-``taskpoint/upload_s``, ``taskpoint/uploaded_bytes``, ``taskpoint/stored_bytes``) to every
-logging callback, ``report_to`` integrations included, but not to ``state.log_history``.
-
-How the figures get there: at training start the callback hooks the ``on_log`` of the
-Trainer's ``CallbackHandler`` calling it, which the Trainer calls once it has recorded its
-own copy of the logs; the hook adds the figures before any callback sees them. The
-Trainer's last logs (after the last save) wait for that save's upload, so its figures come
-with them; a save later still (a just-in-time checkpoint, or the end-of-training rotation)
-is logged by one more ``on_log`` at ``on_train_end``. Called by anything but a
-``CallbackHandler``, the callback adds them to the ``logs`` its own ``on_log`` gets.
-
-SIGTERM and exceptions: see :mod:`taskpoint_hf._preemption`.
+Each save's cost reaches the logging callbacks (not ``state.log_history``): at training
+start the callback wraps the ``on_log`` of the ``CallbackHandler`` calling it
+(:mod:`taskpoint_hf._hooks`), which adds the figures before any callback sees the logs.
+The Trainer's last logs wait for the last save's upload; a save later still (a
+just-in-time checkpoint, the end-of-training rotation) is logged by one more ``on_log`` at
+``on_train_end``. Called by anything but a ``CallbackHandler``, the callback adds them to
+the ``logs`` its own ``on_log`` gets. SIGTERM and exceptions: :mod:`taskpoint_hf._preemption`.
 """
 
 from __future__ import annotations
@@ -38,7 +20,9 @@ from typing import Any
 import taskpoint
 from taskpoint import CheckpointLike
 from taskpoint import distributed as _distributed
+from taskpoint._types import check_checkpoint_like
 from taskpoint.distributed.coordination import check_timeout
+from taskpoint.runtime.preemption_stop import within_grace
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from taskpoint_hf import _hooks
@@ -55,68 +39,29 @@ log = logging.getLogger(__name__)
 class TaskpointTrainerCallback(TrainerCallback):
     """Save the Trainer's ``output_dir`` to a taskpoint checkpoint after each ``checkpoint-N``.
 
-    The save happens in ``on_save``, which the Trainer (and TRL's trainers built on it,
-    such as ``SFTTrainer``) calls once ``checkpoint-N`` is completely written and the
-    ``save_total_limit`` rotation has deleted old ones, so the store holds exactly the
-    checkpoints the Trainer kept. Works with ``save_strategy`` ``"steps"`` and ``"epoch"``,
-    full models and PEFT adapters alike.
+    The save happens in ``on_save``, which the Trainer (and TRL's trainers built on it)
+    calls once ``checkpoint-N`` is written and the ``save_total_limit`` rotation has run, so
+    the store holds exactly the checkpoints the Trainer kept (also after its end-of-training
+    rotation or a just-in-time checkpoint written under an existing name). Full models and
+    PEFT adapters alike; the guide (``docs/frameworks/hf.md``) tells the whole story:
 
-    In a distributed job (a ``torch.distributed`` process group of several processes, with
-    a :class:`taskpoint.Checkpoint`) every node's files reach one checkpoint, with or
-    without a shared disk and whatever ``save_on_each_node`` says: at training start the
-    ranks find out which of them share ``output_dir``; at each save, once every rank has
-    written its files, the first rank of each disk stages that disk's files (a later disk
-    only what the first lacks), then every rank commits its part with
-    :meth:`taskpoint.Checkpoint.save_part_sync` over a gloo group of its own. A failure on
-    any rank fails the save on every rank, and a rank that never arrives fails the others
-    after ``timeout`` seconds. With another system's checkpoint, world process zero saves
-    its own ``output_dir`` alone.
-
-    By default the upload runs in the background: a snapshot of ``output_dir`` (hard links
-    where the disk allows) is uploaded while every rank trains on. At most one upload is in
-    flight: a save while the previous upload still runs waits for it first. An upload that
-    failed raises its error at the next ``on_save`` or at ``on_train_end``, which also waits
-    for the upload in flight. Training that ends by an exception waits for the upload in
-    flight too, before the exception leaves ``trainer.train()`` (the callback wraps it when
-    the Trainer is built with it), for up to ``preempt_timeout`` seconds.
-
-    SIGTERM becomes a save inside a taskpoint task, with ``save_on_preemption=True`` or
-    ``TASKPOINT_SAVE_ON_PREEMPTION=1``, and when the Trainer has ``enable_jit_checkpoint``:
-    every rank stops at the same step boundary, the Trainer writes ``checkpoint-N`` there
-    (the one it resumes from exactly), its upload is waited for within the grace period
-    (``TASKPOINT_GRACE_PERIOD``), and ``trainer.train()`` raises
-    :class:`taskpoint.Preempted`. A save that would not fit in the time left is skipped,
-    loudly; the store keeps the checkpoint before. Otherwise a SIGTERM inside a task
-    context waits for the upload in flight (``preempt_timeout``) and ends the attempt. The
-    step reached is reported to taskpoint (:func:`taskpoint.report_step`) at every step.
-
-    Each save's cost reaches every callback's ``on_log`` (``taskpoint/blocked_s``,
-    ``taskpoint/upload_s``, ``taskpoint/uploaded_bytes``, ``taskpoint/stored_bytes``,
-    ``taskpoint/saves``) with the next logs after its upload committed, never
-    ``state.log_history``. The store ends holding what the Trainer kept, also after the
-    Trainer's end-of-training rotation or a just-in-time checkpoint written under an
-    existing name. A resumed run writes an existing ``checkpoint-N`` again, in place: files
-    an upload's snapshot still shares get copies of their own first.
-
-    Saves by time: with ``save_every_s`` the callback also asks the Trainer to save
-    (``control.should_save`` at a step end) once that many seconds of training have passed
-    since the last save, whatever made it, beside ``save_strategy``/``save_steps``; the
-    Trainer writes ``checkpoint-N`` as for any save (``save_total_limit`` applies), so it
-    works under ``save_strategy="no"`` too, but not with ``"best"``, whose own decision
-    replaces every other one after evaluating. ``save_every_s="auto"`` chooses the interval
-    with :class:`taskpoint.SaveInterval`: Young and Daly's ``sqrt(2 x cost x mean time
-    between failures)``, from what a save costs training here (the time from the step's end
-    to the end of ``on_save``, plus what the background upload takes from the steps beside
-    it) and the run's failures in the store's attempt records (until there are some, a prior:
-    ``TASKPOINT_MTBF_PRIOR_S``, four hours by default), within 2% of training time and an
-    hour at most. The first save then comes at the first step, to measure its cost. For
-    other bounds pass ``taskpoint.SaveInterval.for_checkpoint(checkpoint, "auto",
-    mtbf_prior_s=..., max_overhead=..., max_interval_s=...)`` itself. In a distributed job
-    world process zero's clock decides and every rank saves at the same step (one broadcast
-    per step). With a preemption warning (SIGTERM turned into a save) the interval only has
-    to cover the failures that come without one. :attr:`save_interval` tells what was chosen
-    and why; each change is logged at INFO and recorded in the attempt's records
-    (``taskpoint show``).
+    - with several processes and a :class:`taskpoint.Checkpoint`, every node's files reach
+      one checkpoint (:class:`taskpoint.checkpoint.job_mirror.JobMirror`); with another
+      system's checkpoint world process zero saves alone;
+    - uploads run in the background, one at a time; a failure raises at the next
+      ``on_save`` or at ``on_train_end``, which waits for the upload (so does an exception
+      out of ``train()``, within ``preempt_timeout``); each save's figures
+      (``taskpoint/blocked_s``, ``upload_s``, ``uploaded_bytes``, ``stored_bytes``,
+      ``saves``) reach every callback's ``on_log``, never ``state.log_history``;
+    - SIGTERM becomes a save (inside a task, ``save_on_preemption``, or with
+      ``enable_jit_checkpoint``): every rank stops at one step boundary, the Trainer writes
+      ``checkpoint-N`` there when it fits in ``TASKPOINT_GRACE_PERIOD``, and
+      ``trainer.train()`` raises :class:`taskpoint.Preempted` (see
+      :mod:`taskpoint_hf._preemption`);
+    - ``save_every_s`` asks the Trainer to save (``control.should_save``) once that many
+      seconds of training passed since the last save, beside ``save_strategy`` (not with
+      ``"best"``); ``"auto"`` chooses the interval with :class:`taskpoint.SaveInterval`
+      (:attr:`save_interval` tells what and why).
 
     Resume with :func:`~taskpoint_hf.restore_last_checkpoint`.
 
@@ -125,22 +70,21 @@ class TaskpointTrainerCallback(TrainerCallback):
             :class:`~taskpoint.CheckpointLike` such as Flyte's checkpoint).
         output_dir: the Trainer's ``output_dir``; ``None`` takes ``args.output_dir`` when
             training begins.
-        blocking: upload inside ``on_save``, every rank waiting until it has committed.
-            ``None`` (the default): in the background for a :class:`taskpoint.Checkpoint`,
-            blocking for another system's checkpoint (Flyte's), whose attempt may end and
-            hand its checkpoint on before a background upload lands.
-        preempt_timeout: how many seconds the end of an attempt waits for the upload in
-            flight when no preemption deadline bounds it (an exception out of training, a
-            SIGTERM that is not turned into a save); ``None`` waits as long as it takes.
-        timeout: in a distributed job, how many seconds a rank waits for the others at
-            each step of a save (the uploads included) and at a preemption vote.
+        blocking: upload inside ``on_save``, every rank waiting for the commit. ``None``
+            (the default): in the background for a :class:`taskpoint.Checkpoint`, blocking
+            for another system's checkpoint (Flyte's), whose attempt may hand its checkpoint
+            on before a background upload lands.
+        preempt_timeout: seconds the end of an attempt waits for the upload in flight when
+            no preemption deadline bounds it (an exception, a SIGTERM not turned into a
+            save); ``None`` waits as long as it takes.
+        timeout: in a distributed job, seconds a rank waits for the others at each step of
+            a save (the uploads included) and at a preemption vote.
         save_on_preemption: whether SIGTERM becomes a save; ``None`` decides with
             :func:`taskpoint.preemption.save_on_preemption` (inside a task, or when the
             Trainer has ``enable_jit_checkpoint``).
-        save_every_s: save also once this many seconds of training have passed since the
-            last save; ``"auto"`` to choose the interval from the save's cost and the run's
-            failures; a :class:`taskpoint.SaveInterval` of your own (other bounds, another
-            clock); ``None`` (the default): by ``save_strategy`` only.
+        save_every_s: save also once this many seconds of training passed since the last
+            save; ``"auto"``, or a :class:`taskpoint.SaveInterval` of your own (other
+            bounds, another clock); ``None`` (the default): by ``save_strategy`` only.
 
     Raises:
         TypeError: ``checkpoint`` lacks the checkpoint methods, or ``output_dir`` is not a
@@ -162,11 +106,7 @@ class TaskpointTrainerCallback(TrainerCallback):
         save_on_preemption: bool | None = None,
         save_every_s: SaveEvery | None = None,
     ) -> None:
-        if not isinstance(checkpoint, CheckpointLike):
-            raise TypeError(
-                "checkpoint must be a taskpoint.Checkpoint or another CheckpointLike (with "
-                f"save/save_sync/load/load_sync); got {type(checkpoint).__name__}"
-            )
+        self._checkpoint = check_checkpoint_like(checkpoint, "TaskpointTrainerCallback")
         if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):
             raise TypeError(
                 "output_dir must be a str or os.PathLike naming the Trainer's output_dir, or "
@@ -177,14 +117,11 @@ class TaskpointTrainerCallback(TrainerCallback):
                 f"preempt_timeout must be a number of seconds >= 0 or None; got {preempt_timeout!r}"
             )
         self._timed = TimedSaves(check_save_every(save_every_s))
-        self._checkpoint = checkpoint
         self._output_dir = Path(os.fspath(output_dir)) if output_dir is not None else None
         self._saves = OutputMirror(checkpoint, blocking=blocking, timeout=check_timeout(timeout))
         self._logs = _hooks.LogHook(self)  # the handler whose on_log adds the figures
         self._preempt_timeout = preempt_timeout
-        self._preemption = Preemption(
-            save_on_preemption, wait_timeout=preempt_timeout, timeout=self._saves.timeout
-        )
+        self._preemption = Preemption(save_on_preemption, self._saves, wait_timeout=preempt_timeout)
         self._step: int | None = None
 
     def __repr__(self) -> str:
@@ -195,12 +132,10 @@ class TaskpointTrainerCallback(TrainerCallback):
 
     @property
     def save_interval(self) -> taskpoint.IntervalChoice | None:
-        """The interval of the saves by time (``save_every_s``) now in force, and for
-        ``"auto"`` what it was chosen from (its ``metrics()`` are the ``taskpoint/*``
-        figures logged beside each save). ``None`` without ``save_every_s``, or before
-        training begins. Local to this rank: world process zero's decides."""
-        interval = self._timed.interval
-        return None if interval is None else interval.choice
+        """The interval of the saves by time (``save_every_s``) in force and, for ``"auto"``,
+        what it was chosen from; ``None`` without one, or before training begins. Local to
+        this rank: world process zero's decides."""
+        return self._timed.choice
 
     @property
     def output_dir(self) -> Path | None:
@@ -208,13 +143,8 @@ class TaskpointTrainerCallback(TrainerCallback):
         return self._output_dir
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the upload in flight (if any) has committed.
-
-        Args:
-            timeout: give up after this many seconds (``None``: no limit).
-
-        Returns:
-            ``True`` once no upload runs; ``False`` if ``timeout`` ran out first.
+        """Block until the upload in flight (if any) has committed: ``True`` once no upload
+        runs, ``False`` if ``timeout`` seconds (``None``: no limit) ran out first.
 
         Raises:
             taskpoint.CheckpointError: the upload failed.
@@ -277,13 +207,13 @@ class TaskpointTrainerCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Notice a just-in-time checkpoint the Trainer wrote here (before the step)."""
-        self._preemption.jit_hook("on_step_begin", state, control, self._saves.settle)
+        self._preemption.jit_hook("on_step_begin", state, control)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Notice a just-in-time checkpoint the Trainer wrote here (mid-step)."""
-        self._preemption.jit_hook("on_pre_optimizer_step", state, control, self._saves.settle)
+        self._preemption.jit_hook("on_pre_optimizer_step", state, control)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -302,7 +232,7 @@ class TaskpointTrainerCallback(TrainerCallback):
             state.is_world_process_zero and self._saves.nodes is None
             and not self._saves.uploads.blocking
         )
-        self._timed.saved(began, background=background)
+        self._timed.saved_since(began, background=background)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -310,10 +240,8 @@ class TaskpointTrainerCallback(TrainerCallback):
         """Report the step; unshare ``checkpoint-N`` if the Trainer is about to write it
         again; after a SIGTERM, stop here with every rank (and save, in time)."""
         self._report(state)
-        self._preemption.jit_hook("on_step_end", state, control, self._saves.settle)
-        self._preemption.at_step_end(
-            args, state, control, settle=self._saves.settle, estimate=self._saves.estimate,
-        )
+        self._preemption.jit_hook("on_step_end", state, control)
+        self._preemption.at_step_end(args, state, control, self._saves.estimate)
         self._timed.at_step_end(control)
         self._next(args, state, control)
 
@@ -370,11 +298,11 @@ class TaskpointTrainerCallback(TrainerCallback):
                 self._preemption.end_bound(), leader=state.is_world_process_zero
             )
         except Exception as exc:
-            if not self._preemption.stopping:
+            if self._preemption.stop is None:
                 self._preemption.finish(state, True)
                 raise
             error = exc
-        if self._preemption.stopping and self._saves.nodes is None:
+        if self._preemption.stop is not None and self._saves.nodes is None:
             # world process zero uploads alone: every rank learns whether it committed, and
             # none ends (torchrun then stops the others) before it is known
             committed = all(_distributed.all_gather_object(committed and error is None))
@@ -391,14 +319,14 @@ class TaskpointTrainerCallback(TrainerCallback):
         # uses it); the checkpoint stays open for a later train().
         if isinstance(self._checkpoint, taskpoint.Checkpoint):
             self._checkpoint.release()
-        self._preemption.finish(state, committed, error, self._checkpoint)
+        self._preemption.finish(state, committed, error)
 
     def _add_figures(
         self, state: TrainerState, control: TrainerControl, logs: dict[str, float]
     ) -> None:
         """Add the figures of the saves committed since the last log to ``logs``."""
         if state.is_world_process_zero:
-            figures = self._saves.figures(state, control, self._preemption.stopping)
+            figures = self._saves.figures(state, control, self._preemption.stop is not None)
             interval = self._timed.interval
             if figures and interval is not None:  # the interval now, beside the save's cost
                 figures.update(interval.choice.metrics())
@@ -415,10 +343,10 @@ class TaskpointTrainerCallback(TrainerCallback):
         taskpoint.report_step(state.global_step)
 
     def _training_failed(self, exc: BaseException) -> None:
-        self._preemption.failed(exc, self._saves.settle, self._step)
+        self._preemption.failed(exc, self._step)
 
     def _on_preempt(self) -> None:
         """SIGTERM not turned into a save, inside a task context: wait for the upload in
         flight (``preempt_timeout``, and never past the grace period), then the attempt
         ends."""
-        self._saves.wait_on_signal(self._preemption.signal_bound(self._preempt_timeout))
+        self._saves.wait_on_signal(within_grace(self._preempt_timeout))

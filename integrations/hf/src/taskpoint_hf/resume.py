@@ -1,16 +1,5 @@
-"""Restore the Trainer's newest complete ``checkpoint-N`` from a taskpoint checkpoint.
-
-Example::
-
-    import taskpoint
-    from taskpoint_hf import TaskpointTrainerCallback, restore_last_checkpoint
-
-    ckpt = taskpoint.ctx().checkpoint
-    args = TrainingArguments(output_dir="out", save_steps=50, save_total_limit=2)
-    resume = restore_last_checkpoint(ckpt, args)    # Path("out/checkpoint-N") or None
-    trainer = Trainer(..., args=args, callbacks=[TaskpointTrainerCallback(ckpt, args.output_dir)])
-    trainer.train(resume_from_checkpoint=resume)
-"""
+"""Restore the Trainer's newest complete ``checkpoint-N`` from a taskpoint checkpoint (the
+package docstring shows how)."""
 
 from __future__ import annotations
 
@@ -28,6 +17,7 @@ from typing import TYPE_CHECKING, Union
 
 from taskpoint import CheckpointError, CheckpointLike, TaskpointWarning
 from taskpoint import distributed as _distributed
+from taskpoint._types import check_checkpoint_like
 from taskpoint.checkpoint.mirror import settle_uploads, uploads_in_flight
 from taskpoint.distributed import nodes
 from taskpoint.distributed.torch_coordination import TorchCoordinator
@@ -175,38 +165,22 @@ def restore_last_checkpoint(
     """Restore the Trainer's output directory and return its newest complete checkpoint.
 
     Loads the newest committed state from ``checkpoint`` (what
-    :class:`~taskpoint_hf.TaskpointTrainerCallback` mirrored), and makes the ``checkpoint-N``
-    directories in ``output_dir`` exactly its complete ones: incomplete directories (see
-    :func:`last_complete_checkpoint`) are skipped with a :class:`~taskpoint.TaskpointWarning`,
-    and ``checkpoint-N`` directories already in ``output_dir`` (from an earlier attempt in
-    this process, or an unrelated earlier run) are replaced. The restored directories get
-    modification times one second apart in step order, all in the past, so the Trainer's
-    ``save_total_limit`` rotation (which orders by modification time) keeps the newest.
+    :class:`~taskpoint_hf.TaskpointTrainerCallback` mirrored) and makes the ``checkpoint-N``
+    directories in ``output_dir`` exactly its complete ones (see
+    :func:`last_complete_checkpoint`; ``checkpoint-N`` directories already there are
+    replaced), with modification times one second apart in step order, in the past, so the
+    Trainer's ``save_total_limit`` rotation keeps the newest. Uploads still running in this
+    process, or (within ``TASKPOINT_GRACE_PERIOD``) in an earlier process on this machine,
+    are waited for first; a newer local ``checkpoint-N`` such an upload may yet commit is
+    kept, with a :class:`~taskpoint.TaskpointWarning`.
 
-    Uploads this process still runs (a failed attempt's, retried in the same process) are
-    waited for first, so the newest checkpoint is found; so are those an earlier process
-    on this machine still runs (the upload process of an attempt that was killed), at most
-    the grace period (``TASKPOINT_GRACE_PERIOD``, default 30 s; see
-    :meth:`taskpoint.Checkpoint.load_sync`). A complete ``checkpoint-N`` newer than the one
-    restored that such an upload, still running after that, may yet commit is kept in
-    ``output_dir`` (with a :class:`~taskpoint.TaskpointWarning`), never removed.
-
-    In a distributed job the ranks first find out which of them share ``output_dir`` (a
-    token file each), and the first rank of each disk restores into it, while the others
-    wait, what the ranks on that disk read: every file the Trainer reads on any rank
-    (model, optimizer, scheduler, ``trainer_state.json``, configs), whichever node uploaded
-    it, but not the other disks' ranks' own files (their ``rng_state_<rank>.pth``, and
-    their shards in a ``torch.distributed.checkpoint`` folder when its ``.metadata`` shows
-    they hold nothing this disk's ranks read). So a node without a shared disk gets its
-    own copy, whatever ``save_on_each_node`` says, and each node's link carries about its
-    own share. The whole checkpoint (every node's files) is restored instead when leaving
-    files out is not clearly safe: ``checkpoint`` is not a :class:`taskpoint.Checkpoint`,
-    one process or a job of another size saved it, the ranks share one disk, or a newer
-    checkpoint was committed while the files were restored. Every rank then checks that it
-    sees the restored ``checkpoint-N`` and its own ``rng_state_<rank>.pth``. Each step ends with
-    every rank's outcome gathered (waiting at most ``timeout`` seconds for a rank), so a
-    failure on one rank raises on every rank instead of leaving the others blocked in
-    the Trainer's first collective.
+    In a distributed job the first rank of each disk restores into ``output_dir`` what the
+    ranks on that disk read (every file the Trainer reads on any rank, but not other
+    disks' ranks' ``rng_state_<rank>.pth`` nor DCP shards only they hold: see
+    :mod:`taskpoint_hf._selection`; the whole checkpoint where that is not clearly safe),
+    while the others wait; then every rank checks that it sees the restored checkpoint. Each
+    step gathers every rank's outcome (waiting at most ``timeout`` seconds), so a failure on
+    one rank raises on every rank.
 
     Args:
         checkpoint: where the callback saved the output directory (any
@@ -225,21 +199,15 @@ def restore_last_checkpoint(
             own errors).
         CheckpointCoordinationError: on every rank of a distributed job: the ranks name
             different checkpoints or world sizes, a rank failed to restore or cannot see
-            the restored checkpoint, the restoring ranks found different checkpoints, or a
-            rank did not arrive within ``timeout``.
+            the restored checkpoint, or did not arrive within ``timeout``.
         RuntimeError: a distributed job without a process group was given a plain path.
 
     Warns:
-        TaskpointWarning: the restored checkpoint lacks this rank's RNG state (it was
-            saved by a job of another size, or by a version of the adapter that saved world
-            process zero's output_dir alone): the resumed run will not repeat the
-            uninterrupted one exactly.
+        TaskpointWarning: the restored checkpoint lacks this rank's RNG state (saved by a
+            job of another size): the resumed run will not repeat the uninterrupted one
+            exactly.
     """
-    if not isinstance(checkpoint, CheckpointLike):
-        raise TypeError(
-            "checkpoint must be a taskpoint.Checkpoint or another CheckpointLike (with "
-            f"save/save_sync/load/load_sync); got {type(checkpoint).__name__}"
-        )
+    check_checkpoint_like(checkpoint, "restore_last_checkpoint")
     folder, ranks = _target(output_dir)
     settle_uploads()  # a failed attempt's upload, when retried in this process
     if ranks.world_size < 2:

@@ -1,17 +1,9 @@
-"""Saves by training time for :class:`~taskpoint_lightning.TaskpointModelCheckpoint`.
-
-``ModelCheckpoint``'s ``train_time_interval`` is a ``timedelta`` checked in its automatic
-optimization path only (a ``LightningModule`` with ``automatic_optimization = False`` never
-saves on time). The callback takes the knob over: a ``timedelta``, ``"auto"`` (Young/Daly
-from the measured save cost and the run's failures, :class:`taskpoint.SaveInterval`), or a
-:class:`taskpoint.SaveInterval` of the user's own, checked at every step boundary in
-automatic and manual optimization alike. Global rank zero's clock decides: one broadcast
-through the strategy per step boundary, so every rank saves at the same step.
-
-Every save the callback makes (timed, ``every_n_train_steps``, epoch or validation end) is
-timed as training sees it (the hook's seconds, the snapshot for the upload included) and
-restarts the interval; the upload running in the background is measured by the
-:class:`taskpoint.SaveInterval` itself, which listens to the checkpoint's commits.
+"""Saves by training time (``train_time_interval``): a ``timedelta``, ``"auto"`` or a
+:class:`taskpoint.SaveInterval`, checked at every step boundary in automatic and manual
+optimization alike (``ModelCheckpoint``'s own check runs in automatic optimization only).
+Global rank zero's clock decides (one ``strategy.broadcast`` per step boundary). Every
+save the callback makes is timed as training sees it (the hook's seconds) and restarts the
+interval; the background upload is measured by the interval itself, until its commit.
 """
 
 from __future__ import annotations
@@ -21,9 +13,10 @@ import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from taskpoint import CheckpointLike, SaveInterval
+from taskpoint import SaveInterval
+from taskpoint.runtime.interval import TimedSaves as _TimedSaves
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -34,16 +27,16 @@ TimeInterval = timedelta | Literal["auto"] | SaveInterval
 """What ``train_time_interval`` accepts."""
 
 
-def check_time_interval(value: object, owner: str) -> TimeInterval | None:
-    """``value`` if ``train_time_interval`` accepts it.
+def check_time_interval(value: object, owner: str, kwargs: dict[str, Any]) -> TimeInterval | None:
+    """``value`` if ``train_time_interval`` accepts it beside ``ModelCheckpoint``'s other
+    ``kwargs``.
 
     Raises:
         TypeError: it is neither ``None``, a ``timedelta``, ``"auto"`` nor a
             :class:`taskpoint.SaveInterval`.
-        ValueError: a ``timedelta`` that is not positive.
+        ValueError: a ``timedelta`` that is not positive; ``every_n_train_steps`` or
+            ``every_n_epochs`` set as well (as in ``ModelCheckpoint``).
     """
-    if value is None or value == "auto" or isinstance(value, SaveInterval):
-        return value
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
         if not (math.isfinite(seconds) and seconds > 0):
@@ -51,27 +44,27 @@ def check_time_interval(value: object, owner: str) -> TimeInterval | None:
                 f"{owner}: train_time_interval must be a positive timedelta; got {value!r} "
                 "(to save at every step, use every_n_train_steps=1)"
             )
-        return value
-    raise TypeError(
-        f"{owner}: train_time_interval takes a datetime.timedelta, \"auto\" (an interval "
-        "chosen from the save's cost and the run's failures) or a taskpoint.SaveInterval; "
-        f"got {value!r}"
-    )
+    elif not (value is None or value == "auto" or isinstance(value, SaveInterval)):
+        raise TypeError(
+            f"{owner}: train_time_interval takes a datetime.timedelta, \"auto\" (an interval "
+            "chosen from the save's cost and the run's failures) or a taskpoint.SaveInterval; "
+            f"got {value!r}"
+        )
+    for name in ("every_n_train_steps", "every_n_epochs"):
+        if value is not None and kwargs.get(name):
+            raise ValueError(
+                f"{owner}: train_time_interval={value!r} and {name}={kwargs[name]!r} are "
+                "mutually exclusive (as in Lightning's ModelCheckpoint): save by time or by count"
+            )
+    return value
 
 
-class TimedSaves:
-    """The callback's time-based saves: the :class:`taskpoint.SaveInterval` made at setup
-    from ``train_time_interval``, the decision at each step boundary, and the measurement of
-    each save.
-
-    Args:
-        spec: ``train_time_interval`` (checked by :func:`check_time_interval`); ``None``:
-            no timed saves, and saves are not measured.
-    """
+class TimedSaves(_TimedSaves):
+    """Core's timed saves (``spec``: ``train_time_interval``; ``None``: no timed saves, none
+    measured), copied as settings, and measured across Lightning's hooks."""
 
     def __init__(self, spec: TimeInterval | None) -> None:
-        self.spec = spec
-        self.interval: SaveInterval | None = spec if isinstance(spec, SaveInterval) else None
+        super().__init__(spec)
         self.mirrors = 0  # mirrors started, and whether the newest uploads in the background
         self._background = False
 
@@ -95,33 +88,13 @@ class TimedSaves:
     def key(self) -> timedelta | str | None:
         """What the callback's ``state_key`` names the setting by: the ``timedelta``, or
         ``"auto"`` / ``"SaveInterval"`` (stable while the chosen interval changes)."""
-        if isinstance(self.spec, SaveInterval):
-            return "SaveInterval"
-        return self.spec
+        spec = self.spec
+        return "SaveInterval" if isinstance(spec, SaveInterval) else spec  # type: ignore[return-value]
 
-    def start(self, checkpoint: CheckpointLike) -> None:
-        """Make the interval (once) with ``SaveInterval.for_checkpoint``: a
-        :class:`taskpoint.Checkpoint`'s attempt history and uploads' commits (another
-        system's checkpoint: the prior and the time blocked)."""
-        if self.interval is not None or self.spec is None or isinstance(self.spec, SaveInterval):
-            return
-        every: float | Literal["auto"] = (
-            "auto" if self.spec == "auto" else self.spec.total_seconds()
-        )
-        self.interval = SaveInterval.for_checkpoint(checkpoint, every)
-
-    def due(self, trainer: pl.Trainer) -> bool:
-        """At a step boundary: count the step and say whether a timed save is due, global
-        rank zero's answer on every rank (one broadcast; every rank must call this)."""
-        interval = self.interval
-        if interval is None:
-            return False
-        interval.step_done()
-
-        def agree(due: bool) -> bool:
-            return bool(trainer.strategy.broadcast(due, src=0))
-
-        return interval.due(agree=agree)
+    def due_on(self, trainer: pl.Trainer) -> bool:
+        """At a step boundary: whether a timed save is due, global rank zero's answer on
+        every rank (one broadcast; every rank must call this)."""
+        return self.due(lambda due: bool(trainer.strategy.broadcast(due, src=0)))
 
     def mirror_started(self, *, background: bool) -> None:
         """A mirror of the folder started; ``background``: a background save through the
@@ -145,7 +118,7 @@ class TimedSaves:
         if saved() == before:
             return
         background = self.mirrors != mirrors and self._background
-        interval.saved(blocked_s=max(0.0, time.monotonic() - began), background=background)
+        self.saved(blocked_s=time.monotonic() - began, background=background)
         if trainer.is_global_zero:
             metrics = interval.choice.metrics()
             for logger in trainer.loggers:

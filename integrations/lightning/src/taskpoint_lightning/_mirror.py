@@ -1,16 +1,11 @@
-"""Make sure a checkpoint folder is fully written before it is mirrored to the store.
-
-Lightning's ``AsyncCheckpointIO`` writes checkpoint files in a worker thread, so when a
-``ModelCheckpoint`` hook returns the file may not exist yet, or may exist half written.
-:func:`flush_async_io` waits for those writes; :func:`unfinished_files` then looks for any
-file that still looks partially written (from another asynchronous plugin), so the
-mirror is put off rather than made of it.
+"""Whether a checkpoint folder is fully written before it is mirrored: Lightning's
+``AsyncCheckpointIO`` writes in a worker thread (:func:`flush_async_io` waits for it), and
+another asynchronous plugin may leave a file half written (:func:`unfinished_files`).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,39 +13,22 @@ from typing import Any
 
 from taskpoint.distributed.nodes import list_files
 
+from taskpoint_lightning._compat import loaded_classes
+
 __all__ = ["flush_async_io", "unfinished_files"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
-_IO_MODULES = ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io")
-
-
-def _async_io_types() -> tuple[type, ...]:
-    """Lightning's ``AsyncCheckpointIO`` from each Lightning package already imported."""
-    found = []
-    for name in _IO_MODULES:
-        module = sys.modules.get(name)
-        cls = getattr(module, "AsyncCheckpointIO", None) if module is not None else None
-        if isinstance(cls, type):
-            found.append(cls)
-    return tuple(found)
 
 
 def flush_async_io(checkpoint_io: Any) -> int:
-    """Wait for every checkpoint write still queued in ``checkpoint_io``'s async plugins.
-
-    Walks the plugin and the plugins it wraps. Each ``AsyncCheckpointIO`` found is torn
-    down, which waits for its queued writes; it makes a fresh worker at its next save.
-
-    Args:
-        checkpoint_io: the strategy's ``checkpoint_io``.
-
-    Returns:
-        How many asynchronous plugins were flushed.
+    """Wait for every write queued in the ``AsyncCheckpointIO`` plugins of the strategy's
+    ``checkpoint_io`` (and those it wraps): each is torn down, which waits for its writes
+    (it makes a fresh worker at its next save); how many were flushed.
 
     Raises:
         BaseException: whatever a queued write raised, re-raised by the plugin.
     """
-    async_types = _async_io_types()
+    async_types = loaded_classes("plugins.io", "AsyncCheckpointIO")
     flushed = 0
     seen: set[int] = set()
     current = checkpoint_io
@@ -78,17 +56,10 @@ def _looks_complete(path: Path) -> bool:
 
 
 def unfinished_files(root: Path, written: Iterable[str | os.PathLike[str]] = ()) -> list[str]:
-    """Why ``root`` cannot be mirrored yet: one line per file that is not fully written.
-
-    Args:
-        root: the checkpoint folder.
-        written: files reported as saved, which must exist.
-
-    Returns:
-        Descriptions of missing files, links to missing files, and ``.ckpt`` files that
-        are empty or truncated zip archives; empty when the folder is complete. taskpoint's
-        own ``.taskpoint-*`` entries (a job mirror's staged parts) are not looked at.
-    """
+    """Why ``root`` cannot be mirrored yet, a line per file not fully written: files of
+    ``written`` (reported saved) missing, links to missing files, ``.ckpt`` files empty or
+    truncated zips; ``[]`` when complete. taskpoint's own ``.taskpoint-*`` entries (a job
+    mirror's staged parts) are not looked at."""
     problems = [
         f"{os.fspath(p)} (reported saved but missing)"
         for p in written

@@ -1,9 +1,5 @@
 """How ``TaskpointModelCheckpoint`` notes each change Lightning makes to ``dirpath`` and
-mirrors the folder to the store: one upload at a time in the background on global rank
-zero, or, with several processes and a :class:`taskpoint.Checkpoint`, every rank
-committing its disk's share as one checkpoint. Also the saves a SIGTERM asks for (see
-:mod:`taskpoint_lightning._preemption`), which go through the same path.
-"""
+mirrors it (core's job-wide mirror), the saves a SIGTERM asks for included."""
 
 from __future__ import annotations
 
@@ -18,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from taskpoint import CheckpointLike, TaskpointWarning, preemption
 from taskpoint.checkpoint.job_mirror import JobMirror, Nodes
 from taskpoint.checkpoint.mirror import FolderMirror, unshare
+from taskpoint.runtime.preemption_stop import within_grace
 
 from taskpoint_lightning._mirror import flush_async_io, unfinished_files
 from taskpoint_lightning._on_exception import ExceptionFiles
@@ -91,13 +88,8 @@ class Mirroring:
         return None if self._job_mirror is None else self._job_mirror.nodes
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the mirror in flight (if any) has committed.
-
-        Args:
-            timeout: give up after this many seconds (``None``: no limit).
-
-        Returns:
-            ``True`` once no upload runs; ``False`` if ``timeout`` ran out first.
+        """Block until the mirror in flight (if any) has committed: ``True`` once no upload
+        runs, ``False`` if ``timeout`` seconds (``None``: no limit) ran out first.
 
         Raises:
             taskpoint.CheckpointError: the upload failed.
@@ -146,7 +138,7 @@ class Mirroring:
     def _finish(self, trainer: pl.Trainer) -> None:
         """Wait for the mirror in flight (raising its error; within the grace period of a
         SIGTERM received) and log what is left."""
-        bound = None if self._fit is None else self._fit.stop.bound(None)
+        bound = None if self._fit is None else within_grace(None)
         done = self._job.finish(bound, leader=trainer.is_global_zero)
         if trainer.is_global_zero:
             if not done:
@@ -167,31 +159,22 @@ class Mirroring:
 
     def _mirror(self, trainer: pl.Trainer, *, final: bool = False) -> None:
         """Start saving ``dirpath`` to the store if Lightning changed it since the last
-        mirror; log the figures of mirrors committed since the last hook."""
+        mirror (with several processes, every rank commits its disk's share as one
+        checkpoint); log the figures of mirrors committed since the last hook."""
         if trainer.is_global_zero:
             self._log_stats(trainer)
         if not self._unmirrored:
             return
-        if self._nodes is not None and self.dirpath is not None:
-            self._mirror_parts(trainer, Path(self.dirpath), final=final)
-            return
-        if not trainer.is_global_zero or self.dirpath is None:
+        parts = self._nodes is not None and self.dirpath is not None
+        if not parts and (not trainer.is_global_zero or self.dirpath is None):
             self._unmirrored = False
             return
         root = Path(self.dirpath)
-        flush_async_io(trainer.strategy.checkpoint_io)
-        problems = unfinished_files(root, [self._last_checkpoint_saved])
-        if problems:
-            message = (
-                f"not mirroring {root} to {describe(self._taskpoint)} yet: "
-                + "; ".join(problems)
-            )
-            if final:
-                message += " (training has ended: the store keeps the previous mirror)"
-                log.warning(message)
-                warnings.warn(message, TaskpointWarning, stacklevel=2)
-            else:
-                log.info("%s; trying again after the next save", message)
+        if self._put_off(trainer, root, final=final, everywhere=parts):
+            return
+        if parts:
+            self._job.save_parts(root, step=trainer.global_step)
+            self._mirrored()
             return
         started = time.monotonic()
         self._uploads.save(root, step=trainer.global_step)
@@ -202,6 +185,31 @@ class Mirroring:
             describe(self._taskpoint), trainer.global_step, time.monotonic() - started,
         )
 
+    def _put_off(self, trainer: pl.Trainer, root: Path, *, final: bool, everywhere: bool) -> bool:
+        """Whether ``root`` holds files not fully written, so its mirror waits for the next
+        save: global rank zero looks (queued async writes done first) and, ``everywhere``,
+        tells every rank (a collective). It says why, loudly when training has ended."""
+        flush_async_io(trainer.strategy.checkpoint_io)
+        problems = (
+            unfinished_files(root, [self._last_checkpoint_saved])
+            if trainer.is_global_zero else []
+        )
+        if everywhere:
+            problems = self._job.everywhere(lambda: problems, "check its checkpoint files")[0]
+        if problems and trainer.is_global_zero:
+            message = f"not mirroring {root} to {describe(self._taskpoint)} yet: " + "; ".join(
+                problems
+            )
+            if not final:
+                log.info("%s; trying again after the next save", message)
+            elif everywhere:
+                log.warning(message)
+            else:
+                message += " (training has ended: the store keeps the previous mirror)"
+                log.warning(message)
+                warnings.warn(message, TaskpointWarning, stacklevel=3)
+        return bool(problems)
+
     def _mirrored(self) -> None:
         """Note that the mirror of the folder as it is now has started."""
         self._unmirrored = False
@@ -209,56 +217,37 @@ class Mirroring:
             self._fit.flagged = preemption.requested()
             self._fit.files.mirrored()
 
-    def _mirror_parts(self, trainer: pl.Trainer, root: Path, *, final: bool) -> None:
-        """Every rank commits its disk's share of ``dirpath`` (sharded checkpoints are
-        written by every rank) as one checkpoint."""
-        flush_async_io(trainer.strategy.checkpoint_io)
-        problems = (
-            unfinished_files(root, [self._last_checkpoint_saved])
-            if trainer.is_global_zero else []
-        )
-        problems = self._job.everywhere(lambda: problems, "check its checkpoint files")[0]
-        if problems:
-            if trainer.is_global_zero:
-                message = (
-                    f"not mirroring {root} to {describe(self._taskpoint)} yet: "
-                    + "; ".join(problems)
-                )
-                if final:
-                    log.warning(message)
-                else:
-                    log.info("%s; trying again after the next save", message)
-            return
-        self._job.save_parts(root, step=trainer.global_step)
-        self._mirrored()
-
     # -- a SIGTERM's save (see _preemption.Preemption.stop) -----------------------------
 
     def _preemption_first(self) -> None:
+        """Drop a mirror waiting behind the upload in flight: the preemption's goes first."""
         if self._job_mirror is not None and self._job_mirror.uploads.drop_waiting():
             self._unmirrored = True  # the preemption's own mirror saves the folder anew
 
     def _preemption_wait(self, trainer: pl.Trainer, timeout: float | None) -> bool:
-        if self._job_mirror is None:
+        """Wait up to ``timeout`` seconds for this rank's upload in flight; whether none
+        runs any more (a failed one, logged, counts as done: the folder is mirrored again)."""
+        job = self._job_mirror
+        if job is None:
             return True
-        try:
-            return self._job_mirror.uploads.wait(timeout)
-        except Exception as exc:  # that save is lost; the folder is mirrored again
-            log.warning(
-                "the mirror to %s failed: %s: %s (the store keeps the mirror before)",
-                describe(self._taskpoint), type(exc).__name__, exc,
-            )
+        job.lost = None
+        done = job.settle(timeout)
+        if job.lost is not None:
             self._unmirrored = True
-            return True
+        return done is not False
 
     def _preemption_estimate(self) -> float:
+        """Seconds this rank expects a save to take, to the commit (0 when unknown)."""
         fit = self._fit
         return 0.0 if fit is None else fit.write_s + fit.upload_s
 
     def _preemption_flagged(self) -> bool:
+        """Whether the last mirror started after the notice (its commit then counts)."""
         return self._fit is not None and self._fit.flagged
 
     def _preemption_save(self, trainer: pl.Trainer, *, again: bool) -> str | None:
+        """Save and start mirroring (every rank); the file written, ``None`` when a save at
+        this step exists already (mirrored once more when ``again``)."""
         saved = None
         if self._last_global_step_saved != trainer.global_step:
             saved = self._save_newest_last(trainer)
@@ -270,6 +259,7 @@ class Mirroring:
         return saved
 
     def _preemption_mirrored(self) -> bool:
+        """Whether the folder's mirror has started since its last change."""
         return not self._unmirrored
 
     def _save_newest_last(self, trainer: pl.Trainer) -> str:

@@ -1,40 +1,21 @@
-"""Lightning's ``OnExceptionCheckpoint`` next to ``TaskpointModelCheckpoint``: its file is
-mirrored when it lands in the callback's ``dirpath``.
-
-``OnExceptionCheckpoint`` saves with ``trainer.save_checkpoint`` from its ``on_exception``
-hook, which none of ``ModelCheckpoint``'s save methods see, and deletes the file in its
-``teardown`` hook, which Lightning calls only when fit did not fail. So the callback runs
-its own ``on_exception`` after every ``OnExceptionCheckpoint`` whose file is in its
-``dirpath`` (at setup it moves them just before itself in ``trainer.callbacks``, which
-keeps the order of the rest), mirrors the folder when one of their files changed, and
-mirrors again at teardown when one was deleted. One saving outside ``dirpath`` is not
-mirrored; a WARNING at setup names it.
+"""Lightning's ``OnExceptionCheckpoint`` next to ``TaskpointModelCheckpoint``: it saves from
+its ``on_exception`` (no ``ModelCheckpoint`` save method sees it) and deletes the file at
+``teardown``. So the callback moves every one saving into its ``dirpath`` just before
+itself in ``trainer.callbacks``, mirrors the folder when one of their files changed, and
+again at teardown when one was deleted; one saving elsewhere is named in a WARNING.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any
+
+from taskpoint_lightning._compat import loaded_classes
 
 __all__ = ["ExceptionFiles"]
 
 log = logging.getLogger(__name__)
-
-_CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
-
-
-def _on_exception_types() -> tuple[type, ...]:
-    """``OnExceptionCheckpoint`` from each Lightning package already imported."""
-    found = []
-    for name in _CALLBACK_MODULES:
-        module = sys.modules.get(name)
-        cls = getattr(module, "OnExceptionCheckpoint", None) if module is not None else None
-        if isinstance(cls, type):
-            found.append(cls)
-    return tuple(found)
-
 
 def _ckpt_path(callback: Any) -> str:
     path: str = os.fspath(callback.ckpt_path)
@@ -70,7 +51,7 @@ class ExceptionFiles:
         that save into ``dirpath``, moved before ``owner`` in ``trainer.callbacks`` (a new
         list: Lightning may be going through the old one), so their ``on_exception`` runs
         first."""
-        types = _on_exception_types()
+        types = loaded_classes("callbacks", "OnExceptionCheckpoint")
         callbacks: list[Any] = list(trainer.callbacks)  # (set by Lightning, not declared)
         if not types or owner not in callbacks:
             return cls([])

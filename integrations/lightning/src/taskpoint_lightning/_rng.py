@@ -1,10 +1,6 @@
-"""The global random generators, kept in a Lightning checkpoint and restored per rank.
-
-Lightning checkpoints carry no random state, so a resumed run would draw different dropout
-masks and shuffles from an uninterrupted one. The states are collected and set with
-Lightning's own helpers (``_collect_rng_states`` / ``_set_rng_states``) and stored in a form
-``torch.load(weights_only=True)`` accepts (tensors, lists, numbers and strings), since
-Lightning loads checkpoints with PyTorch's default, which is ``weights_only=True``.
+"""The global random generators, kept in a Lightning checkpoint and restored per rank
+(Lightning's checkpoints carry none): collected and set with Lightning's own helpers, stored
+as tensors, lists, numbers and strings, which ``torch.load(weights_only=True)`` accepts.
 """
 
 from __future__ import annotations
@@ -33,10 +29,8 @@ RNG_FORMAT = 1
 """Version of the stored layout; a newer one is refused rather than misread."""
 
 RNG_STATE_KEY = "taskpoint_rng"
-"""The top-level key of a Lightning checkpoint that holds the random state.
-
-Checkpoints written by taskpoint-lightning 0.1 kept it in the callback's own entry
-(``checkpoint["callbacks"][state_key]``); those still resume exactly."""
+"""The top-level key of a Lightning checkpoint that holds the random state (0.1 kept it in
+the callback's own entry, ``checkpoint["callbacks"][state_key]``, still read)."""
 
 
 def _storable(states: dict[str, Any]) -> dict[str, Any]:
@@ -86,20 +80,10 @@ def _native(stored: dict[str, Any]) -> dict[str, Any]:
 
 
 def capture_rng(*, include_cuda: bool, mid_epoch: bool) -> dict[str, Any]:
-    """Every rank's random state, gathered on every rank.
-
-    In a distributed run this is a collective call: all ranks must make it together, as
-    they do when Lightning dumps a checkpoint.
-
-    Args:
-        include_cuda: also keep the CUDA generators (only when training on CUDA, so a CPU
-            run never starts a CUDA context).
-        mid_epoch: whether the state is taken inside an epoch, after its data iterator
-            was made; a resume then sets the state again once Lightning has re-made it.
-
-    Returns:
-        ``{"format", "mid_epoch", "ranks"}``, ``ranks`` indexed by global rank.
-    """
+    """Every rank's random state, gathered on every rank (a collective, as Lightning's
+    checkpoint dump is): ``{"format", "mid_epoch", "ranks"}``, ``ranks`` by global rank.
+    ``include_cuda`` only when training on CUDA (a CPU run never starts a CUDA context);
+    ``mid_epoch``: taken inside an epoch, whose iterator a resume makes again."""
     local = _storable(_collect_rng_states(include_cuda=include_cuda))
     ranks: list[Any] = [local]
     if is_distributed():
@@ -178,12 +162,8 @@ def _mid_epoch(trainer: pl.Trainer) -> bool:
 
 
 def stash_in_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-    """Keep every rank's random state in ``checkpoint`` (``on_save_checkpoint``; every rank).
-
-    Beside the callbacks' states, not in a callback's own: those stay plain values, and
-    the state is the process's, shared by every taskpoint callback (the first one to see
-    the checkpoint keeps it; every rank sees the same ones).
-    """
+    """Keep every rank's random state in ``checkpoint`` (``on_save_checkpoint``; every rank),
+    beside the callbacks' states: the process's, kept by the first taskpoint callback."""
     if RNG_STATE_KEY not in checkpoint:
         checkpoint[RNG_STATE_KEY] = capture_rng(
             include_cuda=trainer.strategy.root_device.type == "cuda",
@@ -194,16 +174,13 @@ def stash_in_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None
 def load_from_checkpoint(
     trainer: pl.Trainer, checkpoint: dict[str, Any], state_key: str
 ) -> dict[str, Any] | None:
-    """Restore this rank's random state from ``checkpoint`` (``on_load_checkpoint``).
-
-    Set now, before Lightning makes the resumed epoch's data iterator (a shuffle draws
-    from these generators), exactly where the uninterrupted run made it.
+    """Restore this rank's random state from ``checkpoint`` (``on_load_checkpoint``), before
+    Lightning makes the resumed epoch's data iterator, as the uninterrupted run did.
 
     Returns:
-        The states to set again at ``on_train_start`` when the checkpoint was saved inside
-        an epoch, whose iterator the uninterrupted run had already made (Lightning's
-        re-made one drew from the generators); else ``None``. A checkpoint without random
-        state (another callback's, ``save_weights_only=True``) warns.
+        The states to set again at ``on_train_start`` when saved inside an epoch (Lightning's
+        re-made iterator drew from the generators); else ``None``. A checkpoint without
+        random state (another callback's, ``save_weights_only=True``) warns.
 
     Raises:
         ValueError: the stored layout is from a newer version of this adapter.

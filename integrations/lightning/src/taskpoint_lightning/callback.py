@@ -1,20 +1,8 @@
-"""``TaskpointModelCheckpoint``: a ``ModelCheckpoint`` that mirrors its folder to the store.
-
-Example::
-
-    import lightning as L
-    import taskpoint
-    from taskpoint_lightning import TaskpointModelCheckpoint, resume_ckpt_path
-
-    ckpt = taskpoint.ctx().checkpoint            # or taskpoint.Checkpoint("s3://b/run-1")
-    mc = TaskpointModelCheckpoint(ckpt, dirpath="ckpts", save_last=True)
-    trainer = L.Trainer(max_epochs=10, callbacks=[mc])
-    trainer.fit(model, ckpt_path=resume_ckpt_path(ckpt, dirpath="ckpts"))
-
-Each mirror uploads in the background while training goes on; what each cost is logged to
-the Trainer's loggers as ``taskpoint/blocked_s``, ``taskpoint/upload_s``,
-``taskpoint/uploaded_bytes`` and ``taskpoint/stored_bytes``. A SIGTERM becomes a save at the
-next step boundary (see :mod:`taskpoint_lightning._preemption`).
+"""``TaskpointModelCheckpoint``: a ``ModelCheckpoint`` that mirrors its folder to the store
+(:mod:`taskpoint_lightning._mirroring`), turns SIGTERM into a save at a step boundary
+(:mod:`taskpoint_lightning._preemption`), saves by training time
+(:mod:`taskpoint_lightning._interval`) and keeps the random state
+(:mod:`taskpoint_lightning._rng`).
 """
 
 from __future__ import annotations
@@ -32,8 +20,10 @@ import taskpoint
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from taskpoint import CheckpointLike
+from taskpoint._types import check_checkpoint_like
 from taskpoint.checkpoint.job_mirror import JobMirror
 from taskpoint.distributed.coordination import check_timeout
+from taskpoint.runtime.preemption_stop import within_grace
 
 from taskpoint_lightning._interval import TimedSaves, check_time_interval
 from taskpoint_lightning._mirroring import Fit, Mirroring, describe
@@ -55,50 +45,15 @@ __all__ = ["RNG_STATE_KEY", "TaskpointModelCheckpoint"]
 log = logging.getLogger(__name__)
 
 
-def _check_checkpoint(checkpoint: object, owner: str) -> CheckpointLike:
-    if not isinstance(checkpoint, CheckpointLike):
-        hint = (
-            " (taskpoint.ctx().checkpoint is None outside a task or when checkpoints are "
-            "off; pass taskpoint.Checkpoint(url) instead)"
-            if checkpoint is None
-            else ""
-        )
-        raise TypeError(
-            f"{owner} takes a checkpoint with save/save_sync/load/load_sync (a "
-            f"taskpoint.Checkpoint, taskpoint.ctx().checkpoint or another CheckpointLike) "
-            f"as its first argument; got {type(checkpoint).__name__}{hint}"
-        )
-    return checkpoint
-
-
 def _at_step_boundary(trainer: pl.Trainer) -> bool:
     """Whether the batch just done applied its gradients (not inside an accumulation)."""
     should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
     return not (callable(should_accumulate) and should_accumulate())
 
 
-def _check_alone(timed: object, kwargs: dict[str, Any], owner: str) -> None:
-    """``train_time_interval`` excludes ``every_n_train_steps`` and ``every_n_epochs``, as
-    in ``ModelCheckpoint``.
-
-    Raises:
-        ValueError: either is set as well.
-    """
-    for name in ("every_n_train_steps", "every_n_epochs"):
-        value = kwargs.get(name)
-        if value:
-            raise ValueError(
-                f"{owner}: train_time_interval={timed!r} and {name}={value!r} are mutually "
-                "exclusive (as in Lightning's ModelCheckpoint): save by time or by count"
-            )
-
-
 class _TaskpointMirror(Mirroring):
-    """The adapter's behaviour, mixed into a Lightning ``ModelCheckpoint`` class.
-
-    Kept apart from the base class so the same code serves both ``lightning.pytorch``
-    and the standalone ``pytorch_lightning`` package.
-    """
+    """The adapter's behaviour, mixed into ``lightning.pytorch``'s and the standalone
+    ``pytorch_lightning``'s ``ModelCheckpoint``."""
 
     def __init__(
         self,
@@ -110,7 +65,7 @@ class _TaskpointMirror(Mirroring):
         timeout: float = 600.0,
         **kwargs: Any,
     ) -> None:
-        self._taskpoint = _check_checkpoint(checkpoint, type(self).__name__)
+        self._taskpoint = check_checkpoint_like(checkpoint, type(self).__name__)
         try:
             self._timeout = check_timeout(timeout)
         except ValueError as exc:
@@ -120,9 +75,10 @@ class _TaskpointMirror(Mirroring):
                 f"{type(self).__name__}: preempt_timeout must be a number of seconds >= 0 or "
                 f"None; got {preempt_timeout!r}"
             )
-        timed = check_time_interval(kwargs.pop("train_time_interval", None), type(self).__name__)
+        timed = check_time_interval(
+            kwargs.pop("train_time_interval", None), type(self).__name__, kwargs
+        )
         if timed is not None:
-            _check_alone(timed, kwargs, type(self).__name__)
             # Lightning's triggers as for a time interval (no saves at epoch ends unless
             # asked), its own time check then switched off: this callback's runs instead.
             kwargs["train_time_interval"] = timedelta(seconds=1)
@@ -135,19 +91,14 @@ class _TaskpointMirror(Mirroring):
         self._unmirrored = False
         self._rng_for_train_start: dict[str, Any] | None = None
         # This process's machinery, made when first needed and never copied (see
-        # __getstate__): the upload thread, the task contexts told to wait for it, the fit's.
+        # __getstate__): the upload thread and the fit's.
         self._job_mirror: JobMirror | None = None
-        self._preempt_contexts: list[taskpoint.TaskContext] = []
         self._fit: Fit | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        """What pickling and ``copy.deepcopy`` carry (Lightning's ``ddp_spawn`` pickles the
-        callbacks for its workers): the settings and Lightning's state, and the checkpoint,
-        which travels as its configuration. The upload machinery, the process group's
-        coordinators, the task contexts and the fit's SIGTERM handling belong to this
-        process; the copy makes its own.
-
-        Waits first for the mirror in flight, so no upload is left behind uncommitted.
+        """What pickling and ``copy.deepcopy`` carry (``ddp_spawn`` pickles the callbacks):
+        settings, Lightning's state and the checkpoint (as its configuration), not this
+        process's machinery; the mirror in flight is waited for first.
 
         Raises:
             taskpoint.CheckpointError: the mirror in flight failed.
@@ -155,7 +106,7 @@ class _TaskpointMirror(Mirroring):
         if self._job_mirror is not None:
             self._job_mirror.uploads.wait()
         state = dict(self.__dict__)
-        state.update(_job_mirror=None, _preempt_contexts=[], _fit=None)
+        state.update(_job_mirror=None, _fit=None)
         return state
 
     @property
@@ -165,13 +116,10 @@ class _TaskpointMirror(Mirroring):
 
     @property
     def save_interval(self) -> taskpoint.IntervalChoice | None:
-        """The interval of the saves by training time (``train_time_interval``) now in
-        force, and for ``"auto"`` what it was chosen from (its ``metrics()`` are the
-        ``taskpoint/*`` figures logged beside each save). ``None`` without
-        ``train_time_interval``, or before setup. Local to this rank: global rank zero's
-        decides."""
-        interval = self._timed.interval
-        return None if interval is None else interval.choice
+        """The interval of the saves by time (``train_time_interval``) in force and, for
+        ``"auto"``, what it was chosen from; ``None`` without one, or before setup. Local
+        to this rank: global rank zero's decides."""
+        return self._timed.choice
 
     @property
     def state_key(self) -> str:
@@ -199,8 +147,11 @@ class _TaskpointMirror(Mirroring):
                 f"dirpath={self.dirpath!r} is remote; give it a local dirpath (the store "
                 "holds the durable copy)"
             )
-        if trainer.is_global_zero:
-            self._wait_on_preempt()
+        context = taskpoint.ctx()
+        if trainer.is_global_zero and context is not None:
+            # SIGTERM outside training waits for the mirror in flight (inside, with
+            # save_on_preemption, the stop does); once per context: core ignores a repeat
+            context.on_preempt(self._on_preempt)
         if self.dirpath is not None:
             self._job.join(Path(self.dirpath))
         if stage == "fit":
@@ -220,7 +171,7 @@ class _TaskpointMirror(Mirroring):
         taskpoint.report_step(trainer.global_step)
         with self._timed.measured(trainer, self._save_token):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # type: ignore[misc]
-            if _at_step_boundary(trainer) and self._timed.due(trainer):
+            if _at_step_boundary(trainer) and self._timed.due_on(trainer):
                 self._save_on_time(trainer)
             self._mirror(trainer)
         fit = self._fit
@@ -302,7 +253,7 @@ class _TaskpointMirror(Mirroring):
         in ``dirpath``) and wait for this rank's uploads, within ``preempt_timeout`` and the
         grace period of a SIGTERM received."""
         fit = self._fit
-        bound = self._preempt_timeout if fit is None else fit.stop.bound(self._preempt_timeout)
+        bound = self._preempt_timeout if fit is None else within_grace(self._preempt_timeout)
         deadline = None if bound is None else time.monotonic() + bound
         if fit is not None and fit.files.changed():
             self._unmirrored = True
@@ -310,13 +261,8 @@ class _TaskpointMirror(Mirroring):
         if self._nodes is None and self._preemption_wait(trainer, bound):
             self._mirror(trainer)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        # Every rank with an upload: with several processes each commits its own part.
-        if self._job_mirror is not None and not self._job_mirror.uploads.wait(left):
-            log.warning(
-                "the mirror of %s to %s still runs after %ss; %s ends the attempt without "
-                "it (the store keeps the mirror before)", self.dirpath,
-                describe(self._taskpoint), bound, type(exception).__name__,
-            )
+        if self._job_mirror is not None:  # every rank with an upload commits its own part
+            self._job_mirror.settle_failed(exception, left, trainer.global_step)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
@@ -333,16 +279,6 @@ class _TaskpointMirror(Mirroring):
             # checkpoint uses it); the checkpoint stays open for a later fit.
             if isinstance(self._taskpoint, taskpoint.Checkpoint):
                 self._taskpoint.release()
-
-    def _wait_on_preempt(self) -> None:
-        """Inside a taskpoint task, make its SIGTERM handler wait for the mirror in flight
-        (once per task context) when the signal comes outside training (during training
-        with ``save_on_preemption``, the stop at the next step boundary does)."""
-        context = taskpoint.ctx()
-        if context is None or any(c is context for c in self._preempt_contexts):
-            return
-        self._preempt_contexts.append(context)
-        context.on_preempt(self._on_preempt)
 
     def _on_preempt(self) -> None:
         self._job.wait_on_signal(self._preempt_timeout)
@@ -376,88 +312,27 @@ class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
     """A Lightning ``ModelCheckpoint`` that mirrors its ``dirpath`` to a taskpoint store.
 
     Each time Lightning has finished a save (the file written, ``save_last`` written or
-    linked, top-k pruning done), global rank zero saves the whole ``dirpath`` to the store
-    as one checkpoint, so the store never holds a deleted or partially written file.
+    linked, top-k pruning done: from ``every_n_train_steps``, ``every_n_epochs``,
+    ``train_time_interval``, validation, ``save_on_exception``, or an
+    ``OnExceptionCheckpoint`` saving into ``dirpath``), the whole ``dirpath`` is saved to
+    the store as one checkpoint, so the store never holds a deleted or partially written
+    file. The Lightning guide (``docs/frameworks/lightning.md``) tells the whole story:
 
-    With several processes (a ``torch.distributed`` process group) and a
-    :class:`taskpoint.Checkpoint`, every rank takes part instead: at setup the ranks find
-    out which of them share ``dirpath`` (a token file each); at each mirror the first rank
-    of each disk stages its share (another disk adds only the files inside top-level
-    folders rank 0's disk also has, such as its shards of a sharded checkpoint's folder),
-    and all parts are committed as one checkpoint with
-    :meth:`taskpoint.Checkpoint.save_part_sync`. A failure on one rank fails the mirror on
-    every rank; a rank that never arrives fails the others after ``timeout`` seconds.
-
-    By default the upload runs in the background: rank zero takes a snapshot of
-    ``dirpath`` (hard links where the disk allows, a copy otherwise), starts uploading it
-    and training goes on. A file Lightning writes again (``last.ckpt``) is written as a
-    new file, so the snapshot keeps the old one. At most one upload is in flight: a mirror
-    while the previous upload still runs waits for it first. A failed upload raises its
-    error at the next mirror or when training ends (``on_train_end``, ``teardown``), which
-    also waits for the upload in flight. When training stops on an exception (on one rank
-    or all), every rank's upload in flight is finished before the exception goes on, within
-    ``preempt_timeout`` seconds and the grace period of a SIGTERM received meanwhile (which
-    only ends the wait early; Lightning's handler, whose collective fails once a rank is
-    gone, is set aside during it).
-
-    SIGTERM becomes a save (inside a taskpoint task, or with ``save_on_preemption=True`` or
-    ``TASKPOINT_SAVE_ON_PREEMPTION=1``): the signal is noted, every rank votes at each step
-    boundary (``on_train_batch_end`` once the step's gradients are applied, and
-    ``on_train_end``), and at the first vote after it all ranks stop at the same step. They
-    finish the upload in flight, agree on the earliest deadline
-    (``TASKPOINT_GRACE_PERIOD`` seconds after the signal, default 30) and, when the last
-    save's duration says a save fits, save the state at that step as the ``last``
-    checkpoint (``last.ckpt``, a file even with ``save_last="link"`` or without
-    ``save_last``; none when a save at that step exists), mirror it (only changed chunks are
-    uploaded) and wait for the commit. Then :class:`taskpoint.Preempted` is raised on every
-    rank, so Lightning's exception path (``on_exception``, teardown) runs and no code after
-    ``fit`` runs as if training had finished; the next attempt resumes at that step. A save
-    that does not fit is skipped with a WARNING: the previous checkpoint stays and the
-    attempt's record says the preemption save was ``missed``. While this is on, Lightning's
-    own SIGTERM handling (``trainer.received_sigterm``, ``SIGTERMException``) is set aside
-    during training. Without ``save_last``, the ``last`` file of a preemption save is
-    removed again at the next save, which supersedes it. The training step
-    (``trainer.global_step``) is reported with :func:`taskpoint.report_step` at each batch
-    end, so saves and the attempt records carry it.
-
-    What each mirror cost is logged to the Trainer's loggers (``trainer.loggers``) at the
-    next hook after it committed: ``taskpoint/blocked_s`` (how long training waited),
-    ``taskpoint/upload_s``, and where the checkpoint reports them (a
-    :class:`taskpoint.Checkpoint` does) ``taskpoint/uploaded_bytes`` and
-    ``taskpoint/stored_bytes``.
-    Saves from ``every_n_train_steps`` (mid-epoch), ``every_n_epochs``,
-    ``train_time_interval``, validation and ``save_on_exception`` are all mirrored, and so
-    is the file of a Lightning ``OnExceptionCheckpoint`` saving into ``dirpath`` (its
-    ``on_exception`` is made to run before this callback's; one saving elsewhere is named
-    in a WARNING at setup). Writes queued by Lightning's ``AsyncCheckpointIO`` are waited
-    for first.
-
-    The callback also keeps the global random state (Python, NumPy, torch, and CUDA when
-    training on it; every rank's) in the checkpoint and restores it when Lightning loads
-    the checkpoint, so a resumed run draws the same dropout masks and shuffles as an
-    uninterrupted one. Mid-epoch resumes are exact when the dataloader is resumable
-    (implements ``state_dict``/``load_state_dict``, as torchdata's
-    ``StatefulDataLoader`` does).
-
-    Saves by training time: ``train_time_interval`` (a ``timedelta``) saves the top-k
-    and ``last`` checkpoints once that much time has passed since the last save, whatever
-    made it, at a step boundary: in automatic and manual optimization alike (Lightning's
-    own check runs in automatic optimization only). ``train_time_interval="auto"``
-    chooses the interval with :class:`taskpoint.SaveInterval`: Young and Daly's
-    ``sqrt(2 x cost x mean time between failures)``, from what a save costs training here
-    (the hook's time, the snapshot for the upload included, plus what the background upload
-    takes from the steps beside it) and the run's failures in the store's attempt records
-    (until there are some, a prior: ``TASKPOINT_MTBF_PRIOR_S``, four hours by default),
-    within 2% of training time and an hour at most. The first save then comes at the first
-    step, to measure its cost. For other bounds pass
-    ``taskpoint.SaveInterval.for_checkpoint(checkpoint, "auto", mtbf_prior_s=...,
-    max_overhead=..., max_interval_s=...)`` itself. Global rank zero's clock decides and
-    every rank saves at the same step (one ``strategy.broadcast`` per step boundary). As
-    in ``ModelCheckpoint``, it excludes ``every_n_train_steps`` and ``every_n_epochs``.
-    With a preemption warning (SIGTERM turned into a save) the interval only has to cover
-    the failures that come without one. :attr:`save_interval` tells what was chosen and
-    why; each change is logged at INFO and recorded in the attempt's records
-    (``taskpoint show``).
+    - with several processes and a :class:`taskpoint.Checkpoint`, every rank commits its
+      disk's share of one checkpoint (:class:`taskpoint.checkpoint.job_mirror.JobMirror`);
+    - uploads run in the background, one at a time; a failure raises at the next mirror or
+      when training ends, which waits for the upload (so does an exception, within
+      ``preempt_timeout``); figures go to ``trainer.loggers`` (``taskpoint/blocked_s``,
+      ``upload_s``, ``uploaded_bytes``, ``stored_bytes``);
+    - SIGTERM becomes a save (inside a task, or ``save_on_preemption``): every rank stops
+      at one step boundary, saves the ``last`` checkpoint when it fits in
+      ``TASKPOINT_GRACE_PERIOD``, waits for its commit and raises
+      :class:`taskpoint.Preempted` (see :mod:`taskpoint_lightning._preemption`);
+    - every rank's global random state is kept in the checkpoint and restored, so a
+      resumed run draws what an uninterrupted one would;
+    - ``train_time_interval`` saves by training time at step boundaries (also in manual
+      optimization); ``"auto"`` chooses the interval with :class:`taskpoint.SaveInterval`
+      (:attr:`save_interval` tells what and why).
 
     Resume with :func:`taskpoint_lightning.resume_ckpt_path`.
 
@@ -465,10 +340,9 @@ class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
         checkpoint: where to mirror: a :class:`taskpoint.Checkpoint`,
             ``taskpoint.ctx().checkpoint`` or any :class:`taskpoint.CheckpointLike`.
         *args: ``ModelCheckpoint``'s positional arguments (``dirpath``, ``filename``, ...).
-        blocking: upload inside the hook that saved, training waiting until it has
-            committed (the behaviour before background uploads). ``None`` (the default): in the
-            background for a :class:`taskpoint.Checkpoint`, whose task waits for it; blocking
-            for another system's checkpoint (Flyte's), whose attempt may end and hand its
+        blocking: upload inside the hook that saved, training waiting for the commit.
+            ``None`` (the default): in the background for a :class:`taskpoint.Checkpoint`;
+            blocking for another system's checkpoint (Flyte's), whose attempt may hand its
             checkpoint on before a background upload lands.
         preempt_timeout: how many seconds an exception or SIGTERM waits for the upload in
             flight; ``None`` waits as long as it takes. A SIGTERM's grace period bounds it
@@ -499,12 +373,4 @@ class TaskpointModelCheckpoint(_TaskpointMirror, ModelCheckpoint):
             training stops and a retry resumes from the previous mirror. A mirror failing
             while Lightning handles another exception is logged instead, so that
             exception is the one raised.
-
-    Example::
-
-        ckpt = taskpoint.ctx().checkpoint
-        mc = TaskpointModelCheckpoint(ckpt, dirpath="ckpts", save_last=True,
-                                      every_n_train_steps=100)
-        trainer = L.Trainer(max_steps=10_000, callbacks=[mc])
-        trainer.fit(model, ckpt_path=resume_ckpt_path(ckpt, dirpath="ckpts"))
     """

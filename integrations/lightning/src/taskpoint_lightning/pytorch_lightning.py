@@ -1,7 +1,5 @@
-"""``TaskpointModelCheckpoint`` for the standalone ``pytorch_lightning`` package.
-
-``pytorch_lightning`` has its own ``Trainer`` and callback classes, so its trainers need a
-callback built on its ``ModelCheckpoint``::
+"""``TaskpointModelCheckpoint`` for the standalone ``pytorch_lightning`` package, built on
+its own ``ModelCheckpoint``::
 
     import pytorch_lightning as pl
     from taskpoint_lightning import resume_ckpt_path

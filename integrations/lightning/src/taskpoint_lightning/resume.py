@@ -1,10 +1,5 @@
-"""``resume_ckpt_path``: the ``ckpt_path`` that ``Trainer.fit`` resumes from.
-
-Example::
-
-    ckpt = taskpoint.ctx().checkpoint
-    trainer.fit(model, ckpt_path=resume_ckpt_path(ckpt, dirpath="ckpts"))   # None at first
-"""
+"""``resume_ckpt_path``: the ``ckpt_path`` that ``Trainer.fit`` resumes from (the package
+docstring shows how)."""
 
 from __future__ import annotations
 
@@ -87,43 +82,30 @@ def resume_ckpt_path(
 ) -> str | None:
     """Restore the newest mirrored checkpoint folder; the path ``Trainer.fit`` resumes from.
 
-    Call it on every process, before ``Trainer.fit``.
-
-    In a job of several processes whose ranks can reach each other before Lightning starts
-    its process group (started by torchrun, whose agent serves a store to its workers, or
-    with a ``torch.distributed`` process group already up), the ranks restore together:
-    with ``dirpath``, they first check that they name the same checkpoint, find which of
-    them share ``dirpath``'s disk (a token file each), and the first rank of each disk
-    restores the whole tree into it while the others wait, so every node, with or without
-    a shared disk, holds the checkpoint at the same path (Lightning's sharded strategies
-    hand rank 0's path to every rank and read each rank's shards there). Each step gathers
-    every rank's outcome: when a rank fails, every rank raises, naming it and its error,
-    instead of the others going on into ``Trainer.fit`` and waiting there for the failed
-    one until the process group's timeout (30 minutes by default). Under other launchers
-    (``srun``, ``mpirun``, Lightning's own) the ranks cannot reach each other yet: global
-    rank zero restores into ``dirpath``, every other process reads a private copy, and a
-    failure raises on its own rank only.
+    Call it on every process, before ``Trainer.fit``; mirrors this process still uploads
+    (a failed attempt's) are waited for first. Where the ranks can reach each other before
+    Lightning starts its process group (under torchrun, or with a process group up), they
+    restore together: they check that they name the same checkpoint, and the first rank of
+    each disk holding ``dirpath`` restores the whole tree into it while the others wait, so
+    every node holds it at the same path (as Lightning's sharded strategies expect); a
+    failure on one rank raises on every rank, naming it. Under other launchers (``srun``,
+    ``mpirun``, Lightning's own) global rank zero restores into ``dirpath``, every other
+    process reads a private copy, and a failure raises on its own rank only.
 
     Args:
         checkpoint: the checkpoint given to
             :class:`~taskpoint_lightning.TaskpointModelCheckpoint`.
-        dirpath: the callback's ``dirpath``. When given, the tree is restored into it,
-            replacing what it holds, so Lightning's top-k bookkeeping finds its files and
-            the next mirror keeps them. When ``None`` every process reads a private
-            restored copy.
-        timeout: in a job of several processes, how many seconds a rank waits for the
-            others at each step (the restore included). A failed restore is reported at
-            once; the timeout bounds how much longer one rank may take than another, and
-            how long the others wait for a rank that never gets there.
+        dirpath: the callback's ``dirpath``: the tree is restored into it, replacing what
+            it holds, so Lightning's top-k bookkeeping finds its files. ``None``: every
+            process reads a private restored copy.
+        timeout: with several processes, how many seconds a rank waits for the others at
+            each step (the restore included).
 
     Returns:
-        The newest ``last*.ckpt`` of the restored tree, else its newest ``*.ckpt``
-        (newest by modification time, which the store keeps; a sharded strategy's
-        checkpoint is a folder, dated by its newest file); ``None`` when nothing was
-        mirrored yet (the first attempt) or the mirror holds no ``.ckpt`` file.
-
-    Mirrors this process still uploads (a failed attempt's, retried in the same process)
-    are waited for first, so the newest one is found.
+        The newest ``last*.ckpt`` of the restored tree, else its newest ``*.ckpt`` (by
+        modification time, which the store keeps; a sharded strategy's checkpoint is a
+        folder, dated by its newest file); ``None`` when nothing was mirrored yet or the
+        mirror holds no ``.ckpt`` file.
 
     Raises:
         taskpoint.CheckpointError: the store could not be read (on a rank whose own

@@ -50,7 +50,7 @@ class BundleRestorer:
         """
         settle_every_rank()
         try:
-            check_checkpoint_like(checkpoint)
+            check_checkpoint_like(checkpoint, "TaskpointState")
             bundle = self._read(checkpoint.load_sync(), map_location)
         except Exception as exc:
             return self._finish(None, exc)
@@ -62,7 +62,7 @@ class BundleRestorer:
         """Async :meth:`restore_sync`: the download is awaited."""
         settle_every_rank()
         try:
-            check_checkpoint_like(checkpoint)
+            check_checkpoint_like(checkpoint, "TaskpointState")
             bundle = self._read(await checkpoint.load(), map_location)
         except Exception as exc:
             return self._finish(None, exc)

@@ -174,7 +174,7 @@ class BundleSaver:
                     self._uploads.raise_error()
                 else:
                     self._uploads.wait()
-            check_checkpoint_like(checkpoint)
+            check_checkpoint_like(checkpoint, "TaskpointState")
 
         epoch, step, extra_state, rng_states = agree_to_save(
             prepare, epoch, step, extra, self._components.rng

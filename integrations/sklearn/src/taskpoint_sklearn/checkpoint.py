@@ -67,7 +67,7 @@ class TaskpointSklearnCheckpoint:
         filename: str = "sklearn-bundle",
         save_on_preemption: bool | None = None,
     ) -> None:
-        check_checkpoint_like(checkpoint)
+        check_checkpoint_like(checkpoint, type(self).__name__)
         if format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}; got {format!r}")
         if not isinstance(filename, str) or not filename or "/" in filename or "\\" in filename:
