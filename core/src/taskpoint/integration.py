@@ -66,7 +66,11 @@ from taskpoint.distributed.torch_collectives import (
     raise_first_failure,
     rank_and_size,
 )
-from taskpoint.distributed.torch_coordination import AnyRank, TorchCoordinator, torch_job_coordinator
+from taskpoint.distributed.torch_coordination import (
+    AnyRank,
+    TorchCoordinator,
+    torch_job_coordinator,
+)
 from taskpoint.format.manifest import Manifest
 from taskpoint.preemption import deferred, install, requested
 from taskpoint.progress import as_of_now

@@ -47,9 +47,15 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import taskpoint
-from taskpoint import preemption
-from taskpoint.runtime import context
-from taskpoint.runtime.preemption_stop import Decision, PreemptionStop, within_grace
+from taskpoint.integration import (
+    Decision,
+    PreemptionStop,
+    deferred,
+    install,
+    requested,
+    saves_on_preemption,
+    within_grace,
+)
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
@@ -150,8 +156,7 @@ class Preemption:
         self.stop, self._ended = None, False
         self._jit_seen = self._jit_settled = False
         jits = _jit_callbacks(handler)
-        asked = context.supervised() or bool(jits)
-        save = preemption.save_on_preemption(self.choice, in_task=asked)
+        save = saves_on_preemption(self.choice, restarted=bool(jits))
         if save and not guarded:
             if state.is_world_process_zero:
                 log.warning(
@@ -178,9 +183,9 @@ class Preemption:
                 )
         elif jits:
             self.mode = "jit"
-            preemption.install()  # on top of the Trainer's handler, which it calls
+            install()  # on top of the Trainer's handler, which it calls
             if guarded:  # else a task's fallback ends the attempt at once, as before
-                self._stack.enter_context(preemption.deferred())
+                self._stack.enter_context(deferred())
         else:
             self.mode = "wait"
             self._wait_on_preempt(state, on_preempt)
@@ -250,7 +255,7 @@ class Preemption:
         be written under that upload's ``checkpoint-N`` name, over its files); a JIT save
         made before a step boundary is named at WARNING, since a resume from it may not
         repeat an uninterrupted run."""
-        if self.mode != "jit" or not preemption.requested():
+        if self.mode != "jit" or not requested():
             return
         if not self._jit_settled:
             self._jit_settled = True

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from taskpoint.distributed.nodes import list_files
+from taskpoint.integration import list_files
 
 __all__ = ["flush_async_io", "unfinished_files"]
 

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from taskpoint import CheckpointLike, TaskpointWarning, preemption
-from taskpoint.checkpoint.job_mirror import JobMirror, Nodes
-from taskpoint.checkpoint.mirror import FolderMirror, unshare
+from taskpoint import CheckpointLike, TaskpointWarning
+from taskpoint.integration import FolderMirror, JobMirror, Nodes, requested, unshare
 
 from taskpoint_lightning._mirror import flush_async_io, unfinished_files
 from taskpoint_lightning._on_exception import ExceptionFiles
@@ -206,7 +205,7 @@ class Mirroring:
         """Note that the mirror of the folder as it is now has started."""
         self._unmirrored = False
         if self._fit is not None:
-            self._fit.flagged = preemption.requested()
+            self._fit.flagged = requested()
             self._fit.files.mirrored()
 
     def _mirror_parts(self, trainer: pl.Trainer, root: Path, *, final: bool) -> None:

@@ -54,10 +54,14 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-import taskpoint
-from taskpoint import preemption
-from taskpoint.distributed.torch_coordination import AnyRank
-from taskpoint.runtime.preemption_stop import PreemptionStop, within_grace
+from taskpoint.integration import (
+    AnyRank,
+    PreemptionStop,
+    deferred,
+    install,
+    saves_on_preemption,
+    within_grace,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -152,9 +156,7 @@ class Preemption:
             ValueError: ``TASKPOINT_SAVE_ON_PREEMPTION`` or ``TASKPOINT_GRACE_PERIOD`` is
                 set to something unusable.
         """
-        active = preemption.save_on_preemption(
-            choice, in_task=taskpoint.runtime.context.supervised()
-        )
+        active = saves_on_preemption(choice)
         if trainer.world_size > 1:
             active = bool(trainer.strategy.broadcast(active, src=0))  # rank zero's rule
         self = cls(active, PreemptionStop(
@@ -245,8 +247,8 @@ class Preemption:
             return
         if self._before is not None and signal.getsignal(signal.SIGTERM) is not self._before:
             signal.signal(signal.SIGTERM, self._before)  # Lightning's teardown restores it too
-        preemption.install()
-        with preemption.deferred():
+        install()
+        with deferred():
             yield
 
     def close(self) -> None:

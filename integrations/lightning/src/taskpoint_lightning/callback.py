@@ -32,8 +32,7 @@ import taskpoint
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from taskpoint import CheckpointLike
-from taskpoint.checkpoint.job_mirror import JobMirror
-from taskpoint.distributed.coordination import check_timeout
+from taskpoint.integration import JobMirror, check_timeout
 
 from taskpoint_lightning._interval import TimedSaves, check_time_interval
 from taskpoint_lightning._mirroring import Fit, Mirroring, describe

@@ -35,11 +35,18 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Literal
 
-from taskpoint import preemption, progress
-from taskpoint.checkpoint.mirror import UploadThread, note_coalesced
-from taskpoint.distributed import broadcast_from_zero, is_distributed, rank_and_size
-from taskpoint.runtime.interval import SaveSchedule
-from taskpoint.runtime.step_boundary import StepBoundary, estimate_save_s
+from taskpoint import report_step
+from taskpoint.integration import (
+    SaveSchedule,
+    StepBoundary,
+    UploadThread,
+    as_of_now,
+    broadcast_from_zero,
+    estimate_save_s,
+    is_distributed,
+    note_coalesced,
+    rank_and_size,
+)
 
 __all__ = ["Preemption", "Turn"]
 
@@ -73,15 +80,14 @@ class _TimedUploads(UploadThread):
         ticket: int | None = None,
     ) -> bool:
         owner = self._owner
-        step, called = progress.current_step(), owner.turn_started or time.monotonic()
+        called = owner.turn_started or time.monotonic()
         queued = time.monotonic() - called  # the copy before it was queued
-        signalled = preemption.requested()
+        as_called = as_of_now(job)  # the step and the preemption answer, pinned as of now
         owner.job_started = True
 
         def run() -> None:
             began = time.monotonic()  # after any upload it waited behind
-            with progress.pinned(step), preemption.pinned(signalled):
-                job()
+            as_called()
             owner.last_save_s = queued + time.monotonic() - began
 
         return super().start(run, on_drop=on_drop, ticket=ticket)
@@ -111,7 +117,7 @@ class Preemption:
         deferring SIGTERM to the next boundary (a collective the first time per attempt)."""
         counter = step_of(epoch, step)
         if counter is not None:
-            progress.report_step(counter)
+            report_step(counter)
         self.schedule.start()  # ``every_s`` counts from here
         self.boundary.begin()
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from taskpoint import CheckpointLike
-from taskpoint.distributed import gather_or_raise, rank_and_size
+from taskpoint.integration import gather_or_raise, rank_and_size
 
 from taskpoint_pytorch._agreement import settle_every_rank
 from taskpoint_pytorch._arguments import check_checkpoint

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from taskpoint import CheckpointLike, IntervalChoice
-from taskpoint.checkpoint.mirror import track
+from taskpoint.integration import track
 from torch import nn
 
 from taskpoint_pytorch._components import Components

@@ -33,8 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 from taskpoint import CheckpointLike, IntervalChoice, report_step
-from taskpoint.runtime.interval import SaveSchedule
-from taskpoint.runtime.step_boundary import StepBoundary
+from taskpoint.integration import SaveSchedule, StepBoundary
 
 from taskpoint_sklearn.bundle import PartialFitBundle
 from taskpoint_sklearn.errors import BundleFormatError
