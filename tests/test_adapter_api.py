@@ -102,3 +102,53 @@ def test_adapter_imports_only_the_public_faces(path: Path) -> None:
 )
 def test_the_check_tells_public_from_internal(source: str, bad: bool) -> None:
     assert bool(_violations(source)) is bad, source
+
+
+# The logic the adapters held and core now holds behind taskpoint.integration.
+
+
+def test_as_of_now_runs_a_later_job_with_the_step_and_the_preemption_answer_of_its_call() -> None:
+    import threading
+
+    from taskpoint import preemption, progress
+    from taskpoint.integration import as_of_now
+
+    seen: list[tuple[int | None, bool]] = []
+    try:
+        progress.report_step(3)
+        job = as_of_now(lambda: seen.append((progress.current_step(), preemption.requested())))
+        progress.report_step(7)  # training moved on, and a signal came, before the job ran
+        preemption.relay(60.0)
+        thread = threading.Thread(target=job)
+        thread.start()
+        thread.join()
+        assert seen == [(3, False)]
+        assert (progress.current_step(), preemption.requested()) == (7, True)  # unpinned here
+    finally:
+        preemption.reset()
+        progress.reset()
+
+
+def test_stores_by_content_tells_a_format_2_checkpoint_from_the_rest() -> None:
+    from taskpoint.integration import stores_by_content
+
+    assert stores_by_content(taskpoint.Checkpoint("memory://api/tree")) is True
+    assert stores_by_content(taskpoint.Checkpoint("memory://api/tar", store_format=1)) is False
+    assert stores_by_content(object()) is False  # another system's checkpoint object
+
+
+def test_saves_on_preemption_is_the_rule_with_this_process_restarted_or_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from taskpoint.integration import saves_on_preemption
+    from taskpoint.runtime.context import supervised
+
+    monkeypatch.delenv("TASKPOINT_SAVE_ON_PREEMPTION", raising=False)
+    assert saves_on_preemption(None) is supervised()
+    assert saves_on_preemption(None, restarted=True) is True
+    assert saves_on_preemption(False, restarted=True) is False
+    monkeypatch.setenv("TASKPOINT_SAVE_ON_PREEMPTION", "0")
+    assert saves_on_preemption(None, restarted=True) is False
+    monkeypatch.setenv("TASKPOINT_SAVE_ON_PREEMPTION", "maybe")
+    with pytest.raises(ValueError, match="TASKPOINT_SAVE_ON_PREEMPTION must be"):
+        saves_on_preemption(None)
