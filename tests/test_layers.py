@@ -3,7 +3,7 @@
 ``core/src/taskpoint/`` is cut into layers along the data flow (CONTRIBUTING.md, "Layout
 and habits"); a module imports only from its own layer and the layers below it::
 
-    faces         taskpoint, taskpoint.cli
+    faces         taskpoint, taskpoint.cli, taskpoint.integration (the adapters' API)
     inspect       what a checkpoint root holds, drawn for people
     runtime       tasks, attempts, process isolation, ctx(), step boundaries
     checkpoint    Checkpoint: the save and load paths, background uploads, folder mirrors
@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("taskpoint.checkpoint",),
     ("taskpoint.runtime",),
     ("taskpoint.inspect",),
-    ("taskpoint", "taskpoint.cli"),
+    ("taskpoint", "taskpoint.cli", "taskpoint.integration"),
 ]
 """Bottom to top; an entry holds a module, or a package with every module in it."""
 

@@ -19,9 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
-__all__ = ["current_step", "pinned", "report_step", "reset"]
+from taskpoint import preemption
+
+__all__ = ["as_of_now", "current_step", "pinned", "report_step", "reset"]
+
+_T = TypeVar("_T")
 
 _step: int | None = None
 _UNPINNED = -1
@@ -85,3 +90,22 @@ def reset() -> None:
     """Forget the step (an attempt starting afresh in this process)."""
     global _step
     _step = None
+
+
+def as_of_now(job: Callable[[], _T]) -> Callable[[], _T]:
+    """``job``, to be run later (on an upload thread, after training moved on) as if now.
+
+    Takes :func:`current_step` and :func:`taskpoint.preemption.requested` when called; the
+    returned callable runs ``job`` under :func:`pinned` and
+    :func:`taskpoint.preemption.pinned` with those answers and returns what
+    ``job`` returned (or raises what it raised). A save made by ``job`` then records
+    the step, and whether a preemption signal had come, as of the call: what an adapter
+    that serialises first and hands the save to a checkpoint from its own thread needs.
+    """
+    step, signalled = current_step(), preemption.requested()
+
+    def run() -> _T:
+        with pinned(step), preemption.pinned(signalled):
+            return job()
+
+    return run

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 from taskpoint import CheckpointLike
-from taskpoint.checkpoint.mirror import settle_uploads
 from taskpoint.format.history import AttemptRecord, read_attempts
+from taskpoint.integration import settle_uploads
 from taskpoint.store.store import Store
 from taskpoint_hf import TaskpointTrainerCallback, checkpoint_step, restore_last_checkpoint
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers

@@ -92,7 +92,7 @@ TASK = textwrap.dedent(
     import torch
     import taskpoint_hf_testkit as kit
     from taskpoint.checkpoint import _uploader
-    from taskpoint.checkpoint.mirror import settle_uploads
+    from taskpoint.integration import settle_uploads
     from taskpoint_hf import TaskpointTrainerCallback, last_complete_checkpoint, restore_last_checkpoint
     from transformers import TrainerCallback
 

@@ -66,7 +66,7 @@ from taskpoint.format.history import SaveStats
 from taskpoint.format.manifest import FORMAT_VERSION, TREE_FORMAT, Codec
 from taskpoint.store.store import RetryPolicy, Store, check_location
 
-__all__ = ["Checkpoint", "SaveInput", "latest_checkpoint"]
+__all__ = ["Checkpoint", "SaveInput", "latest_checkpoint", "stores_by_content"]
 
 log = logging.getLogger(__name__)
 
@@ -439,3 +439,19 @@ def latest_checkpoint(
         return None
     order = key or (lambda p: (p.stat().st_mtime_ns, str(p)))
     return max(matches, key=order)
+
+
+def stores_by_content(checkpoint: object) -> bool:
+    """Whether ``checkpoint`` is a :class:`Checkpoint` that stores folders by content (store
+    format 2, the default): a save of a folder uploads only the files, and the chunks of
+    files, that changed since the last save, so an adapter hands it the folder holding its
+    bundle rather than the bundle file.
+
+    Returns:
+        ``True`` for a :class:`Checkpoint` made with ``store_format=2``; ``False`` for one
+        with ``store_format=1`` (one archive per save) and for any other
+        :class:`~taskpoint.CheckpointLike` (another system's checkpoint object).
+    """
+    if not isinstance(checkpoint, Checkpoint):
+        return False
+    return bool(checkpoint._config.get("store_format", TREE_FORMAT) == TREE_FORMAT)

@@ -24,9 +24,10 @@ coalesced, and counted in :attr:`MirrorStats.coalesced`), unless the checkpoint'
 ``when_busy`` is ``"wait"``: then each save waits for the upload before it, and every one
 is uploaded, in order.
 
-Every mirror (and whatever else an adapter passes to :func:`track`, and every
-checkpoint's background saves) is known to :func:`settle_uploads`, which the adapters'
-restore functions call first: a retry in the same process never loads the store while the
+Every mirror (and whatever else an adapter passes to :func:`~taskpoint.integration.track`,
+and every checkpoint's background saves) is known to
+:func:`~taskpoint.integration.settle_uploads`, which the adapters' restore functions call
+first: a retry in the same process never loads the store while the
 failed attempt's last upload still runs. At interpreter exit, an exit on an uncaught
 exception included, the uploads in flight are waited for, up to :data:`EXIT_WAIT_S`
 seconds in all, before the interpreter's thread pools shut down (see
@@ -50,7 +51,7 @@ from taskpoint import preemption
 from taskpoint._types import CheckpointLike
 from taskpoint.checkpoint import _inflight
 from taskpoint.checkpoint._save import Source, classify, discard, take_snapshot
-from taskpoint.checkpoint._settle import EXIT_WAIT_S, settle_uploads, track
+from taskpoint.checkpoint._settle import EXIT_WAIT_S, track
 from taskpoint.checkpoint._upload_thread import UploadThread
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.distributed.coordination import Coordinator
@@ -58,8 +59,8 @@ from taskpoint.format.history import SaveStats
 from taskpoint.progress import current_step
 
 __all__ = [
-    "EXIT_WAIT_S", "FolderMirror", "MirrorStats", "UploadThread", "combined_metrics",
-    "note_coalesced", "settle_uploads", "track", "unshare", "uploads_in_flight",
+    "EXIT_WAIT_S", "FolderMirror", "MirrorStats", "combined_metrics", "note_coalesced",
+    "unshare", "uploads_in_flight",
 ]
 
 log = logging.getLogger(__name__)
@@ -132,8 +133,9 @@ def unshare(path: str | os.PathLike[str], *, copy: bool = True) -> int:
 
 def note_coalesced(checkpoint: object, count: int = 1) -> None:
     """Tell ``checkpoint`` that an adapter replaced ``count`` background saves of it before
-    they reached it (on the adapter's own :class:`UploadThread`): its next commit counts
-    them in :attr:`taskpoint.SaveStats.coalesced`. Nothing for another checkpoint object."""
+    they reached it (on the adapter's own :class:`~taskpoint.integration.UploadThread`):
+    its next commit counts them in :attr:`taskpoint.SaveStats.coalesced`. Nothing for
+    another checkpoint object."""
     if isinstance(checkpoint, Checkpoint):
         checkpoint._saves.note_coalesced(count)
 

@@ -287,7 +287,31 @@ def parse_manifest_name(name: str) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class Manifest:
-    """One committed checkpoint. See the module docstring for the fields."""
+    """One committed checkpoint, as its manifest records it (what
+    :meth:`taskpoint.Checkpoint.committed` lists, newest first). The stored JSON is
+    described in the module docstring and on the store format page.
+
+    Attributes:
+        kind: what was saved: ``"bytes"``, ``"file"`` or ``"directory"``.
+        name: the file's or directory's name; ``None`` for bytes.
+        codec: how a format-1 payload is encoded (``"gzip"``, ``"zstd"``, ``"none"``).
+        size: bytes: the stored payload's (format 1), or the tree's file content's
+            (format 2).
+        checksum: ``"xxh3-128:<hex>"`` over the payload (format 1) or the entries
+            (format 2).
+        payload: the payload's key under ``checkpoints/`` (format 1); ``None`` for a tree.
+        attempt: the attempt that committed it.
+        seq: its save number within that attempt.
+        created: when it was committed: Unix time in seconds, from the writer's clock.
+        format: the store format, 1 or 2.
+        stats: what the save cost (seconds, bytes), when recorded.
+        entries: a tree's paths, parents first (format 2); ``None`` for format 1.
+        objects: a tree's content objects and their stored sizes in bytes (format 2).
+        parts: for a tree several processes wrote, each writer's rank (as a string) and
+            the paths it contributed; ``None`` when one process wrote it.
+        step: the training step reported when the save was called, if any.
+        preemption: whether it was saved after a preemption signal came.
+    """
 
     kind: Kind
     name: str | None

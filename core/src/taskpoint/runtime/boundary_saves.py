@@ -40,8 +40,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Literal
 
-from taskpoint import preemption, progress
-from taskpoint.checkpoint.mirror import UploadThread, note_coalesced
+from taskpoint import progress
+from taskpoint.checkpoint._upload_thread import UploadThread
+from taskpoint.checkpoint.mirror import note_coalesced
 from taskpoint.distributed import broadcast_from_zero, is_distributed, rank_and_size
 from taskpoint.runtime.interval import IntervalChoice, SaveSchedule
 from taskpoint.runtime.step_boundary import StepBoundary, estimate_save_s
@@ -77,15 +78,14 @@ class _TimedUploads(UploadThread):
         ticket: int | None = None,
     ) -> bool:
         owner = self._owner
-        step, called = progress.current_step(), owner.turn_started or time.monotonic()
+        called = owner.turn_started or time.monotonic()
         queued = time.monotonic() - called  # the copy before it was queued
-        signalled = preemption.requested()
+        as_then = progress.as_of_now(job)
         owner.job_started = True
 
         def run() -> None:
             began = time.monotonic()  # after any upload it waited behind
-            with progress.pinned(step), preemption.pinned(signalled):
-                job()
+            as_then()
             owner.last_save_s = queued + time.monotonic() - began
 
         return super().start(run, on_drop=on_drop, ticket=ticket)

@@ -50,6 +50,7 @@ __all__ = [
     "environment_context",
     "in_task",
     "root_from",
+    "saves_on_preemption",
     "supervised",
 ]
 
@@ -180,6 +181,25 @@ def supervised() -> bool:
         ValueError: an environment contract variable holds an unusable value.
     """
     return ctx() is not None
+
+
+def saves_on_preemption(choice: bool | None, *, restarted: bool = False) -> bool:
+    """Whether an adapter turns SIGTERM into a save: :func:`taskpoint.preemption.save_on_preemption`'s
+    rule, for code that something restarts after a preemption when :func:`supervised`
+    says so or ``restarted`` is true (an adapter that knows of another restarter, such as
+    a framework's own just-in-time checkpointing).
+
+    Args:
+        choice: the adapter's ``save_on_preemption`` argument; ``None`` leaves the answer
+            to ``TASKPOINT_SAVE_ON_PREEMPTION``, then to whether the code is restarted.
+        restarted: whether something the adapter knows of restarts the code, besides a
+            taskpoint task's runner and the environment contract's orchestrator.
+
+    Raises:
+        ValueError: ``TASKPOINT_SAVE_ON_PREEMPTION`` or an environment contract variable
+            holds an unusable value.
+    """
+    return preemption.save_on_preemption(choice, in_task=supervised() or restarted)
 
 
 def ctx() -> TaskContext | None:

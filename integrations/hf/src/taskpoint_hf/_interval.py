@@ -12,9 +12,8 @@ import time
 from typing import Literal
 
 from taskpoint import SaveInterval
-from taskpoint.distributed import broadcast_from_zero
-from taskpoint.runtime.interval import TimedSaves as _TimedSaves
-from taskpoint.runtime.interval import check_every
+from taskpoint.integration import TimedSaves as _TimedSaves
+from taskpoint.integration import broadcast_from_zero, check_every
 from transformers import TrainerControl
 
 __all__ = ["SaveEvery", "TimedSaves", "check_save_every"]

@@ -8,9 +8,7 @@ import time
 from pathlib import Path
 
 from taskpoint import CheckpointLike
-from taskpoint import distributed as _distributed
-from taskpoint.checkpoint.job_mirror import JobMirror
-from taskpoint.checkpoint.mirror import MirrorStats, combined_metrics, unshare
+from taskpoint.integration import JobMirror, MirrorStats, barrier, combined_metrics, unshare
 from transformers import TrainerControl, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -57,7 +55,7 @@ class OutputMirror(JobMirror):
 
     def save(self, folder: Path, state: TrainerState, step: int | None) -> None:
         """Save ``folder`` once every rank has written its files (every rank calls this)."""
-        _distributed.barrier()  # every rank has written its files into checkpoint-N
+        barrier()  # every rank has written its files into checkpoint-N
         if self.nodes is not None:
             self.save_parts(folder, step=step)
             self.step = step
@@ -71,7 +69,7 @@ class OutputMirror(JobMirror):
             if state.is_world_process_zero:
                 self._save_alone(folder, step)
         finally:
-            _distributed.barrier()  # nobody writes the next checkpoint during the upload
+            barrier()  # nobody writes the next checkpoint during the upload
 
     def _save_alone(self, folder: Path, step: int | None) -> None:
         log.info("saving %s (step %s) to %r", folder, step, self.checkpoint)
@@ -108,7 +106,7 @@ class OutputMirror(JobMirror):
                     "file(s) their own copy", target, copied,
                 )
         if self.nodes is not None:
-            _distributed.barrier()  # no rank writes before its disk's files are copied
+            barrier()  # no rank writes before its disk's files are copied
 
     def raise_deferred(self) -> None:
         error, self.deferred = self.deferred, None

@@ -30,10 +30,16 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import taskpoint
-from taskpoint import preemption
-from taskpoint.checkpoint.job_mirror import JobMirror
-from taskpoint.runtime import context
-from taskpoint.runtime.preemption_stop import Decision, PreemptionStop, within_grace
+from taskpoint.integration import (
+    Decision,
+    JobMirror,
+    PreemptionStop,
+    deferred,
+    install,
+    requested,
+    saves_on_preemption,
+    within_grace,
+)
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
@@ -127,7 +133,7 @@ class Preemption:
         self.stop, self._ended = None, False
         self._jit_seen = self._jit_settled = False
         jits = _jit_callbacks(handler)
-        save = preemption.save_on_preemption(self.choice, in_task=context.supervised() or bool(jits))
+        save = saves_on_preemption(self.choice, restarted=bool(jits))
         if save and not guarded:
             if state.is_world_process_zero:
                 log.warning(
@@ -154,9 +160,9 @@ class Preemption:
                 )
         elif jits:
             self.mode = "jit"
-            preemption.install()  # on top of the Trainer's handler, which it calls
+            install()  # on top of the Trainer's handler, which it calls
             if guarded:  # else a task's fallback ends the attempt at once, as before
-                self._stack.enter_context(preemption.deferred())
+                self._stack.enter_context(deferred())
         else:
             self.mode = "wait"
             task = taskpoint.ctx()
@@ -206,8 +212,10 @@ class Preemption:
     def jit_hook(self, where: str, state: TrainerState, control: TrainerControl) -> None:
         """In ``"jit"`` mode, after the Trainer's JIT callback ran its ``where`` hook: the
         first hook after the signal finishes the upload in flight (the JIT checkpoint may
-        be written over its files); a JIT save before a step boundary is named at WARNING."""
-        if self.mode != "jit" or not preemption.requested():
+        be written under that upload's ``checkpoint-N`` name, over its files); a JIT save
+        made before a step boundary is named at WARNING, since a resume from it may not
+        repeat an uninterrupted run."""
+        if self.mode != "jit" or not requested():
             return
         if not self._jit_settled:
             self._jit_settled = True

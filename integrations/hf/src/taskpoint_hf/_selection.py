@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from taskpoint import Checkpoint, CheckpointCoordinationError, CheckpointLike
-from taskpoint.format.manifest import Manifest
+from taskpoint.integration import Manifest
 
 __all__ = ["DCP_METADATA", "Selection", "load", "select"]
 

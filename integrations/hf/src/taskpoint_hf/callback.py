@@ -19,10 +19,12 @@ from typing import Any
 
 import taskpoint
 from taskpoint import CheckpointLike
-from taskpoint import distributed as _distributed
-from taskpoint._types import check_checkpoint_like
-from taskpoint.distributed.coordination import check_timeout
-from taskpoint.runtime.preemption_stop import within_grace
+from taskpoint.integration import (
+    all_gather_object,
+    check_checkpoint_like,
+    check_timeout,
+    within_grace,
+)
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from taskpoint_hf import _hooks
@@ -290,7 +292,7 @@ class TaskpointTrainerCallback(TrainerCallback):
         folder = self._folder(args)
         found = marks(folder) if state.is_world_process_zero else {}
         behind = state.is_world_process_zero and found != self._saves.mirrored
-        if any(_distributed.all_gather_object(behind)):
+        if any(all_gather_object(behind)):
             self._saves.save(folder, state, max((_step(Path(n)) for n in found), default=None))
         committed, error = True, None
         try:
@@ -305,7 +307,7 @@ class TaskpointTrainerCallback(TrainerCallback):
         if self._preemption.stop is not None and self._saves.nodes is None:
             # world process zero uploads alone: every rank learns whether it committed, and
             # none ends (torchrun then stops the others) before it is known
-            committed = all(_distributed.all_gather_object(committed and error is None))
+            committed = all(all_gather_object(committed and error is None))
         if state.is_world_process_zero:
             metrics = self._saves.take_metrics()
             handler = self._logs.hooked()

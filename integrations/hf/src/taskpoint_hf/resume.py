@@ -16,11 +16,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from taskpoint import CheckpointError, CheckpointLike, TaskpointWarning
-from taskpoint import distributed as _distributed
-from taskpoint._types import check_checkpoint_like
-from taskpoint.checkpoint.mirror import settle_uploads, uploads_in_flight
-from taskpoint.distributed import nodes
-from taskpoint.distributed.torch_coordination import TorchCoordinator
+from taskpoint.integration import (
+    Disks,
+    Ranks,
+    TorchCoordinator,
+    check_checkpoint_like,
+    current_ranks,
+    restore_to_every_disk,
+    run_everywhere,
+    settle_uploads,
+    uploads_in_flight,
+)
 
 from taskpoint_hf import _selection
 
@@ -130,10 +136,10 @@ def _step(path: Path) -> int:
     return step
 
 
-def _target(output_dir: OutputDir) -> tuple[Path, _distributed.Ranks]:
+def _target(output_dir: OutputDir) -> tuple[Path, Ranks]:
     """The output folder and this rank."""
     if isinstance(output_dir, (str, os.PathLike)):
-        folder, ranks = Path(os.fspath(output_dir)), _distributed.current_ranks()
+        folder, ranks = Path(os.fspath(output_dir)), current_ranks()
     else:
         args = output_dir
         named = getattr(args, "output_dir", None)
@@ -143,11 +149,11 @@ def _target(output_dir: OutputDir) -> tuple[Path, _distributed.Ranks]:
                 f"the Trainer's TrainingArguments (with an output_dir); got {type(output_dir).__name__}"
             )
         folder = Path(os.fspath(named))
-        ranks = _distributed.Ranks(
+        ranks = Ranks(
             rank=int(args.process_index),
             local_rank=int(args.local_process_index),
             world_size=int(args.world_size),
-            grouped=_distributed.current_ranks().grouped,
+            grouped=current_ranks().grouped,
         )
     if ranks.world_size > 1 and not ranks.grouped:
         raise RuntimeError(
@@ -224,23 +230,23 @@ def restore_last_checkpoint(
 
 def _restore_everywhere(
     checkpoint: CheckpointLike, folder: Path, coordinator: TorchCoordinator,
-    ranks: _distributed.Ranks,
+    ranks: Ranks,
 ) -> int | None:
     """The distributed restore's steps, each ending with every rank's outcome gathered;
     the restored step."""
     url = getattr(checkpoint, "url", None)  # another system's checkpoint may have none
 
-    def restore(disks: nodes.Disks) -> int | None:
+    def restore(disks: Disks) -> int | None:
         return _restore(
             checkpoint, folder, sharing=disks.sharing(ranks.rank), world_size=ranks.world_size
         )
 
-    step = nodes.restore_to_every_disk(
+    step = restore_to_every_disk(
         coordinator, folder, restore, location=None if url is None else str(url),
         world_size=ranks.world_size,
     )
     assert step is None or isinstance(step, int)
-    nodes.run_everywhere(
+    run_everywhere(
         coordinator, lambda: _check_visible(folder, step, ranks.rank),
         "see the restored checkpoint",
     )
@@ -259,7 +265,7 @@ def _check_visible(folder: Path, step: int | None, rank: int) -> None:
         )
 
 
-def _resumed(folder: Path, step: int | None, ranks: _distributed.Ranks) -> Path | None:
+def _resumed(folder: Path, step: int | None, ranks: Ranks) -> Path | None:
     if step is None:
         return None
     path = folder / f"checkpoint-{step}"

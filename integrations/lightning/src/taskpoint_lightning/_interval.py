@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from taskpoint import SaveInterval
-from taskpoint.runtime.interval import TimedSaves as _TimedSaves
+from taskpoint.integration import TimedSaves as _TimedSaves
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

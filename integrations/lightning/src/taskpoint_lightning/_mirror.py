@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from taskpoint.distributed.nodes import list_files
+from taskpoint.integration import list_files
 
 from taskpoint_lightning._compat import loaded_classes
 

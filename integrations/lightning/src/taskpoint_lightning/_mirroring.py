@@ -11,10 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from taskpoint import CheckpointLike, TaskpointWarning, preemption
-from taskpoint.checkpoint.job_mirror import JobMirror, Nodes
-from taskpoint.checkpoint.mirror import FolderMirror, unshare
-from taskpoint.runtime.preemption_stop import within_grace
+from taskpoint import CheckpointLike, TaskpointWarning
+from taskpoint.integration import (
+    FolderMirror,
+    JobMirror,
+    Nodes,
+    requested,
+    unshare,
+    within_grace,
+)
 
 from taskpoint_lightning._mirror import flush_async_io, unfinished_files
 from taskpoint_lightning._on_exception import ExceptionFiles
@@ -214,7 +219,7 @@ class Mirroring:
         """Note that the mirror of the folder as it is now has started."""
         self._unmirrored = False
         if self._fit is not None:
-            self._fit.flagged = preemption.requested()
+            self._fit.flagged = requested()
             self._fit.files.mirrored()
 
     # -- a SIGTERM's save (see _preemption.Preemption.stop) -----------------------------

@@ -23,9 +23,12 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-import taskpoint
-from taskpoint import preemption
-from taskpoint.runtime.preemption_stop import PreemptionStop
+from taskpoint.integration import (
+    PreemptionStop,
+    deferred,
+    install,
+    saves_on_preemption,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -73,9 +76,7 @@ class Preemption:
             ValueError: ``TASKPOINT_SAVE_ON_PREEMPTION`` or ``TASKPOINT_GRACE_PERIOD`` is
                 unusable.
         """
-        active = preemption.save_on_preemption(
-            choice, in_task=taskpoint.runtime.context.supervised()
-        )
+        active = saves_on_preemption(choice)
         if trainer.world_size > 1:
             active = bool(trainer.strategy.broadcast(active, src=0))  # rank zero's rule
         self = cls(active, PreemptionStop(timeout=timeout))
@@ -157,8 +158,8 @@ class Preemption:
             return
         if self._before is not None and signal.getsignal(signal.SIGTERM) is not self._before:
             signal.signal(signal.SIGTERM, self._before)  # Lightning's teardown restores it too
-        preemption.install()
-        with preemption.deferred():
+        install()
+        with deferred():
             yield
 
     def close(self) -> None:

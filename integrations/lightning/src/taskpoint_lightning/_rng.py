@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from taskpoint import TaskpointWarning
-from taskpoint.distributed import all_gather_object, is_distributed
+from taskpoint.integration import all_gather_object, is_distributed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -20,10 +20,12 @@ import taskpoint
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from taskpoint import CheckpointLike
-from taskpoint._types import check_checkpoint_like
-from taskpoint.checkpoint.job_mirror import JobMirror
-from taskpoint.distributed.coordination import check_timeout
-from taskpoint.runtime.preemption_stop import within_grace
+from taskpoint.integration import (
+    JobMirror,
+    check_checkpoint_like,
+    check_timeout,
+    within_grace,
+)
 
 from taskpoint_lightning._interval import TimedSaves, check_time_interval
 from taskpoint_lightning._mirroring import Fit, Mirroring, describe

@@ -9,10 +9,15 @@ import shutil
 from pathlib import Path
 
 from taskpoint import CheckpointLike, Coordinator, latest_checkpoint
-from taskpoint.checkpoint.mirror import settle_uploads
-from taskpoint.distributed import current_ranks, nodes
-from taskpoint.distributed.coordination import check_timeout
-from taskpoint.distributed.torch_coordination import torch_job_coordinator
+from taskpoint.integration import (
+    Disks,
+    check_timeout,
+    current_ranks,
+    restore_to_every_disk,
+    run_everywhere,
+    settle_uploads,
+    torch_job_coordinator,
+)
 
 __all__ = ["resume_ckpt_path"]
 
@@ -158,18 +163,18 @@ def _resume_everywhere(
 ) -> str | None:
     """Restore with every rank (see :func:`resume_ckpt_path`); a failure fails them all."""
     if dirpath is None:  # each rank its own private copy
-        each = nodes.run_everywhere(
+        each = run_everywhere(
             coordinator, lambda: _resume(checkpoint, None), f"restore {checkpoint!r}"
         )
         return each[coordinator.rank]  # type: ignore[no-any-return]
     folder = Path(dirpath)
 
-    def restore(disks: nodes.Disks) -> str | None:  # every disk gets the whole checkpoint
+    def restore(disks: Disks) -> str | None:  # every disk gets the whole checkpoint
         path = _resume(checkpoint, folder)
         return None if path is None else Path(path).relative_to(folder).as_posix()
 
     url = getattr(checkpoint, "url", None)  # another system's checkpoint may have none
-    name = nodes.restore_to_every_disk(
+    name = restore_to_every_disk(
         coordinator, folder, restore, location=None if url is None else str(url),
         world_size=coordinator.world_size,
     )
@@ -185,5 +190,5 @@ def _resume_everywhere(
             )
         _filled.add(os.path.realpath(folder))
 
-    nodes.run_everywhere(coordinator, check, "see the restored checkpoint")
+    run_everywhere(coordinator, check, "see the restored checkpoint")
     return os.fspath(found)

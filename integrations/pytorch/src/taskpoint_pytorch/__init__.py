@@ -61,7 +61,7 @@ from taskpoint_pytorch._compat import SUPPORTED_TORCH, check_torch_version
 
 check_torch_version()
 
-from taskpoint.distributed.torch_coordination import TorchCoordinator  # noqa: E402
+from taskpoint.integration import TorchCoordinator  # noqa: E402
 
 from taskpoint_pytorch._errors import (  # noqa: E402
     StateError,

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from taskpoint.checkpoint.mirror import settle_uploads
-from taskpoint.distributed import all_gather_object, gather_or_raise
+from taskpoint.integration import all_gather_object, gather_or_raise, settle_uploads
 
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._rng import capture_rng

@@ -28,8 +28,7 @@ from typing import Any
 
 import taskpoint
 from taskpoint import CheckpointCoordinationError
-from taskpoint.distributed import rank_and_size
-from taskpoint.distributed.coordination import check_agreement
+from taskpoint.integration import check_agreement, rank_and_size
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from taskpoint.distributed import rank_and_size
+from taskpoint.integration import rank_and_size
 from torch import nn
 
 from taskpoint_pytorch._errors import StateLayoutError, StateMismatchError

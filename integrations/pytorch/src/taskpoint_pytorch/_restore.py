@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 from taskpoint import CheckpointLike
-from taskpoint._types import check_checkpoint_like
-from taskpoint.distributed import gather_or_raise, rank_and_size
+from taskpoint.integration import check_checkpoint_like, gather_or_raise, rank_and_size
 
 from taskpoint_pytorch._agreement import settle_every_rank
 from taskpoint_pytorch._components import Components

@@ -23,10 +23,15 @@ from typing import Any
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
-from taskpoint._types import check_checkpoint_like
-from taskpoint.checkpoint.mirror import UploadThread, note_coalesced
-from taskpoint.distributed import broadcast_from_zero, describe_error, rank_and_size
-from taskpoint.format.manifest import TREE_FORMAT
+from taskpoint.integration import (
+    UploadThread,
+    broadcast_from_zero,
+    check_checkpoint_like,
+    describe_error,
+    note_coalesced,
+    rank_and_size,
+    stores_by_content,
+)
 
 from taskpoint_pytorch._agreement import agree_to_save
 from taskpoint_pytorch._components import Components
@@ -313,11 +318,7 @@ def _upload_target(checkpoint: object, path: Path) -> Path:
     folders by content (store format 2, the default), the folder holding the bundle, so a
     save uploads only the chunks of ``state.pt`` that changed since the last one (a
     restore finds the bundle in the folder); else the bundle file itself."""
-    if isinstance(checkpoint, Checkpoint):
-        config = getattr(checkpoint, "_config", {})  # no public accessor for the format
-        if config.get("store_format", TREE_FORMAT) == TREE_FORMAT:
-            return path.parent
-    return path
+    return path.parent if stores_by_content(checkpoint) else path
 
 
 def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:

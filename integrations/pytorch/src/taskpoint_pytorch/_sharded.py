@@ -22,7 +22,7 @@ from typing import Any
 
 import taskpoint
 import torch
-from taskpoint.distributed import (
+from taskpoint.integration import (
     all_gather_object,
     broadcast_from_zero,
     describe_error,

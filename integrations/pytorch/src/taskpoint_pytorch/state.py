@@ -23,9 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from taskpoint import CheckpointLike, IntervalChoice
-from taskpoint.checkpoint.mirror import track
-from taskpoint.distributed import rank_and_size
-from taskpoint.runtime.boundary_saves import BoundarySaves
+from taskpoint.integration import BoundarySaves, rank_and_size, track
 from torch import nn
 
 from taskpoint_pytorch._components import Components

@@ -14,8 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 from taskpoint import CheckpointLike, IntervalChoice
-from taskpoint._types import check_checkpoint_like
-from taskpoint.runtime.boundary_saves import BoundarySaves, Turn
+from taskpoint.integration import BoundarySaves, Turn, check_checkpoint_like
 
 from taskpoint_sklearn.bundle import PartialFitBundle
 from taskpoint_sklearn.errors import BundleFormatError
