@@ -111,7 +111,7 @@ def test_as_of_now_runs_a_later_job_with_the_step_and_the_preemption_answer_of_i
     import threading
 
     from taskpoint import preemption, progress
-    from taskpoint.integration import as_of_now
+    from taskpoint.progress import as_of_now
 
     seen: list[tuple[int | None, bool]] = []
     try:
