@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,31 @@ def test_the_time_between_failures_is_training_time_not_restores(tmp_path: Path)
     mtbf, failures, observed = mean_time_between_failures(restored)
     assert (failures, observed) == (3, pytest.approx(220.0))
     assert mtbf == pytest.approx(220.0 / 3)
+
+
+def test_a_life_killed_unrecorded_ends_by_the_next_process_start(tmp_path: Path) -> None:
+    """A SIGKILLed life has no end record: it ended before the next process started, not
+    at that process's claim, which comes after its interpreter, imports and restore."""
+    lives = _history(tmp_path, [(100.0, None, None), (50.0, "succeeded", None)])
+    claimed = lives[1].started
+    assert claimed is not None and lives[0].started == 0.0
+    restarted = [lives[0], dataclasses.replace(lives[1], process_started=claimed - 30.0)]
+    _, failures, observed = mean_time_between_failures(restarted)
+    assert failures == 1
+    assert observed == pytest.approx(70.0 + 50.0)  # not 100 + 50
+    _, _, unknown = mean_time_between_failures(lives)  # older records: up to the claim
+    assert unknown == pytest.approx(150.0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_a_claim_records_when_its_process_started(tmp_path: Path) -> None:
+    store = Store(tmp_path.as_uri())
+    before = time.time()
+    assert claim_attempt(store, 0) == 0
+    (record,) = read_attempts(store)
+    assert record.process_started is not None and record.started is not None
+    assert record.process_started <= record.started
+    assert before - record.process_started < 24 * 3600  # this test process, not the machine
 
 
 def test_the_current_attempt_is_running_not_failed(tmp_path: Path) -> None:

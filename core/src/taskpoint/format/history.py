@@ -80,6 +80,7 @@ __all__ = [
     "finite_number",
     "log_resume",
     "note_unended",
+    "process_started",
     "read_attempts",
     "read_status",
     "record_end",
@@ -170,6 +171,9 @@ class AttemptRecord:
     Attributes:
         attempt: the attempt number.
         started: Unix time (seconds) of its claim.
+        process_started: Unix time (seconds) the claiming process started (``None`` where
+            the platform does not say, and in records of older versions): the end, at the
+            latest, of an attempt before it that died without an end record.
         pid: the process id that claimed it.
         host: the host name that claimed it.
         ended: Unix time (seconds) it ended.
@@ -199,6 +203,7 @@ class AttemptRecord:
 
     attempt: int
     started: float | None = None
+    process_started: float | None = None
     pid: int | None = None
     host: str | None = None
     ended: float | None = None
@@ -241,6 +246,30 @@ def attempt_numbers(store: Store) -> list[int]:
     return sorted(int(name) for name in store.list(ATTEMPTS) if _CLAIM_RE.match(name))
 
 
+_BOOT_TIME: list[float | None] = []  # /proc/stat's btime, read once
+
+
+def process_started() -> float | None:
+    """Unix time (seconds) this process started, from Linux's ``/proc``; ``None``
+    elsewhere or where it cannot be read. Its interpreter start, imports and restore come
+    after it: a claim records it so that the attempt before, if it died unrecorded, is
+    known to have ended by then rather than at this claim."""
+    try:
+        if not _BOOT_TIME:
+            with open("/proc/stat", encoding="ascii") as fh:
+                btime = next((line.split()[1] for line in fh if line.startswith("btime ")), None)
+            _BOOT_TIME.append(float(btime) if btime is not None else None)
+        boot = _BOOT_TIME[0]
+        if boot is None:
+            return None
+        with open(f"/proc/{os.getpid()}/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()  # after the command's name
+        ticks = float(fields[19])  # field 22, starttime, in clock ticks since boot
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def claim_attempt(store: Store, first: int) -> int:
     """Claim the lowest free attempt number from ``first`` on, atomically.
 
@@ -252,7 +281,10 @@ def claim_attempt(store: Store, first: int) -> int:
     """
     attempt = first
     for _ in range(_MAX_CLAIM_TRIES):
-        record = _record(started=time.time(), pid=os.getpid(), host=socket.gethostname())
+        record = _record(
+            started=time.time(), process_started=process_started(), pid=os.getpid(),
+            host=socket.gethostname(),
+        )
         if store.create_exclusive(_claim_key(attempt), record):
             return attempt
         attempt += 1
@@ -676,6 +708,7 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
             AttemptRecord(
                 attempt=attempt,
                 started=finite_number(claim.get("started")),
+                process_started=finite_number(claim.get("process_started")),
                 pid=_integer(claim.get("pid")),
                 host=_text(claim.get("host")),
                 ended=finite_number(end.get("ended")),

@@ -137,8 +137,8 @@ def mean_time_between_failures(
 
     Each attempt counts its training time: from the end of its restore (its claim when it
     loaded nothing) to its end record; one without an end record (a process killed
-    outright, a node lost) to the next attempt's claim, and the ``current`` one to
-    ``now``. The interval trades saves against training lost, so the seconds that count
+    outright, a node lost) to the start of the next attempt's process (its claim where the
+    record does not say), and the ``current`` one to ``now``. The interval trades saves against training lost, so the seconds that count
     are training's: a restore's or a restart's do not scale with the job's length. A failure loses work when the attempt failed, crashed or
     died, or was preempted without a committed preemption save.
 
@@ -175,9 +175,13 @@ def mean_time_between_failures(
         end = record.ended
         if end is None and record.attempt == current:
             end = now
-        if end is None:
-            later = [r.started for r in records[index + 1 :] if r.started is not None]
-            end = later[0] if later else None
+        if end is None:  # died unrecorded: by the next process's start, else its claim
+            later = [r for r in records[index + 1 :] if r.started is not None]
+            if later:
+                after, end = later[0], later[0].started
+                started = after.process_started
+                if started is not None and end is not None and begin < started < end:
+                    end = started
         if end is not None and end > begin:
             observed += end - begin
         failures += _lost_work(record, current)
