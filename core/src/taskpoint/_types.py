@@ -37,8 +37,9 @@ def check_checkpoint_like(checkpoint: object, owner: str) -> CheckpointLike:
     if isinstance(checkpoint, CheckpointLike):
         return checkpoint
     hint = (
-        " (taskpoint.ctx().checkpoint is None outside a task or when checkpoints are off; "
-        "pass taskpoint.Checkpoint(url) instead)" if checkpoint is None else ""
+        " (taskpoint.ctx().checkpoint is None when the task's environment has "
+        "checkpoints=False, and taskpoint.ctx() is None outside a task; pass "
+        "taskpoint.Checkpoint(url) instead)" if checkpoint is None else ""
     )
     raise TypeError(
         f"{owner} takes a checkpoint with save, save_sync, load and load_sync (a "
