@@ -10,15 +10,14 @@ takes the process up again.
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import taskpoint
 import taskpoint_lightning_testlib as lib
 import torch
+from _leftovers import assert_nothing_left, upload_processes
 from taskpoint.checkpoint import _uploader
 from taskpoint_lightning import TaskpointModelCheckpoint, resume_ckpt_path
 
@@ -27,57 +26,12 @@ pytestmark = [
     pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc"),
 ]
 
-ENDED_WITHIN_S = _uploader.IDLE_EXIT_S - 2
-"""How long the process and threads may take to end after the fit: well under the idle
-time of a closed checkpoint's process, so lingering that long fails too."""
-
-
-def _upload_processes() -> set[int]:
-    """This process's running children that are upload processes (from ``/proc``)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if stat[0] == "Z":  # ended, not yet reaped
-            continue
-        if int(stat[1]) == os.getpid() and _uploader.CHILD_MODULE.encode() in cmdline:
-            found.add(int(entry.name))
-    return found
-
-
-def _left_behind(threads_before: set[threading.Thread]) -> list[threading.Thread]:
-    """The threads started since ``threads_before`` still running that Lightning's harness
-    would reject (not daemons) or that are taskpoint's (which should all have ended)."""
-    return [
-        t for t in set(threading.enumerate()) - threads_before
-        if t.is_alive() and (not t.daemon or t.name.startswith("taskpoint"))
-    ]
-
-
-def _assert_nothing_left(threads_before: set[threading.Thread], processes_before: set[int]) -> float:
-    """Wait (at most :data:`ENDED_WITHIN_S`) until no thread and no upload process the fit
-    started still runs; how long that took."""
-    started = time.monotonic()
-    while _left_behind(threads_before) or _upload_processes() - processes_before:
-        assert time.monotonic() - started < ENDED_WITHIN_S, (
-            f"left behind after the fit: threads {_left_behind(threads_before)}, upload "
-            f"processes {_upload_processes() - processes_before}"
-        )
-        time.sleep(0.05)
-    return time.monotonic() - started
-
-
 def test_a_fit_leaves_no_taskpoint_thread_or_upload_process_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_uploader, "_shared", None)  # this test's own upload process
     threads_before = set(threading.enumerate())
-    processes_before = _upload_processes()
+    processes_before = upload_processes()
     ckpt = taskpoint.Checkpoint(tmp_path / "store", keep=2)
     assert ckpt.load_sync() is None  # what a job does first; it starts the upload process
     assert _uploader.shared().wait_ready(60)
@@ -89,7 +43,7 @@ def test_a_fit_leaves_no_taskpoint_thread_or_upload_process_behind(
     )
     assert ckpt._saves.process_uploads > 0  # the mirrors went through the upload process
     assert not ckpt.closed
-    _assert_nothing_left(threads_before, processes_before)
+    assert_nothing_left(threads_before, processes_before, after="the fit", non_daemon=True)
     restored = taskpoint.Checkpoint(tmp_path / "store").load_sync()
     assert restored is not None and (restored / "last.ckpt").is_file()
 
@@ -99,7 +53,7 @@ def test_a_second_fit_through_the_same_callback_saves_and_resumes(
 ) -> None:
     monkeypatch.setattr(_uploader, "_shared", None)
     threads_before = set(threading.enumerate())
-    processes_before = _upload_processes()
+    processes_before = upload_processes()
     ckpt = taskpoint.Checkpoint(tmp_path / "store", keep=2)
     dirpath = tmp_path / "ckpts"
     mc = TaskpointModelCheckpoint(ckpt, dirpath=dirpath, save_last=True)
@@ -109,7 +63,7 @@ def test_a_second_fit_through_the_same_callback_saves_and_resumes(
     lib.trainer([mc], max_epochs=1, default_root_dir=tmp_path).fit(first, lib.loader("plain"))
     uploads = ckpt._saves.process_uploads
     assert uploads > 0
-    _assert_nothing_left(threads_before, processes_before)
+    assert_nothing_left(threads_before, processes_before, after="the fit", non_daemon=True)
 
     resumed = resume_ckpt_path(ckpt, dirpath=dirpath)  # loading takes the process up again
     assert resumed is not None and Path(resumed).name == "last.ckpt"
@@ -120,7 +74,7 @@ def test_a_second_fit_through_the_same_callback_saves_and_resumes(
     )
     assert second.started_at == (1, lib.SAMPLES // lib.BATCH)  # resumed after epoch 0
     assert ckpt._saves.process_uploads > uploads  # its mirrors went through a new process
-    _assert_nothing_left(threads_before, processes_before)
+    assert_nothing_left(threads_before, processes_before, after="the fit", non_daemon=True)
     restored = taskpoint.Checkpoint(tmp_path / "store").load_sync()
     assert restored is not None
     state = torch.load(restored / "last.ckpt", weights_only=False)
