@@ -246,27 +246,18 @@ def attempt_numbers(store: Store) -> list[int]:
     return sorted(int(name) for name in store.list(ATTEMPTS) if _CLAIM_RE.match(name))
 
 
-_BOOT_TIME: list[float | None] = []  # /proc/stat's btime, read once
-
-
 def process_started() -> float | None:
     """Unix time (seconds) this process started, from Linux's ``/proc``; ``None``
     elsewhere or where it cannot be read. Its interpreter start, imports and restore come
     after it: a claim records it so that the attempt before, if it died unrecorded, is
     known to have ended by then rather than at this claim."""
     try:
-        if not _BOOT_TIME:
-            with open("/proc/stat", encoding="ascii") as fh:
-                btime = next((line.split()[1] for line in fh if line.startswith("btime ")), None)
-            _BOOT_TIME.append(float(btime) if btime is not None else None)
-        boot = _BOOT_TIME[0]
-        if boot is None:
-            return None
-        with open(f"/proc/{os.getpid()}/stat", encoding="ascii") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()  # after the command's name
-        ticks = float(fields[19])  # field 22, starttime, in clock ticks since boot
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/self/stat", "rb") as stat:
+            ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])  # starttime, field 22
+        with open("/proc/uptime", "rb") as uptime:
+            since_boot = float(uptime.read().split()[0])
+        return time.time() - max(0.0, since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 

@@ -54,20 +54,9 @@ def format_error(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc)).rstrip("\n")
 
 
-def _process_started() -> float:
-    """When this process started (Unix time), from ``/proc``; elsewhere, now."""
-    try:
-        with open("/proc/self/stat", "rb") as stat:
-            ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])
-        with open("/proc/uptime", "rb") as uptime:
-            since_boot = float(uptime.read().split()[0])
-        return time.time() - max(0.0, since_boot - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return time.time()
-
-
-PROCESS_STARTED = _process_started()
-"""When this process started, Unix time."""
+_STARTED = history.process_started()
+PROCESS_STARTED = time.time() if _STARTED is None else _STARTED
+"""When this process started, Unix time (where ``/proc`` does not say: when this module loaded)."""
 RANKS_APART_S = 5.0
 """How far apart the ranks of one job may start and still share an attempt."""
 FOLLOW_S = 30.0
