@@ -460,7 +460,8 @@ def _print_row(r: dict[str, Any], exact: bool) -> None:
          + (f"  (the run of {r['same_run_as']})" if r.get("same_run_as") else ""))
     for c in r.get("auto_choices", []):  # scaled seconds, as the library saw them
         note(f"{'':<28}attempt {c.get('attempt')} chose every {_num(c.get('interval_s'))} s "
-             f"({c.get('rule')}): save cost {_num(c.get('save_cost_s'))} s, MTBF "
+             f"({c.get('rule')}): save cost {_num(c.get('save_cost_s'))} s, upload "
+             f"{_num(c.get('upload_s'))} s, MTBF "
              f"{_num(c.get('mtbf_s'))} s from {c.get('failures')} failure(s) in "
              f"{_num(c.get('observed_s'))} s")
 

@@ -450,3 +450,77 @@ def test_timed_saves_make_their_interval_once_from_seconds_a_timedelta_or_the_us
     assert timed.due(lambda due: due) is True
     timed.saved(blocked_s=-1.0, background=False)  # a clock step back counts as no wait
     assert not timed.due(lambda due: due)
+
+
+def test_an_automatic_interval_is_no_shorter_than_a_background_upload(tmp_path: Path) -> None:
+    """Saves asked for faster than uploads commit only replace the one queued: once a
+    background save's call-to-commit time is measured, an automatic interval that Young/Daly
+    puts below it rises to it (rule ``upload``); a fixed interval is left as given."""
+    release = threading.Event()
+
+    def held(_moved: int) -> None:
+        release.wait(30)
+
+    checkpoint = Checkpoint(tmp_path.as_uri(), progress=held)
+    clock = FakeClock()
+    interval = SaveInterval.for_checkpoint(checkpoint, "auto", mtbf_prior_s=50.0, clock=clock)
+    _train(interval, clock, 3, 1.0)
+    source = tmp_path.parent / f"{tmp_path.name}-payload"
+    source.write_bytes(b"x" * 100_000)
+    checkpoint.save_sync(source, background=True)
+    interval.saved(blocked_s=0.02, background=True)
+    assert interval.choice.upload_s is None, "no upload measured before its commit"
+    assert interval.choice.interval_s == pytest.approx(young_daly(0.02, 50.0))  # 1.41 s
+    _train(interval, clock, 8, 0.9975)  # the upload takes 8 s from the call
+    release.set()
+    assert checkpoint.wait(30)
+    choice = interval.choice
+    assert choice.upload_s == pytest.approx(8.0)
+    assert (choice.rule, choice.interval_s) == ("upload", pytest.approx(8.0))
+    assert "upload 8 s" in choice.describe()
+    assert choice.metrics()["taskpoint/upload_s"] == pytest.approx(8.0)
+    record = choice.to_record()
+    assert record["upload_s"] == pytest.approx(8.0)
+    restored = IntervalChoice.from_record(record)
+    assert restored is not None and restored.to_record() == record
+    assert not interval.due(), "7.98 s since the save: Young/Daly alone saved after 1.41 s"
+    _train(interval, clock, 1, 0.1)
+    assert interval.due()
+    assert SaveInterval(2.0).choice.rule == "fixed"
+
+
+def test_a_save_queued_behind_an_upload_counts_from_the_commit_before_it(tmp_path: Path) -> None:
+    """Two background saves back to back: the second waits for the first's upload, so its
+    own upload is timed from the first's commit, not from its call."""
+    gate = [threading.Event(), threading.Event()]
+    commits: list[object] = []
+
+    uploading = threading.Event()
+
+    def held(_moved: int) -> None:  # the first upload's progress, then the second's
+        uploading.set()
+        gate[min(len(commits), 1)].wait(30)
+
+    checkpoint = Checkpoint(tmp_path.as_uri(), progress=held)
+    checkpoint.on_commit(commits.append)
+    clock = FakeClock()
+    interval = SaveInterval.for_checkpoint(checkpoint, "auto", mtbf_prior_s=50.0, clock=clock)
+    source = tmp_path.parent / f"{tmp_path.name}-payload"
+    source.write_bytes(b"x" * 100_000)
+    checkpoint.save_sync(source, background=True)
+    interval.saved(blocked_s=0.0, background=True)
+    assert uploading.wait(30)  # the first is uploading: the second queues, not replaces it
+    clock.advance(1.0)
+    source.write_bytes(b"y" * 100_000)
+    checkpoint.save_sync(source, background=True)  # queued behind the first
+    interval.saved(blocked_s=0.0, background=True)
+    clock.advance(3.0)
+    gate[0].set()  # the first commits 4 s after its call
+    deadline = time.monotonic() + 30
+    while interval.choice.upload_s is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert interval.choice.upload_s == pytest.approx(4.0)
+    clock.advance(2.0)
+    gate[1].set()  # the second, 2 s after the first's commit
+    assert checkpoint.wait(30)
+    assert interval.choice.upload_s == pytest.approx(0.8 * 4.0 + 0.2 * 2.0)

@@ -22,6 +22,11 @@ rules:
   more in recomputed steps than it saves (a job whose failures come every few minutes
   pays more than 2% either way).
 
+Nor does an automatic interval fall below the time a background save takes from its call to
+its commit (measured from the checkpoint's commits): a save asked for while the one before
+still uploads only replaces the one queued behind it, so saving more often than uploads
+commit adds snapshots and upload work but commits no sooner.
+
 Each new measurement (a committed save's cost, a failure in the history) recomputes the
 interval; :attr:`SaveInterval.choice` says what was chosen and from what, and every change
 is logged at INFO. A failure that a preemption save covered (a SIGTERM with its grace
@@ -233,7 +238,8 @@ class IntervalChoice:
     Attributes:
         interval_s: seconds of training between saves.
         rule: ``"fixed"``, ``"young-daly"``, ``"overhead"`` (raised to keep saves within
-            ``max_overhead`` while the run has not failed), ``"max-interval"`` (capped) or
+            ``max_overhead`` while the run has not failed), ``"upload"`` (raised to the
+            time a background save takes to commit), ``"max-interval"`` (capped) or
             ``"first-save"`` (no save cost measured yet: the first save is due at once).
         save_cost_s: the measured cost of one save as training sees it (``None``: none
             measured yet).
@@ -242,6 +248,8 @@ class IntervalChoice:
         observed_s: seconds of the run's history the estimate saw.
         prior_s: the prior mean time between failures, seconds (``None`` for a fixed
             interval).
+        upload_s: the measured time from a background save's call to its commit, seconds
+            (``None``: none measured, or blocking saves).
     """
 
     interval_s: float
@@ -251,6 +259,7 @@ class IntervalChoice:
     failures: int = 0
     observed_s: float = 0.0
     prior_s: float | None = None
+    upload_s: float | None = None
 
     def describe(self) -> str:
         """One line for logs and ``taskpoint show``."""
@@ -259,10 +268,11 @@ class IntervalChoice:
         cost = "unmeasured" if self.save_cost_s is None else f"{self.save_cost_s:.3g} s"
         mtbf = f"{self.mtbf_s:.0f} s" if self.mtbf_s is not None else "unknown"
         prior = "" if self.prior_s is None else f", prior {self.prior_s:.0f} s"
+        upload = "" if self.upload_s is None else f", upload {self.upload_s:.3g} s"
         return (
-            f"every {self.interval_s:.1f} s ({self.rule}: save cost {cost}, mean time between "
-            f"failures {mtbf} from {self.failures} failure(s) in {self.observed_s:.0f} s"
-            f"{prior})"
+            f"every {self.interval_s:.1f} s ({self.rule}: save cost {cost}{upload}, mean time "
+            f"between failures {mtbf} from {self.failures} failure(s) in "
+            f"{self.observed_s:.0f} s{prior})"
         )
 
     def to_record(self) -> dict[str, Any]:
@@ -277,6 +287,7 @@ class IntervalChoice:
             "failures": self.failures,
             "observed_s": round(self.observed_s, 3),
             "prior_s": self.prior_s,
+            "upload_s": None if self.upload_s is None else round(self.upload_s, 6),
         }
 
     @classmethod
@@ -294,17 +305,20 @@ class IntervalChoice:
             failures if isinstance(failures, int) and not isinstance(failures, bool) else 0,
             finite_number(record.get("observed_s")) or 0.0,
             finite_number(record.get("prior_s")),
+            finite_number(record.get("upload_s")),
         )
 
     def metrics(self) -> dict[str, float]:
         """The choice as ``taskpoint/<name>`` metrics, beside a save's figures (an
         adapter's logger, a dashboard): ``interval_s`` always; ``save_cost_s``,
-        ``mtbf_s`` and ``failures`` for an automatic interval, those known."""
+        ``upload_s``, ``mtbf_s`` and ``failures`` for an automatic interval, those known."""
         out = {f"{PREFIX}interval_s": float(self.interval_s)}
         if self.rule != "fixed":
             out[f"{PREFIX}failures"] = float(self.failures)
             if self.save_cost_s is not None:
                 out[f"{PREFIX}save_cost_s"] = float(self.save_cost_s)
+            if self.upload_s is not None:
+                out[f"{PREFIX}upload_s"] = float(self.upload_s)
             if self.mtbf_s is not None:
                 out[f"{PREFIX}mtbf_s"] = float(self.mtbf_s)
         return out
@@ -377,6 +391,8 @@ class SaveInterval:
         self._blocked: float | None = None
         self._cost: float | None = None
         self._pending = 0  # background saves whose commit has not been heard of yet
+        self._upload_began: float | None = None  # when the upload in flight was asked for
+        self._upload_s: float | None = None  # running mean, call to commit
         self._listening = False
         self._recorder: _Recorder | None = None
         self._choice = self._choose()
@@ -463,6 +479,7 @@ class SaveInterval:
         interval was replaced by another one for the same checkpoint); the rest works on."""
         with self._lock:
             self._recorder, self._listening, self._pending = None, False, 0
+            self._upload_began = None
             if self._uploading_until == math.inf:
                 self._uploading_until = self._clock()
 
@@ -522,12 +539,14 @@ class SaveInterval:
             self._last_step = now
             self._blocked = blocked_s
             if background and self._listening:
+                if self._pending <= 0:  # else it queues behind the upload in flight
+                    self._upload_began = now - blocked_s  # from the call
                 self._pending += 1
                 if self._pending > 0:  # else its commit came before this call
                     self._uploading_until, self._taken = math.inf, 0.0
                     self._update()  # a first save's cost: the time blocked, until it commits
                     return
-                self._pending = 0
+                self._pending, self._upload_began = 0, None
                 self._finish_cost()
             elif upload_s > 0:
                 self._uploading_until, self._taken = now + upload_s, 0.0
@@ -543,9 +562,16 @@ class SaveInterval:
             if self._recorder is None:  # detached (or never listening)
                 return
             if stats.background:
+                now = self._clock()
                 self._pending -= 1 + stats.coalesced
                 if self._pending <= 0 and self._uploading_until is not None:
-                    self._uploading_until = self._clock()
+                    self._uploading_until = now
+                if self._upload_began is not None:
+                    took = now - self._upload_began
+                    self._upload_s = took if self._upload_s is None else _mix(self._upload_s, took)
+                    # the save queued behind it starts uploading now
+                    self._upload_began = now if self._pending > 0 else None
+                    self._update()
             choice, recorder = self._choice, self._recorder
         if recorder is not None:
             recorder.note(choice)
@@ -577,15 +603,20 @@ class SaveInterval:
             self._history, prior_s=self._prior, current=self._current
         )
         cost = self._cost if self._cost is not None else self._blocked  # first, provisional
+        upload = self._upload_s
         if cost is None:
-            return IntervalChoice(0.0, "first-save", None, mtbf, failures, observed, self._prior)
+            return IntervalChoice(
+                0.0, "first-save", None, mtbf, failures, observed, self._prior, upload
+            )
         interval, rule = young_daly(cost, mtbf), "young-daly"
         floor = cost / self._max_overhead
         if failures == 0 and interval < floor:  # only a guessed rate is bounded (see module)
             interval, rule = floor, "overhead"
+        if upload is not None and interval < upload:  # sooner would only coalesce
+            interval, rule = upload, "upload"
         if interval > self._max_interval:
             interval, rule = self._max_interval, "max-interval"
-        return IntervalChoice(interval, rule, cost, mtbf, failures, observed, self._prior)
+        return IntervalChoice(interval, rule, cost, mtbf, failures, observed, self._prior, upload)
 
 
 class _Recorder:
