@@ -15,7 +15,8 @@ store). Per way of saving, in one process:
   the time from the call to the commit are printed too. Saved twice, since the second save
   copies into the first one's host memory.
 
-Then restore: ``torch.load(map_location=DEVICE)`` + ``load_state_dict`` of the plain file,
+Then restore: a copy of the plain file from the store to a local file (a download, as from
+an object store), ``torch.load(map_location="cuda")`` and ``load_state_dict``,
 against ``TaskpointState.restore_sync`` (download, unpack, load). The background save is
 checked to hold the weights of the call, not those of the steps that ran during its upload.
 Prints ratios against plain; nothing here is a test.
@@ -154,8 +155,11 @@ def main() -> None:
     # restore
     fresh, fresh_opt = _model(args.layers, args.width)
 
-    def plain_restore() -> None:
-        bundle = torch.load(plain_store / "latest.pt", map_location=DEVICE, weights_only=True)
+    def plain_restore() -> None:  # a download from the store to a local file, as from S3
+        downloaded = work / "plain-restore" / "latest.pt"
+        downloaded.parent.mkdir(exist_ok=True)
+        fs.get_file(str(plain_store / "latest.pt"), str(downloaded))
+        bundle = torch.load(downloaded, map_location=DEVICE, weights_only=True)
         fresh.load_state_dict(bundle["model"])
         fresh_opt.load_state_dict(bundle["optimizer"])
 
