@@ -108,13 +108,7 @@ class Preemption:
         self._ended = True  # no training under way
         self._jit_seen = self._jit_settled = False
 
-    def begin(
-        self,
-        handler: CallbackHandler | None,
-        state: TrainerState,
-        *,
-        guarded: bool,
-    ) -> None:
+    def begin(self, handler: CallbackHandler | None, state: TrainerState, *, guarded: bool) -> None:
         """Choose the mode and put it in place (a collective in ``"save"`` mode: every rank
         calls this at ``on_train_begin``). ``guarded``: whether this ``train()`` call is
         wrapped, so an exception out of it leaves the deferral; without it SIGTERM is not

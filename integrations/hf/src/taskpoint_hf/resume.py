@@ -259,15 +259,13 @@ def _resumed(folder: Path, step: int | None, ranks: Ranks) -> Path | None:
     return path
 
 
-def _still_committing(
-    checkpoint: CheckpointLike, stale: _Scan, names: set[str], restored: _Scan
-) -> set[Path]:
+def _still_committing(checkpoint: CheckpointLike, stale: _Scan, restored: _Scan) -> set[Path]:
     """The complete local ``checkpoint-N`` directories newer than the newest restored that
     an upload still in flight on this machine may yet commit (an earlier attempt's upload
     process outlives it): a restore keeps them, with a warning, rather than delete what
     may become the newest checkpoint."""
     floor = _step(restored.complete[-1]) if restored.complete else -1
-    newer = [p for p in stale.complete if p.name not in names and _step(p) > floor]
+    newer = [p for p in stale.complete if _step(p) > floor]
     if not newer:
         return set()
     url = getattr(checkpoint, "url", None)
@@ -310,7 +308,7 @@ def _restore(
         shutil.rmtree(leftover, ignore_errors=True)
     stale = _scan(folder)
     names = {path.name for path in scan.complete}
-    kept = _still_committing(checkpoint, stale, names, scan)
+    kept = _still_committing(checkpoint, stale, scan)
     for path in [*stale.complete, *(p for p, _ in stale.incomplete)]:
         if path in kept:
             continue
