@@ -12,7 +12,7 @@ from taskpoint.integration import JobMirror, MirrorStats, barrier, combined_metr
 from transformers import TrainerControl, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from taskpoint_hf.resume import TRAINER_STATE, _scan, _step
+from taskpoint_hf.resume import TRAINER_STATE, _scan
 
 __all__ = ["OutputMirror", "marks"]
 
@@ -49,8 +49,7 @@ class OutputMirror(JobMirror):
     def start(self, folder: Path) -> None:
         """At training start (every rank: collectives in a multi-process job)."""
         self.mirrored = marks(folder)
-        newest = _scan(folder).complete
-        self.step = _step(newest[-1]) if newest else None
+        self.step = None  # no save yet: none of this training's steps is mirrored
         self.join(folder)
 
     def save(self, folder: Path, state: TrainerState, step: int | None) -> None:
