@@ -14,7 +14,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
-__all__ = ["FiguresIntoLogs", "LogHook", "calling_handler", "calling_trainer", "guard_train"]
+__all__ = ["FiguresIntoLogs", "LogHook", "calling_trainer", "guard_train"]
 
 _DEPTH = 12
 """How many frames above a hook the handler and the Trainer are looked for."""
@@ -35,12 +35,6 @@ def _caller_self(callback: TrainerCallback, accept: Callable[[object], bool]) ->
 
 def _holds(handler: object, callback: TrainerCallback) -> bool:
     return isinstance(handler, CallbackHandler) and any(c is callback for c in handler.callbacks)
-
-
-def calling_handler(callback: TrainerCallback) -> CallbackHandler | None:
-    """The Trainer's ``CallbackHandler`` that is calling ``callback``'s hook now, if any."""
-    found: CallbackHandler | None = _caller_self(callback, lambda o: _holds(o, callback))
-    return found
 
 
 def calling_trainer(callback: TrainerCallback) -> Any:
@@ -87,7 +81,9 @@ class LogHook:
     def hook(self) -> CallbackHandler | None:
         """Hook the ``on_log`` of the handler calling the callback's hook now (once per
         handler), so the figures reach the callbacks listed before it too; the handler."""
-        handler = calling_handler(self.callback)
+        handler: CallbackHandler | None = _caller_self(
+            self.callback, lambda o: _holds(o, self.callback)
+        )
         if handler is None:
             return None
         current = handler.on_log

@@ -47,9 +47,7 @@ class TimedSaves(_TimedSaves):
 
     def at_step_end(self, control: TrainerControl) -> None:
         """Count the step; ask for a save when one is due by world process zero's clock
-        (every rank calls this: one broadcast)."""
-        if self.interval is None:
-            return
+        (every rank calls this: one broadcast, with an interval)."""
         if self.due(lambda due: bool(broadcast_from_zero(due))):
             control.should_save = True
         self.asked(control)
@@ -67,8 +65,6 @@ class TimedSaves(_TimedSaves):
     def saved_since(self, began: float, *, background: bool) -> None:
         """The Trainer's save is written and its upload started (``on_save``, which began
         at ``began``): restart the interval with what training waited."""
-        if self.interval is None:
-            return
         since = self._began if self._began is not None else began
         self._began = None
         self.saved(blocked_s=time.monotonic() - since, background=background)

@@ -12,7 +12,7 @@ from taskpoint.integration import JobMirror, MirrorStats, barrier, combined_metr
 from transformers import TrainerControl, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from taskpoint_hf.resume import TRAINER_STATE, _scan, _step
+from taskpoint_hf.resume import TRAINER_STATE, _scan
 
 __all__ = ["OutputMirror", "marks"]
 
@@ -49,34 +49,26 @@ class OutputMirror(JobMirror):
     def start(self, folder: Path) -> None:
         """At training start (every rank: collectives in a multi-process job)."""
         self.mirrored = marks(folder)
-        newest = _scan(folder).complete
-        self.step = _step(newest[-1]) if newest else None
+        self.step = None  # no save yet: none of this training's steps is mirrored
         self.join(folder)
 
     def save(self, folder: Path, state: TrainerState, step: int | None) -> None:
         """Save ``folder`` once every rank has written its files (every rank calls this)."""
         barrier()  # every rank has written its files into checkpoint-N
-        if self.nodes is not None:
-            self.save_parts(folder, step=step)
+        try:
+            if self.nodes is not None:
+                self.save_parts(folder, step=step)
+            elif state.is_world_process_zero:
+                log.info("saving %s (step %s) to %r", folder, step, self.checkpoint)
+                self.raise_deferred()
+                self.uploads.save(folder, step=step)
+            else:
+                return
             self.step = step
             self.mirrored = marks(folder)
-            return
-        if not self.uploads.blocking:
-            if state.is_world_process_zero:
-                self._save_alone(folder, step)
-            return
-        try:
-            if state.is_world_process_zero:
-                self._save_alone(folder, step)
         finally:
-            barrier()  # nobody writes the next checkpoint during the upload
-
-    def _save_alone(self, folder: Path, step: int | None) -> None:
-        log.info("saving %s (step %s) to %r", folder, step, self.checkpoint)
-        self.raise_deferred()
-        self.uploads.save(folder, step=step)
-        self.step = step
-        self.mirrored = marks(folder)
+            if self.nodes is None and self.uploads.blocking:
+                barrier()  # nobody writes the next checkpoint during the upload
 
     def asked(self, control: TrainerControl) -> None:
         """The Trainer may have been told to save: its write starts now."""

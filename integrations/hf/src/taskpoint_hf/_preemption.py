@@ -49,24 +49,20 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["save", "jit", "wait"]
 _MID_STEP = {
-    "on_step_begin": "at on_step_begin, after step {step}'s batch was fetched",
+    "on_step_begin": (
+        "at on_step_begin, after step {step}'s batch was fetched",
+        "a resume from it repeats an uninterrupted run only if fetching a batch draws no "
+        "random numbers (a masking data collator does)",
+    ),
     "on_pre_optimizer_step": (
         "at on_pre_optimizer_step, in the middle of step {step} (after its forward and "
-        "backward passes, before the optimizer update)"
-    ),
-}
-"""The hooks where transformers' JIT callback saves before a step boundary."""
-_JIT_EXACT = {
-    "on_step_begin": (
-        "a resume from it repeats an uninterrupted run only if fetching a batch draws no "
-        "random numbers (a masking data collator does)"
-    ),
-    "on_pre_optimizer_step": (
+        "backward passes, before the optimizer update)",
         "a resume from it will not repeat an uninterrupted run exactly (the step's random "
-        "numbers were drawn before it was saved)"
+        "numbers were drawn before it was saved)",
     ),
 }
-
+"""The hooks where transformers' JIT callback saves before a step boundary: where that
+is, and what it means for a resume from it."""
 
 def _jit_callbacks(handler: CallbackHandler | None) -> list[Any]:
     """The Trainer's armed just-in-time checkpoint callbacks (transformers >= 5.0)."""
@@ -112,14 +108,7 @@ class Preemption:
         self._ended = True  # no training under way
         self._jit_seen = self._jit_settled = False
 
-    def begin(
-        self,
-        handler: CallbackHandler | None,
-        state: TrainerState,
-        on_preempt: Callable[[], None],
-        *,
-        guarded: bool,
-    ) -> Mode:
+    def begin(self, handler: CallbackHandler | None, state: TrainerState, *, guarded: bool) -> None:
         """Choose the mode and put it in place (a collective in ``"save"`` mode: every rank
         calls this at ``on_train_begin``). ``guarded``: whether this ``train()`` call is
         wrapped, so an exception out of it leaves the deferral; without it SIGTERM is not
@@ -167,8 +156,12 @@ class Preemption:
             self.mode = "wait"
             task = taskpoint.ctx()
             if state.is_world_process_zero and task is not None:
-                task.on_preempt(on_preempt)  # once per context: core ignores a repeat
-        return self.mode
+                task.on_preempt(self._on_signal)  # once per context: core ignores a repeat
+
+    def _on_signal(self) -> None:
+        """``"wait"`` mode's SIGTERM, inside a task context: wait for the upload in flight
+        (``wait_timeout``, and never past the grace period), then the attempt ends."""
+        self.job.wait_on_signal(within_grace(self.wait_timeout))
 
     def at_step_end(
         self,
@@ -188,7 +181,7 @@ class Preemption:
         )
         control.should_training_stop = True
         control.should_save = stop.saving
-        if stop.saving and str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+        if stop.saving and args.save_strategy == "best":
             control.should_evaluate = False  # its verdict would decide the save
         if not state.is_world_process_zero:
             return
@@ -224,12 +217,12 @@ class Preemption:
             return
         self._jit_seen = True
         if state.is_world_process_zero:
+            at, exact = _MID_STEP[where]
             log.warning(
                 "SIGTERM: transformers wrote its just-in-time checkpoint-%d %s: %s. Let "
                 "taskpoint save at the step boundary instead: save_on_preemption=True or "
                 "TASKPOINT_SAVE_ON_PREEMPTION=1",
-                state.global_step, _MID_STEP[where].format(step=state.global_step + 1),
-                _JIT_EXACT[where],
+                state.global_step, at.format(step=state.global_step + 1), exact,
             )
 
     def end_bound(self) -> float | None:

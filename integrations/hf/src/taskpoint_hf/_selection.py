@@ -60,17 +60,14 @@ def load(checkpoint: CheckpointLike, *, ranks: Collection[int], world_size: int)
     """
     try:
         selection = select(checkpoint, ranks=ranks, world_size=world_size)
-    except CheckpointCoordinationError as exc:  # the newest commit changed under us
+        if selection is not None:
+            tree = checkpoint.load_sync(paths=selection.paths)  # type: ignore[call-arg]
+    except CheckpointCoordinationError as exc:  # the newest commit changed, or lacks some paths
         log.warning("restoring the whole checkpoint: %s", exc)
         selection = None
     if selection is None:
         return checkpoint.load_sync()
-    assert isinstance(checkpoint, Checkpoint)
-    try:
-        tree = checkpoint.load_sync(paths=selection.paths)
-    except CheckpointCoordinationError as exc:  # the newest commit lacks some of them
-        log.warning("restoring the whole checkpoint: %s", exc)
-        return checkpoint.load_sync()
+    assert isinstance(checkpoint, Checkpoint)  # select() chooses paths of a Checkpoint only
     newest = checkpoint.committed()
     if not newest or newest[0].key != selection.manifest.key:
         log.warning(

@@ -23,7 +23,6 @@ from taskpoint.integration import (
     all_gather_object,
     check_checkpoint_like,
     check_timeout,
-    within_grace,
 )
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -122,7 +121,6 @@ class TaskpointTrainerCallback(TrainerCallback):
         self._output_dir = Path(os.fspath(output_dir)) if output_dir is not None else None
         self._saves = OutputMirror(checkpoint, blocking=blocking, timeout=check_timeout(timeout))
         self._logs = _hooks.LogHook(self)  # the handler whose on_log adds the figures
-        self._preempt_timeout = preempt_timeout
         self._preemption = Preemption(save_on_preemption, self._saves, wait_timeout=preempt_timeout)
         self._step: int | None = None
 
@@ -193,12 +191,8 @@ class TaskpointTrainerCallback(TrainerCallback):
         guarded = trainer is not None and _hooks.guard_train(trainer, self._training_failed)
         self._saves.start(folder)
         self._timed.start(self._checkpoint)
-        self._preemption.begin(handler, state, self._on_preempt, guarded=guarded)
-        if (
-            state.is_world_process_zero
-            and args.save_total_limit is None
-            and str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
-        ):
+        self._preemption.begin(handler, state, guarded=guarded)
+        if state.is_world_process_zero and args.save_total_limit is None and args.save_strategy != "no":
             log.warning(
                 "save_total_limit is unset: every checkpoint-N in %s is kept and each save "
                 "uploads all of them; set save_total_limit (2 is plenty for resuming)",
@@ -260,9 +254,9 @@ class TaskpointTrainerCallback(TrainerCallback):
     ) -> None:
         """Unshare ``checkpoint-N`` if the Trainer is about to write it again
         (``save_strategy="best"`` decides to save only after evaluating)."""
-        best = str(getattr(args.save_strategy, "value", args.save_strategy)) == "best"
         self._timed.before_save(control)
-        self._saves.unshare_next(written_dir(args.output_dir), state.global_step, saving=best)
+        saving = args.save_strategy == "best"
+        self._saves.unshare_next(written_dir(args.output_dir), state.global_step, saving=saving)
 
     def on_log(
         self,
@@ -346,9 +340,3 @@ class TaskpointTrainerCallback(TrainerCallback):
 
     def _training_failed(self, exc: BaseException) -> None:
         self._preemption.failed(exc, self._step)
-
-    def _on_preempt(self) -> None:
-        """SIGTERM not turned into a save, inside a task context: wait for the upload in
-        flight (``preempt_timeout``, and never past the grace period), then the attempt
-        ends."""
-        self._saves.wait_on_signal(within_grace(self._preempt_timeout))

@@ -138,23 +138,15 @@ def _step(path: Path) -> int:
 
 def _target(output_dir: OutputDir) -> tuple[Path, Ranks]:
     """The output folder and this rank."""
-    if isinstance(output_dir, (str, os.PathLike)):
-        folder, ranks = Path(os.fspath(output_dir)), current_ranks()
-    else:
-        args = output_dir
-        named = getattr(args, "output_dir", None)
-        if named is None or not hasattr(args, "process_index"):
+    named = output_dir if isinstance(output_dir, (str, os.PathLike)) else None
+    if named is None:
+        named = getattr(output_dir, "output_dir", None)
+        if named is None or not hasattr(output_dir, "process_index"):
             raise TypeError(
                 "output_dir must be a str or os.PathLike naming the Trainer's output_dir, or "
                 f"the Trainer's TrainingArguments (with an output_dir); got {type(output_dir).__name__}"
             )
-        folder = Path(os.fspath(named))
-        ranks = Ranks(
-            rank=int(args.process_index),
-            local_rank=int(args.local_process_index),
-            world_size=int(args.world_size),
-            grouped=current_ranks().grouped,
-        )
+    ranks = current_ranks()  # built, the TrainingArguments have started the process group
     if ranks.world_size > 1 and not ranks.grouped:
         raise RuntimeError(
             f"restore_last_checkpoint runs in a job of {ranks.world_size} processes but no "
@@ -162,7 +154,7 @@ def _target(output_dir: OutputDir) -> tuple[Path, Ranks]:
             "checkpoint: build the TrainingArguments first (that starts the process group) "
             "and pass them instead of the output_dir"
         )
-    return folder, ranks
+    return Path(os.fspath(named)), ranks
 
 
 def restore_last_checkpoint(
@@ -217,40 +209,27 @@ def restore_last_checkpoint(
     folder, ranks = _target(output_dir)
     settle_uploads()  # a failed attempt's upload, when retried in this process
     if ranks.world_size < 2:
-        step = _restore(checkpoint, folder)
-        return _resumed(folder, step, ranks)
-
-    coordinator = TorchCoordinator(timeout=timeout)
-    try:
-        step = _restore_everywhere(checkpoint, folder, coordinator, ranks)
-    finally:
-        coordinator.close()  # its gloo group: the callback makes its own coordinators
-    return _resumed(folder, step, ranks)
-
-
-def _restore_everywhere(
-    checkpoint: CheckpointLike, folder: Path, coordinator: TorchCoordinator,
-    ranks: Ranks,
-) -> int | None:
-    """The distributed restore's steps, each ending with every rank's outcome gathered;
-    the restored step."""
-    url = getattr(checkpoint, "url", None)  # another system's checkpoint may have none
+        return _resumed(folder, _restore(checkpoint, folder), ranks)
 
     def restore(disks: Disks) -> int | None:
         return _restore(
             checkpoint, folder, sharing=disks.sharing(ranks.rank), world_size=ranks.world_size
         )
 
-    step = restore_to_every_disk(
-        coordinator, folder, restore, location=None if url is None else str(url),
-        world_size=ranks.world_size,
-    )
-    assert step is None or isinstance(step, int)
-    run_everywhere(
-        coordinator, lambda: _check_visible(folder, step, ranks.rank),
-        "see the restored checkpoint",
-    )
-    return step
+    url = getattr(checkpoint, "url", None)  # another system's checkpoint may have none
+    coordinator = TorchCoordinator(timeout=timeout)
+    try:  # each step ends with every rank's outcome gathered
+        step: int | None = restore_to_every_disk(
+            coordinator, folder, restore, location=None if url is None else str(url),
+            world_size=ranks.world_size,
+        )
+        run_everywhere(
+            coordinator, lambda: _check_visible(folder, step, ranks.rank),
+            "see the restored checkpoint",
+        )
+    finally:
+        coordinator.close()  # its gloo group: the callback makes its own coordinators
+    return _resumed(folder, step, ranks)
 
 
 def _check_visible(folder: Path, step: int | None, rank: int) -> None:
@@ -280,15 +259,13 @@ def _resumed(folder: Path, step: int | None, ranks: Ranks) -> Path | None:
     return path
 
 
-def _still_committing(
-    checkpoint: CheckpointLike, stale: _Scan, names: set[str], restored: _Scan
-) -> set[Path]:
+def _still_committing(checkpoint: CheckpointLike, stale: _Scan, restored: _Scan) -> set[Path]:
     """The complete local ``checkpoint-N`` directories newer than the newest restored that
     an upload still in flight on this machine may yet commit (an earlier attempt's upload
     process outlives it): a restore keeps them, with a warning, rather than delete what
     may become the newest checkpoint."""
     floor = _step(restored.complete[-1]) if restored.complete else -1
-    newer = [p for p in stale.complete if p.name not in names and _step(p) > floor]
+    newer = [p for p in stale.complete if _step(p) > floor]
     if not newer:
         return set()
     url = getattr(checkpoint, "url", None)
@@ -331,7 +308,7 @@ def _restore(
         shutil.rmtree(leftover, ignore_errors=True)
     stale = _scan(folder)
     names = {path.name for path in scan.complete}
-    kept = _still_committing(checkpoint, stale, names, scan)
+    kept = _still_committing(checkpoint, stale, scan)
     for path in [*stale.complete, *(p for p, _ in stale.incomplete)]:
         if path in kept:
             continue
