@@ -34,7 +34,7 @@ from taskpoint.integration import (
 )
 
 from taskpoint_pytorch._agreement import agree_to_save
-from taskpoint_pytorch._components import Components
+from taskpoint_pytorch._components import Components, tensors_in
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import STATE_FILE
 from taskpoint_pytorch._safety import check_weights_only
@@ -50,15 +50,14 @@ class _Staged:
 
     rank: int
     error: BaseException | None = None
-    folder: Path | None = None
-    path: Path | None = None
+    path: Path | None = None  # the bundle file, alone in a temporary folder
     bundle: dict[str, Any] | None = None  # a background save's private copy
     buffers: list[torch.Tensor] | None = None  # that copy's tensors, to reuse once written
 
     def cleanup(self) -> None:
         """Remove the bundle's temporary folder, if any."""
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        if self.path is not None:
+            shutil.rmtree(self.path.parent, ignore_errors=True)
 
     def settle(self) -> None:
         """Rank 0 tells every rank how its part went; all raise if it failed.
@@ -110,9 +109,6 @@ class BundleSaver:
             if path is not None:
                 await checkpoint.save(_upload_target(checkpoint, path))
 
-    def _in_background(self, background: bool | None) -> bool:
-        return not self._blocking if background is None else bool(background)
-
     @contextlib.contextmanager
     def _commit(
         self, checkpoint: CheckpointLike, epoch: int, step: int,
@@ -124,7 +120,7 @@ class BundleSaver:
         ``Exception`` the body raises is the commit's failure. Then, for a blocking save,
         rank 0 tells every rank how it went (all raise if it failed) and the file goes.
         """
-        if self._in_background(background):
+        if not self._blocking if background is None else background:
             self._save_background(checkpoint, epoch, step, extra)
             yield None
             return
@@ -194,16 +190,9 @@ class BundleSaver:
             if copy:
                 staged.bundle, staged.buffers = cpu_copy(bundle, self._buffers.take())
                 return staged
-            staged.folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
-            staged.path = staged.folder / STATE_FILE
-            torch.save(bundle, staged.path)
-            log.debug(
-                "serialised state bundle (epoch=%d, step=%d, %d bytes)",
-                epoch, step, staged.path.stat().st_size,
-            )
+            staged.path = _serialise(bundle)
         except Exception as exc:
             staged.error = exc
-            staged.path = None
         return staged
 
 
@@ -225,19 +214,7 @@ def cpu_copy(value: Any, into: Sequence[torch.Tensor] = ()) -> tuple[Any, list[t
     Returns:
         The copy, and its tensors in order (what a later call may pass as ``into``).
     """
-    sources: dict[int, torch.Tensor] = {}
-
-    def collect(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            sources.setdefault(id(item), item.detach())
-        elif isinstance(item, dict):
-            for child in item.values():
-                collect(child)
-        elif isinstance(item, (list, tuple, set)):
-            for child in item:
-                collect(child)
-
-    collect(value)
+    sources = {id(tensor): tensor.detach() for tensor in tensors_in(value)}
     tensors = list(sources.values())
     reuse = len(into) == len(tensors) and all(
         _fits(buffer, tensor) for buffer, tensor in zip(into, tensors, strict=True)
@@ -321,14 +298,24 @@ def _upload_target(checkpoint: object, path: Path) -> Path:
     return path.parent if stores_by_content(checkpoint) else path
 
 
-def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
-    """A background save's work: serialise ``bundle`` and commit it."""
+def _serialise(bundle: dict[str, Any]) -> Path:
+    """``bundle`` written to :data:`STATE_FILE` in a new temporary folder (the caller
+    removes the folder); the folder is removed here if writing fails."""
     folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
     try:
-        path = folder / STATE_FILE
-        torch.save(bundle, path)
-        log.debug("serialised state bundle (%d bytes) in %s", path.stat().st_size,
-                  threading.current_thread().name)
+        torch.save(bundle, folder / STATE_FILE)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    log.debug("serialised state bundle (epoch=%d, step=%d, %d bytes) in %s", bundle["epoch"],
+              bundle["step"], (folder / STATE_FILE).stat().st_size, threading.current_thread().name)
+    return folder / STATE_FILE
+
+
+def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
+    """A background save's work: serialise ``bundle`` and commit it."""
+    path = _serialise(bundle)
+    try:
         if isinstance(checkpoint, Checkpoint):
             # Its upload process (or thread) sends it, off this process's GIL.
             checkpoint.save_sync(_upload_target(checkpoint, path), background=True, snapshot="link")
@@ -336,4 +323,4 @@ def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
         else:
             checkpoint.save_sync(path)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(path.parent, ignore_errors=True)

@@ -22,14 +22,7 @@ from typing import Any
 
 import taskpoint
 import torch
-from taskpoint.integration import (
-    all_gather_object,
-    broadcast_from_zero,
-    describe_error,
-    gather_or_raise,
-    raise_first_failure,
-    rank_and_size,
-)
+from taskpoint.integration import broadcast_from_zero, gather_or_raise, rank_and_size
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -52,7 +45,7 @@ from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import check_layout
 from taskpoint_pytorch._safety import check_weights_only
 
-__all__ = ["ShardedState", "load_sharded", "owner_of", "save_sharded"]
+__all__ = ["ShardedState", "owner_of"]
 
 log = logging.getLogger(__name__)
 
@@ -108,61 +101,6 @@ def _state_dict(
     }
 
 
-def save_sharded(
-    checkpoint: taskpoint.Checkpoint,
-    models: Mapping[str, nn.Module],
-    optimizers: Mapping[str, torch.optim.Optimizer],
-    rest: dict[str, Any],
-) -> None:
-    """Commit the sharded state and ``rest`` (a collective: every rank calls it).
-
-    Raises:
-        StateError: any rank failed (naming each failed rank and its error).
-    """
-    blob = io.BytesIO()
-    torch.save(rest, blob)
-    state = _state_dict(models, optimizers, blob.getvalue())  # bytes: stored once
-    writer = TaskpointStorageWriter(checkpoint)
-    try:
-        dcp_save(state, storage_writer=writer)
-    except CheckpointException as exc:
-        raise _translate(exc, "save the sharded state") from None
-    finally:
-        writer.close()
-
-
-def load_sharded(
-    checkpoint: taskpoint.Checkpoint,
-    models: Mapping[str, nn.Module],
-    optimizers: Mapping[str, torch.optim.Optimizer],
-) -> dict[str, Any]:
-    """Load the newest sharded state into ``models`` and ``optimizers``; the ``rest``
-    bundle (a collective: every rank calls it, after checking a checkpoint exists).
-
-    Raises:
-        StateError: any rank failed (naming each failed rank and its error).
-    """
-    state = _state_dict(models, optimizers, b"")
-    try:
-        dcp_load(state, storage_reader=TaskpointStorageReader(checkpoint), planner=_SafeLoadPlanner())
-    except CheckpointException as exc:
-        raise _translate(exc, "restore the sharded state") from None
-    options = StateDictOptions(strict=True)
-    for name, module in models.items():
-        set_model_state_dict(module, state["models"][name], options=options)
-    for name, optimizer in optimizers.items():
-        set_optimizer_state_dict(
-            owner_of(optimizer, models), optimizer, state["optimizers"][name], options=options
-        )
-    raw = state[REST]
-    if not isinstance(raw, bytes):
-        raise StateError(f"the checkpoint's {REST!r} entry is not a state bundle")
-    rest = torch.load(io.BytesIO(raw), weights_only=True)
-    if not isinstance(rest, dict):
-        raise StateError(f"the checkpoint's {REST!r} entry is not a state bundle")
-    return rest
-
-
 class ShardedState:
     """The saves and restores of one ``TaskpointState(..., sharded=True)``.
 
@@ -205,7 +143,7 @@ class ShardedState:
             prepare, epoch, step, extra, self._components.rng
         )
         save_id = broadcast_from_zero(uuid.uuid4().hex)
-        rest: dict[str, Any] = {}
+        blob = io.BytesIO()
         local_error: Exception | None = None
         try:
             rest = self._components.bundle(epoch, step, extra_state, rng_states, world, tensors=False)
@@ -213,12 +151,20 @@ class ShardedState:
             rest["sharded"] = True
             for key, value in rest.items():
                 check_weights_only(value, key)
+            torch.save(rest, blob)
         except Exception as exc:
             local_error = exc
-        failures = all_gather_object(describe_error(local_error))
-        raise_first_failure(local_error, failures, "save the state", failure=StateError)
+        gather_or_raise(None, local_error, "save the state", failure=StateError)
         assert isinstance(checkpoint, taskpoint.Checkpoint)
-        save_sharded(checkpoint, self._components.unwrapped_models(), self._components.optimizers, rest)
+        models = self._components.unwrapped_models()
+        state = _state_dict(models, self._components.optimizers, blob.getvalue())  # stored once
+        writer = TaskpointStorageWriter(checkpoint)
+        try:
+            dcp_save(state, storage_writer=writer)
+        except CheckpointException as exc:
+            raise _translate(exc, "save the sharded state") from None
+        finally:
+            writer.close()
         if rank == 0:
             log.debug("committed sharded state (epoch=%d, step=%d) from %d ranks", epoch, step, world)
 
@@ -254,7 +200,24 @@ class ShardedState:
         if newest is None:
             return None
         assert isinstance(checkpoint, taskpoint.Checkpoint)
-        rest = load_sharded(checkpoint, self._components.unwrapped_models(), self._components.optimizers)
+        models, optimizers = self._components.unwrapped_models(), self._components.optimizers
+        state = _state_dict(models, optimizers, b"")
+        reader = TaskpointStorageReader(checkpoint)
+        try:
+            dcp_load(state, storage_reader=reader, planner=_SafeLoadPlanner())
+        except CheckpointException as exc:
+            raise _translate(exc, "restore the sharded state") from None
+        options = StateDictOptions(strict=True)
+        for name, module in models.items():
+            set_model_state_dict(module, state["models"][name], options=options)
+        for name, optimizer in optimizers.items():
+            set_optimizer_state_dict(
+                owner_of(optimizer, models), optimizer, state["optimizers"][name], options=options
+            )
+        raw = state[REST]
+        rest = torch.load(io.BytesIO(raw), weights_only=True) if isinstance(raw, bytes) else None
+        if not isinstance(rest, dict):
+            raise StateError(f"the checkpoint's {REST!r} entry is not a state bundle")
         check_layout(
             rest, Path(f"{checkpoint.url} (sharded state)"), self._components.by_kind(),
             self._components.rng,
