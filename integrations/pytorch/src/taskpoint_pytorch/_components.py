@@ -22,6 +22,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from taskpoint_pytorch._errors import StateMismatchError
 from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION
 from taskpoint_pytorch._rng import restore_rank_rng
+from taskpoint_pytorch._safety import check_weights_only
 
 __all__ = ["Components", "tensors_in", "unwrap"]
 
@@ -174,8 +175,13 @@ class Components:
         """A new bundle (a fresh ``save_id``, entries in the layout's order) of the objects'
         current state, not copied, and the checked counters, ``extra``, every rank's RNG
         state in rank order (kept only with ``rng``) and the world size. Without
-        ``tensors`` the models' and optimizers' entries are empty (DCP saves them)."""
-        return {
+        ``tensors`` the models' and optimizers' entries are empty (DCP saves them).
+
+        Raises:
+            TypeError: an entry holds a value ``torch.load(weights_only=True)`` would not
+                rebuild (``_safety.check_weights_only``), so the bundle could never restore.
+        """
+        bundle = {
             "layout": LAYOUT,
             "version": LAYOUT_VERSION,
             "models": {
@@ -195,6 +201,9 @@ class Components:
             "save_id": uuid.uuid4().hex,
             "torch_version": str(torch.__version__),
         }
+        for key, value in bundle.items():
+            check_weights_only(value, key)
+        return bundle
 
     def load(self, bundle: dict[str, Any], rank: int, world: int, *, tensors: bool = True) -> None:
         """Load a bundle that passed ``_layout``'s checks into the objects, and this rank's

@@ -212,22 +212,18 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         inner, _ = self._ready()
+        hellos = [p.storage_data if isinstance(p.storage_data, _Hello) else None for p in plans]
         try:
-            return self._check_plans(inner, plans)
+            urls = [h.url if h else None for h in hellos]
+            check_agreement(urls, [h.world_size if h else None for h in hellos],
+                            undone="Nothing was uploaded")
+            return inner.prepare_global_plan([
+                dataclasses.replace(p, storage_data=h.inner if h else None)
+                for p, h in zip(plans, hellos, strict=True)
+            ])
         except BaseException:
             self._finish()  # nothing will be uploaded: release the lease now
             raise
-
-    def _check_plans(self, inner: _StagingWriter, plans: list[SavePlan]) -> list[SavePlan]:
-        hellos = [p.storage_data for p in plans]
-        urls = [h.url if isinstance(h, _Hello) else None for h in hellos]
-        worlds = [h.world_size if isinstance(h, _Hello) else None for h in hellos]
-        check_agreement(urls, worlds, undone="Nothing was uploaded")
-        plans = [
-            dataclasses.replace(p, storage_data=h.inner if isinstance(h, _Hello) else None)
-            for p, h in zip(plans, hellos, strict=True)
-        ]
-        return inner.prepare_global_plan(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         inner, folder = self._ready()
@@ -248,18 +244,11 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator: write DCP's metadata, upload it, commit every rank's part."""
         inner, folder = self._ready()
-        records: list[dict[str, Any] | None] = []
-        kept: list[list[WriteResult]] = []
-        for rank_results in results:
-            record = None
-            keep = []
-            for result in rank_results:
-                if isinstance(result.storage_data, _PartRecord):
-                    record = result.storage_data.record
-                else:
-                    keep.append(result)
-            records.append(record)
-            kept.append(keep)
+        records = [
+            next((r.storage_data.record for r in rank if isinstance(r.storage_data, _PartRecord)), None)
+            for rank in results
+        ]
+        kept = [[r for r in rank if not isinstance(r.storage_data, _PartRecord)] for rank in results]
         missing = [rank for rank, record in enumerate(records) if record is None]
         if missing:
             raise CheckpointCoordinationError(

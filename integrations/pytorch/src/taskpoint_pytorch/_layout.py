@@ -10,7 +10,7 @@ states and world size follow (:data:`REQUIRED`). Reading one runs
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -48,11 +48,10 @@ REQUIRED = frozenset({*KINDS, "rng", "epoch", "step", "extra", "world_size", "sa
 _LISTED = 10
 
 
-def listed(keys: list[str]) -> str:
-    """``keys`` for a message: the first few, and how many more."""
-    shown = ", ".join(repr(k) for k in keys[:_LISTED])
-    more = f" and {len(keys) - _LISTED} more" if len(keys) > _LISTED else ""
-    return f"[{shown}{more}]"
+def listed(items: list[str], show: Callable[[str], str] = repr) -> str:
+    """``items`` for a message, each through ``show``: the first few, and how many more."""
+    more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+    return ", ".join(show(item) for item in items[:_LISTED]) + more
 
 
 def read_bundle(
@@ -109,7 +108,7 @@ def check_layout(
     """
     if not isinstance(bundle, dict) or "layout" not in bundle:
         held = (
-            f"a dict with keys {listed(sorted(map(str, bundle)))}"
+            f"a dict with keys [{listed(sorted(map(str, bundle)))}]"
             if isinstance(bundle, dict)
             else f"a {type(bundle).__name__}"
         )
@@ -186,13 +185,12 @@ def _check_model(component: str, module: nn.Module, saved: Mapping[str, Any]) ->
         return
     parts = []
     if missing:
-        parts.append(f"in the model but not the checkpoint: {listed(missing)}")
+        parts.append(f"in the model but not the checkpoint: [{listed(missing)}]")
     if unexpected:
-        parts.append(f"in the checkpoint but not the model: {listed(unexpected)}")
+        parts.append(f"in the checkpoint but not the model: [{listed(unexpected)}]")
     if shapes:
-        differ = [f"{k!r} saved {s} vs model {c}" for k, (s, c) in list(shapes.items())[:_LISTED]]
-        more = f" and {len(shapes) - _LISTED} more" if len(shapes) > _LISTED else ""
-        parts.append("shapes differ: " + ", ".join(differ) + more)
+        differ = listed(list(shapes), lambda k: f"{k!r} saved {shapes[k][0]} vs model {shapes[k][1]}")
+        parts.append(f"shapes differ: {differ}")
     raise StateMismatchError(
         f"{component} does not match the checkpoint: " + "; ".join(parts)
         + ". Build the model as it was when the checkpoint was saved",

@@ -17,7 +17,6 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,43 +36,10 @@ from taskpoint_pytorch._agreement import agree_to_save
 from taskpoint_pytorch._components import Components, tensors_in
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import STATE_FILE
-from taskpoint_pytorch._safety import check_weights_only
 
 __all__ = ["BundleSaver", "cpu_copy"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Staged:
-    """One rank's part of a save: rank 0's bundle file (or copy), or the error that stopped it."""
-
-    rank: int
-    error: BaseException | None = None
-    path: Path | None = None  # the bundle file, alone in a temporary folder
-    bundle: dict[str, Any] | None = None  # a background save's private copy
-    buffers: list[torch.Tensor] | None = None  # that copy's tensors, to reuse once written
-
-    def cleanup(self) -> None:
-        """Remove the bundle's temporary folder, if any."""
-        if self.path is not None:
-            shutil.rmtree(self.path.parent, ignore_errors=True)
-
-    def settle(self) -> None:
-        """Rank 0 tells every rank how its part went; all raise if it failed.
-
-        Raises:
-            Exception: this rank's own error, else :class:`StateError` on the other ranks
-                when rank 0 failed.
-        """
-        outcome = broadcast_from_zero(describe_error(self.error) if self.rank == 0 else None)
-        if self.error is not None:
-            raise self.error
-        if outcome is not None:
-            raise StateError(
-                f"rank 0 failed to save the checkpoint ({outcome}), so rank {self.rank} "
-                "stops too"
-            )
 
 
 class BundleSaver:
@@ -114,60 +80,21 @@ class BundleSaver:
         self, checkpoint: CheckpointLike, epoch: int, step: int,
         extra: Mapping[str, Any] | None, background: bool | None,
     ) -> Iterator[Path | None]:
-        """One save, around its upload: yields the bundle file for the body to commit, or
-        ``None`` where there is nothing to commit (a rank other than 0, a bundle that
-        could not be built, a background save: handed to the upload thread already). An
-        ``Exception`` the body raises is the commit's failure. Then, for a blocking save,
-        rank 0 tells every rank how it went (all raise if it failed) and the file goes.
-        """
-        if not self._blocking if background is None else background:
-            self._save_background(checkpoint, epoch, step, extra)
-            yield None
-            return
-        staged = self._stage(checkpoint, epoch, step, extra)
-        try:
-            try:
-                yield staged.path
-            except Exception as exc:
-                staged.error = exc
-            staged.settle()
-        finally:
-            staged.cleanup()
+        """One save, around its upload (every rank).
 
-    def _save_background(
-        self, checkpoint: CheckpointLike, epoch: int, step: int, extra: Mapping[str, Any] | None
-    ) -> None:
-        staged = self._stage(checkpoint, epoch, step, extra, copy=True)
-        staged.settle()  # every rank raises if rank 0 could not build the bundle
-        if staged.bundle is not None:
-            bundle, buffers = staged.bundle, staged.buffers or []
-
-            def write() -> None:
-                try:
-                    _write_and_save(checkpoint, bundle)
-                finally:  # serialised (or failed): the next copy may write into them
-                    self._buffers.give(buffers)
-
-            # Behind an upload in flight it waits, replacing (coalescing) one waiting there.
-            if self._uploads.start(write, on_drop=lambda: self._buffers.give(buffers)):
-                note_coalesced(checkpoint)
-
-    def _stage(
-        self,
-        checkpoint: object,
-        epoch: int,
-        step: int,
-        extra: Mapping[str, Any] | None,
-        *,
-        copy: bool = False,
-    ) -> _Staged:
-        """Gather every rank's RNG state; on rank 0 write the bundle to a local file (or,
-        with ``copy``, keep a private copy of it for a background save).
+        Every rank agrees to save (``_agreement``); rank 0 then builds the bundle and
+        either writes it to a local file, yielded for the body to commit, or (in the
+        background) hands a private copy of it to the upload thread. Elsewhere, or where the
+        bundle could not be built, the body gets ``None``. An ``Exception`` the body raises
+        is the commit's failure. Then rank 0 tells every rank how it went (all raise if it
+        failed: :class:`StateError` on the other ranks) and the file goes.
 
         Rank 0 first raises what a finished background save raised (its failure fails the
         save on every rank); a blocking save, or any save when the checkpoint's
-        ``when_busy`` is ``"wait"``, first waits for the background save in flight."""
+        ``when_busy`` is ``"wait"``, first waits for the background save in flight.
+        """
         rank, world = rank_and_size()
+        copy = not self._blocking if background is None else bool(background)
 
         def prepare() -> None:
             if rank == 0:
@@ -180,20 +107,48 @@ class BundleSaver:
         epoch, step, extra_state, rng_states = agree_to_save(
             prepare, epoch, step, extra, self._components.rng
         )
-        staged = _Staged(rank=rank)
-        if rank != 0:
-            return staged
+        error: Exception | None = None
+        path: Path | None = None
+        if rank == 0:
+            try:
+                bundle = self._components.bundle(epoch, step, extra_state, rng_states, world)
+                if copy:
+                    self._queue(checkpoint, *cpu_copy(bundle, self._buffers.take()))
+                else:
+                    path = _serialise(bundle)
+            except Exception as exc:
+                error = exc
         try:
-            bundle = self._components.bundle(epoch, step, extra_state, rng_states, world)
-            for key, value in bundle.items():
-                check_weights_only(value, key)
-            if copy:
-                staged.bundle, staged.buffers = cpu_copy(bundle, self._buffers.take())
-                return staged
-            staged.path = _serialise(bundle)
-        except Exception as exc:
-            staged.error = exc
-        return staged
+            try:
+                yield path
+            except Exception as exc:
+                error = exc
+            outcome = broadcast_from_zero(describe_error(error) if rank == 0 else None)
+            if error is not None:
+                raise error
+            if outcome is not None:
+                raise StateError(
+                    f"rank 0 failed to save the checkpoint ({outcome}), so rank {rank} stops too"
+                )
+        finally:
+            if path is not None:
+                shutil.rmtree(path.parent, ignore_errors=True)
+
+    def _queue(
+        self, checkpoint: CheckpointLike, bundle: dict[str, Any], buffers: list[torch.Tensor]
+    ) -> None:
+        """Serialise and commit ``bundle`` (a private copy) in the upload thread; its host
+        tensors ``buffers`` are kept for a later copy once it is serialised or dropped."""
+
+        def write() -> None:
+            try:
+                _write_and_save(checkpoint, bundle)
+            finally:  # serialised (or failed): the next copy may write into them
+                self._buffers.give(buffers)
+
+        # Behind an upload in flight it waits, replacing (coalescing) one waiting there.
+        if self._uploads.start(write, on_drop=lambda: self._buffers.give(buffers)):
+            note_coalesced(checkpoint)
 
 
 def cpu_copy(value: Any, into: Sequence[torch.Tensor] = ()) -> tuple[Any, list[torch.Tensor]]:

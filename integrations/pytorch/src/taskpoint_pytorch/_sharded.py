@@ -43,7 +43,6 @@ from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._dcp import TaskpointStorageReader, TaskpointStorageWriter, need_checkpoint
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import check_layout
-from taskpoint_pytorch._safety import check_weights_only
 
 __all__ = ["ShardedState", "owner_of"]
 
@@ -149,8 +148,6 @@ class ShardedState:
             rest = self._components.bundle(epoch, step, extra_state, rng_states, world, tensors=False)
             rest["save_id"] = save_id
             rest["sharded"] = True
-            for key, value in rest.items():
-                check_weights_only(value, key)
             torch.save(rest, blob)
         except Exception as exc:
             local_error = exc
