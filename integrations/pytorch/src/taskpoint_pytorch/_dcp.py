@@ -163,7 +163,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
 
         ``checkpoint_id`` is ignored: the checkpoint's URL is where it goes.
         """
-        self._finish()
+        self.close()
         self._folder = self._new_folder("taskpoint-dcp-")
         (self._folder / DCP_FOLDER).mkdir()
         self._held: list[taskpoint.PartsCommit] = []
@@ -181,9 +181,6 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         rank failed, ``finish`` never ran here: call this (or drop the writer: the next
         ``reset`` and garbage collection release them too).
         """
-        self._finish()
-
-    def _finish(self) -> None:
         self._drop_folder()
         self._commit = None
         self._inner = None
@@ -222,7 +219,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
                 for p, h in zip(plans, hellos, strict=True)
             ])
         except BaseException:
-            self._finish()  # nothing will be uploaded: release the lease now
+            self.close()  # nothing will be uploaded: release the lease now
             raise
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -271,7 +268,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         }
         commit, self._commit = self._commit, None
         commit.commit([merged, *records[1:]])
-        self._finish()
+        self.close()
 
     def storage_meta(self) -> StorageMeta | None:
         """This save's identity for DCP's metadata: the checkpoint's URL and a save id.
@@ -325,11 +322,8 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
         self._setup: tuple[Metadata, bool, tuple[Any, ...], dict[str, Any]] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a new load; ``checkpoint_id`` is ignored (the checkpoint's URL is read)."""
-        self._finish()
-
-    def _finish(self) -> None:
-        """Remove this load's local files and forget what it planned with."""
+        """Start a new load: remove the last one's local files and forget what it planned
+        with. ``checkpoint_id`` is ignored (the checkpoint's URL is read)."""
         self._drop_folder()
         self._inner = None
         self._metadata = None
@@ -445,5 +439,5 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
             done = reader.read_data(plan, planner)
             done.wait()
         finally:
-            self._finish()
+            self.reset()
         return done
