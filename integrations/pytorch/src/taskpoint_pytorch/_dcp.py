@@ -319,7 +319,7 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
         self._inner: FileSystemReader | None = None
         self._metadata: bytes | None = None
         self._save_id: str | None = None
-        self._setup: tuple[Metadata, bool, tuple[Any, ...], dict[str, Any]] | None = None
+        self._rank: int | None = None  # DCP's rank, once set up
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load: remove the last one's local files and forget what it planned
@@ -328,7 +328,7 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
         self._inner = None
         self._metadata = None
         self._save_id = None
-        self._setup = None
+        self._rank = None
 
     def _restore(self, paths: list[str]) -> Path:
         """Restore ``paths`` of the newest checkpoint into this load's folder.
@@ -381,7 +381,7 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self._metadata_reader().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._setup = (metadata, is_coordinator, args, kwargs)
+        self._rank = kwargs.get("rank", rank_and_size()[0])
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         plan = self._metadata_reader().prepare_local_plan(plan)
@@ -400,7 +400,8 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
         return self._metadata_reader().prepare_global_plan(plans)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Restore the shard files ``plan`` reads (and ``.metadata`` again) and read them.
+        """Restore the shard files ``plan`` reads (and ``.metadata`` again, into the same
+        folder) and read them.
 
         Raises:
             CheckpointCoordinationError: a checkpoint was committed since ``.metadata`` was
@@ -408,9 +409,8 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
                 reads): load again.
         """
         inner = self._metadata_reader()
-        if self._setup is None:
+        if self._rank is None:
             raise RuntimeError("read_data before set_up_storage_reader: call dcp.load")
-        metadata, is_coordinator, args, kwargs = self._setup
         started = time.monotonic()
         url = self._checkpoint.url
         files = sorted({inner.storage_data[item.storage_index].relative_path for item in plan.items})
@@ -430,13 +430,11 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
             log.info(
                 "rank %s fetched .metadata and %d of the %d shard files (%d bytes of shards) "
                 "of %s for its load plan in %.2fs",
-                kwargs.get("rank", rank_and_size()[0]), len(files),
+                self._rank, len(files),
                 len({info.relative_path for info in inner.storage_data.values()}),
                 sum((path / f).stat().st_size for f in files), url, time.monotonic() - started,
             )
-            reader = FileSystemReader(path)
-            reader.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-            done = reader.read_data(plan, planner)
+            done = inner.read_data(plan, planner)
             done.wait()
         finally:
             self.reset()
