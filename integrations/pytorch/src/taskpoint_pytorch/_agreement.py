@@ -16,18 +16,7 @@ from taskpoint.integration import all_gather_object, gather_or_raise, settle_upl
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._rng import capture_rng
 
-__all__ = ["agree_to_save", "check_counter", "settle_every_rank"]
-
-
-def check_counter(name: str, value: object) -> int:
-    """``value``, checked to be a non-negative int (not a bool).
-
-    Raises:
-        ValueError: it is not; the message names ``name``.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int; got {value!r}")
-    return value
+__all__ = ["agree_to_save", "settle_every_rank"]
 
 
 def agree_to_save(
@@ -55,8 +44,9 @@ def agree_to_save(
     extra_state: dict[str, Any] = {}
     try:
         prepare()
-        epoch = check_counter("epoch", epoch)
-        step = check_counter("step", step)
+        for name, value in (("epoch", epoch), ("step", step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int; got {value!r}")
         if extra is not None and not isinstance(extra, Mapping):
             raise TypeError(
                 f"extra must be a mapping of str keys to values; got {type(extra).__name__}"

@@ -10,6 +10,7 @@ serialises and commits it in the state's upload thread.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import logging
@@ -55,7 +56,11 @@ class BundleSaver:
         self._components = components
         self._blocking = blocking
         self._uploads = uploads
-        self._buffers = _Buffers()
+        # The host tensors of background saves' copies, kept for the next copies once their
+        # save has serialised them (or was dropped): at most two sets, what a running save,
+        # one waiting behind it and a new copy use at once. The upload thread gives them
+        # back: a deque's appends and pops are thread-safe.
+        self._free: collections.deque[list[torch.Tensor]] = collections.deque(maxlen=2)
 
     def save_sync(
         self, checkpoint: CheckpointLike, epoch: int, step: int,
@@ -113,7 +118,7 @@ class BundleSaver:
             try:
                 bundle = self._components.bundle(epoch, step, extra_state, rng_states, world)
                 if copy:
-                    self._queue(checkpoint, *cpu_copy(bundle, self._buffers.take()))
+                    self._queue(checkpoint, *cpu_copy(bundle, self._free.pop() if self._free else []))
                 else:
                     path = _serialise(bundle)
             except Exception as exc:
@@ -144,10 +149,10 @@ class BundleSaver:
             try:
                 _write_and_save(checkpoint, bundle)
             finally:  # serialised (or failed): the next copy may write into them
-                self._buffers.give(buffers)
+                self._free.append(buffers)
 
         # Behind an upload in flight it waits, replacing (coalescing) one waiting there.
-        if self._uploads.start(write, on_drop=lambda: self._buffers.give(buffers)):
+        if self._uploads.start(write, on_drop=lambda: self._free.append(buffers)):
             note_coalesced(checkpoint)
 
 
@@ -191,21 +196,8 @@ def cpu_copy(value: Any, into: Sequence[torch.Tensor] = ()) -> tuple[Any, list[t
         if on_cuda:
             devices.add(tensor.device)
         copies.append(out)
-    copied_of = {key: out for key, out in zip(sources, copies, strict=True)}
-
-    def rebuild(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            return copied_of[id(item)]
-        if isinstance(item, dict):
-            mapped = type(item)()
-            for key, child in item.items():
-                mapped[key] = rebuild(child)
-            return mapped
-        if isinstance(item, (list, tuple, set)):
-            return type(item)(rebuild(child) for child in item)
-        return copy.deepcopy(item)  # primitives (kept as they are) or a registered safe type
-
-    copied = rebuild(value)
+    # Each tensor (by identity) becomes its copy; the rest is deep-copied around them.
+    copied = copy.deepcopy(value, dict(zip(sources, copies, strict=True)))
     for device in devices:
         torch.cuda.current_stream(device).synchronize()
     return copied, copies
@@ -213,36 +205,11 @@ def cpu_copy(value: Any, into: Sequence[torch.Tensor] = ()) -> tuple[Any, list[t
 
 def _fits(buffer: torch.Tensor, tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` can be copied into ``buffer`` as :func:`cpu_copy` would copy it."""
-    if tensor.layout != torch.strided or buffer.device.type != "cpu":
-        return False
-    if buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-        return False
-    if not buffer.is_contiguous():
-        return False
-    return tensor.device.type != "cuda" or buffer.is_pinned()
-
-
-class _Buffers:
-    """The host tensors of background saves' copies, kept for the next copies once their
-    save has serialised them (or was dropped): at most :data:`_KEEP` sets, the number a
-    running save, one waiting behind it and a new copy use at once. Thread-safe: the
-    upload thread gives sets back."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: list[list[torch.Tensor]] = []
-
-    def take(self) -> list[torch.Tensor]:
-        with self._lock:
-            return self._free.pop() if self._free else []
-
-    def give(self, tensors: list[torch.Tensor]) -> None:
-        with self._lock:
-            if tensors and len(self._free) < _KEEP:
-                self._free.append(tensors)
-
-
-_KEEP = 2
+    return (
+        tensor.layout == torch.strided and buffer.device.type == "cpu"
+        and buffer.shape == tensor.shape and buffer.dtype == tensor.dtype
+        and buffer.is_contiguous() and (tensor.device.type != "cuda" or buffer.is_pinned())
+    )
 
 
 def _upload_target(checkpoint: object, path: Path) -> Path:

@@ -162,9 +162,8 @@ class TaskpointState:
         call makes this call save at once, wait for the commit within the grace period
         left, and raise :class:`taskpoint.Preempted`: the next attempt resumes at this
         step. A loop that saves every N steps calls it at every step with ``every=N``; one
-        that saves every N seconds of training, with ``every_s=N`` (``every_s="auto"``:
-        an interval chosen from what a save costs and how often the run fails; see
-        :class:`taskpoint.SaveInterval`). Given both, it saves when either says so.
+        that saves every N seconds of training (or as often as ``"auto"`` finds best), with
+        ``every_s=N``. Given both, it saves when either says so.
 
         Args:
             checkpoint: a :class:`taskpoint.Checkpoint` or any ``CheckpointLike``.
