@@ -19,7 +19,7 @@ import taskpoint
 import torch
 from taskpoint import preemption
 from taskpoint_pytorch import ResumePoint, TaskpointState
-from taskpoint_pytorch._save import cpu_copy
+from taskpoint_pytorch._bundle import cpu_copy
 from torch import nn
 
 

@@ -115,7 +115,7 @@ class ShardedState:
             owner_of(optimizer, components.unwrapped_models())
         self._components = components
 
-    def save(
+    def save_sync(
         self,
         checkpoint: object,
         epoch: int,
@@ -165,9 +165,21 @@ class ShardedState:
         if rank == 0:
             log.debug("committed sharded state (epoch=%d, step=%d) from %d ranks", epoch, step, world)
 
-    def restore(self, checkpoint: object) -> dict[str, Any] | None:
-        """Every rank: agree a checkpoint exists, ``dcp.load`` into the current sharding,
-        then apply the rest of the bundle.
+    async def save(
+        self, checkpoint: object, epoch: int, step: int,
+        extra: Mapping[str, Any] | None, background: bool | None,
+    ) -> None:
+        """:meth:`save_sync`, on the calling thread (DCP's collectives are blocking)."""
+        self.save_sync(checkpoint, epoch, step, extra, background)
+
+    async def restore(self, checkpoint: object, map_location: object) -> dict[str, Any] | None:
+        """:meth:`restore_sync`, on the calling thread (DCP's collectives are blocking)."""
+        return self.restore_sync(checkpoint, map_location)
+
+    def restore_sync(self, checkpoint: object, map_location: object) -> dict[str, Any] | None:
+        """Every rank: agree a checkpoint exists, ``dcp.load`` into the current sharding
+        (``map_location`` is not used: each tensor loads where its shard lives), then apply
+        the rest of the bundle.
 
         Returns:
             The rest of the bundle restored, or ``None`` when nothing was committed yet.

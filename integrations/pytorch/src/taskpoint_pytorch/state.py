@@ -26,10 +26,9 @@ from taskpoint import CheckpointLike, IntervalChoice
 from taskpoint.integration import BoundarySaves, rank_and_size, track
 from torch import nn
 
+from taskpoint_pytorch._bundle import BundleState, MapLocation
 from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION, STATE_FILE
-from taskpoint_pytorch._restore import BundleRestorer, MapLocation
-from taskpoint_pytorch._save import BundleSaver
 
 if TYPE_CHECKING:
     from taskpoint_pytorch._sharded import ShardedState
@@ -124,13 +123,13 @@ class TaskpointState:
             save_on_preemption, size=self._components.state_bytes, thread="taskpoint-state-upload"
         )
         self._uploads = self._preemption.uploads
-        self._sharded: ShardedState | None = None
+        self._state: BundleState | ShardedState
         if sharded:  # imports torch.distributed.checkpoint, which only sharded saves need
             from taskpoint_pytorch._sharded import ShardedState
 
-            self._sharded = ShardedState(self._components)
-        self._saver = BundleSaver(self._components, blocking=bool(blocking), uploads=self._uploads)
-        self._restorer = BundleRestorer(self._components)
+            self._state = ShardedState(self._components)
+        else:
+            self._state = BundleState(self._components, blocking=bool(blocking), uploads=self._uploads)
         track(self._uploads)
 
     def __repr__(self) -> str:
@@ -206,10 +205,7 @@ class TaskpointState:
         if not turn.save:
             return False
         with turn:
-            if self._sharded is not None:
-                self._sharded.save(checkpoint, epoch, step, extra, background)
-            else:
-                self._saver.save_sync(checkpoint, epoch, step, extra, background)
+            self._state.save_sync(checkpoint, epoch, step, extra, background)
         return True
 
     async def save(
@@ -230,10 +226,7 @@ class TaskpointState:
         if not turn.save:
             return False
         with turn:
-            if self._sharded is not None:
-                self._sharded.save(checkpoint, epoch, step, extra, background)
-            else:
-                await self._saver.save(checkpoint, epoch, step, extra, background)
+            await self._state.save(checkpoint, epoch, step, extra, background)
         return True
 
     @property
@@ -288,17 +281,13 @@ class TaskpointState:
             StateError: ranks restored different checkpoints, or another rank failed.
             taskpoint.CheckpointError: the store failed or holds no intact checkpoint.
         """
-        if self._sharded is not None:
-            return self._resumed(self._sharded.restore(checkpoint))
-        return self._resumed(self._restorer.restore_sync(checkpoint, map_location))
+        return self._resumed(self._state.restore_sync(checkpoint, map_location))
 
     async def restore(
         self, checkpoint: CheckpointLike, *, map_location: MapLocation = None
     ) -> ResumePoint | None:
         """Async :meth:`restore_sync`: the download is awaited."""
-        if self._sharded is not None:
-            return self._resumed(self._sharded.restore(checkpoint))
-        return self._resumed(await self._restorer.restore(checkpoint, map_location))
+        return self._resumed(await self._state.restore(checkpoint, map_location))
 
     def _resumed(self, bundle: dict[str, Any] | None) -> ResumePoint | None:
         """Training resumes from ``bundle`` (every rank; ``None``: from scratch): begin the

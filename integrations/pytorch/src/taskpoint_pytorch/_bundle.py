@@ -1,11 +1,17 @@
-"""Saving a state bundle: global rank 0 writes one ``torch.save`` file and commits it.
+"""A state bundle (``TaskpointState`` without ``sharded``) through a ``CheckpointLike``:
+global rank 0 writes one ``torch.save`` file and commits it; every rank restores it.
 
-Every rank first agrees to save (its counters, ``extra`` and RNG state gathered; see
+Saving: every rank first agrees to save (its counters, ``extra`` and RNG state gathered; see
 ``_agreement``); rank 0 then builds the bundle, checks it loads with ``weights_only=True``
 and writes :data:`~taskpoint_pytorch._layout.STATE_FILE` to a private temporary folder,
 which the checkpoint commits; then rank 0 tells every rank how the commit went. A
 background save copies the bundle off the training tensors instead (:func:`cpu_copy`) and
 serialises and commits it in the state's upload thread.
+
+Restoring: every rank first waits for uploads still in flight (rank 0's last commit must
+land before any rank looks), then loads the bundle with ``torch.load(weights_only=True)``
+and checks it fits (``_layout``). The ranks then agree they read the same save, or that
+none was committed yet, before any object is changed; each rank gets its own RNG state.
 """
 
 from __future__ import annotations
@@ -28,26 +34,29 @@ from taskpoint.integration import (
     broadcast_from_zero,
     check_checkpoint_like,
     describe_error,
+    gather_or_raise,
     note_coalesced,
     rank_and_size,
     stores_by_content,
 )
 
-from taskpoint_pytorch._agreement import agree_to_save
+from taskpoint_pytorch._agreement import agree_to_save, settle_every_rank
 from taskpoint_pytorch._components import Components, tensors_in
 from taskpoint_pytorch._errors import StateError
-from taskpoint_pytorch._layout import STATE_FILE
+from taskpoint_pytorch._layout import STATE_FILE, read_bundle
 
-__all__ = ["BundleSaver", "cpu_copy"]
+__all__ = ["BundleState", "MapLocation", "cpu_copy"]
 
 log = logging.getLogger(__name__)
 
+MapLocation = str | torch.device | None
 
-class BundleSaver:
-    """The saves of one (not sharded) ``TaskpointState``.
+
+class BundleState:
+    """The saves and restores of one (not sharded) ``TaskpointState``.
 
     Args:
-        components: the objects saved.
+        components: the objects saved and restored.
         blocking: whether a save waits for its commit when the call does not say.
         uploads: the state's upload thread, which runs background saves one at a time.
     """
@@ -154,6 +163,71 @@ class BundleSaver:
         # Behind an upload in flight it waits, replacing (coalescing) one waiting there.
         if self._uploads.start(write, on_drop=lambda: self._free.append(buffers)):
             note_coalesced(checkpoint)
+
+    def restore_sync(
+        self, checkpoint: CheckpointLike, map_location: MapLocation
+    ) -> dict[str, Any] | None:
+        """Restore the newest committed bundle (every rank), as
+        ``TaskpointState.restore_sync`` describes.
+
+        Returns:
+            The bundle restored, or ``None`` when nothing was committed yet.
+        """
+        settle_every_rank()
+        try:
+            check_checkpoint_like(checkpoint, "TaskpointState")
+            bundle = self._read(checkpoint.load_sync(), map_location)
+        except Exception as exc:
+            return self._finish(None, exc)
+        return self._finish(bundle, None)
+
+    async def restore(
+        self, checkpoint: CheckpointLike, map_location: MapLocation
+    ) -> dict[str, Any] | None:
+        """Async :meth:`restore_sync`: the download is awaited."""
+        settle_every_rank()
+        try:
+            check_checkpoint_like(checkpoint, "TaskpointState")
+            bundle = self._read(await checkpoint.load(), map_location)
+        except Exception as exc:
+            return self._finish(None, exc)
+        return self._finish(bundle, None)
+
+    def _read(self, restored: Path | None, map_location: MapLocation) -> dict[str, Any] | None:
+        location = map_location if map_location is not None else self._components.device()
+        return read_bundle(restored, location, self._components.by_kind(), self._components.rng)
+
+    def _finish(
+        self, bundle: dict[str, Any] | None, error: Exception | None
+    ) -> dict[str, Any] | None:
+        """Every rank: agree on what was read, then load it into the objects.
+
+        Raises:
+            Exception: this rank's own error, else :class:`StateError` when another rank
+                failed or the ranks read different saves.
+        """
+        rank, world = rank_and_size()
+        summary = None if bundle is None else (bundle["save_id"], bundle["epoch"], bundle["step"])
+        summaries = gather_or_raise(summary, error, "restore the state", failure=StateError)
+        if any(s != summaries[0] for s in summaries):
+            found = ", ".join(
+                f"rank {r}: " + ("nothing" if s is None else f"save {s[0]} (epoch {s[1]}, step {s[2]})")
+                for r, s in enumerate(summaries)
+            )
+            raise StateError(
+                f"ranks restored different checkpoints ({found}); every rank must read the "
+                "same store (a memory:// store is private to its process: use a shared "
+                "path or object storage)"
+            )
+        if bundle is None:
+            return None
+        self._components.load(bundle, rank, world)
+        if rank == 0:
+            log.info(
+                "restored state bundle saved by %d rank(s): epoch=%d step=%d",
+                bundle["world_size"], bundle["epoch"], bundle["step"],
+            )
+        return bundle
 
 
 def cpu_copy(value: Any, into: Sequence[torch.Tensor] = ()) -> tuple[Any, list[torch.Tensor]]:
