@@ -65,10 +65,9 @@ class BundleState:
         self._components = components
         self._blocking = blocking
         self._uploads = uploads
-        # The host tensors of background saves' copies, kept for the next copies once their
-        # save has serialised them (or was dropped): at most two sets, what a running save,
-        # one waiting behind it and a new copy use at once. The upload thread gives them
-        # back: a deque's appends and pops are thread-safe.
+        # Host tensors of background saves' copies, kept for the next copies once serialised
+        # (or dropped): at most two sets, what a running save, one waiting behind it and a
+        # new copy use at once. The upload thread gives them back (a deque is thread-safe).
         self._free: collections.deque[list[torch.Tensor]] = collections.deque(maxlen=2)
 
     def save_sync(
@@ -94,14 +93,11 @@ class BundleState:
         self, checkpoint: CheckpointLike, epoch: int, step: int,
         extra: Mapping[str, Any] | None, background: bool | None,
     ) -> Iterator[Path | None]:
-        """One save, around its upload (every rank).
-
-        Every rank agrees to save (``_agreement``); rank 0 then builds the bundle and
-        either writes it to a local file, yielded for the body to commit, or (in the
-        background) hands a private copy of it to the upload thread. Elsewhere, or where the
-        bundle could not be built, the body gets ``None``. An ``Exception`` the body raises
-        is the commit's failure. Then rank 0 tells every rank how it went (all raise if it
-        failed: :class:`StateError` on the other ranks) and the file goes.
+        """One save (every rank, as the module describes), around its upload: yields rank
+        0's bundle file for the body to commit, or ``None`` (another rank, a bundle that
+        could not be built, a background save). An ``Exception`` the body raises is the
+        commit's failure; every rank then raises (:class:`StateError` on the other ranks)
+        and the file goes.
 
         Rank 0 first raises what a finished background save raised (its failure fails the
         save on every rank); a blocking save, or any save when the checkpoint's
@@ -127,7 +123,8 @@ class BundleState:
             try:
                 bundle = self._components.bundle(epoch, step, extra_state, rng_states, world)
                 if copy:
-                    self._queue(checkpoint, *cpu_copy(bundle, self._free.pop() if self._free else []))
+                    reuse = self._free.pop() if self._free else []
+                    self._queue(checkpoint, *cpu_copy(bundle, reuse))
                 else:
                     path = _serialise(bundle)
             except Exception as exc:
@@ -156,9 +153,19 @@ class BundleState:
 
         def write() -> None:
             try:
-                _write_and_save(checkpoint, bundle)
+                path = _serialise(bundle)
             finally:  # serialised (or failed): the next copy may write into them
                 self._free.append(buffers)
+            try:
+                if isinstance(checkpoint, Checkpoint):
+                    # Its upload process (or thread) sends it, off this process's GIL.
+                    target = _upload_target(checkpoint, path)
+                    checkpoint.save_sync(target, background=True, snapshot="link")
+                    checkpoint.wait()
+                else:
+                    checkpoint.save_sync(path)
+            finally:
+                shutil.rmtree(path.parent, ignore_errors=True)
 
         # Behind an upload in flight it waits, replacing (coalescing) one waiting there.
         if self._uploads.start(write, on_drop=lambda: self._free.append(buffers)):
@@ -207,13 +214,12 @@ class BundleState:
                 failed or the ranks read different saves.
         """
         rank, world = rank_and_size()
-        summary = None if bundle is None else (bundle["save_id"], bundle["epoch"], bundle["step"])
+        summary = None if bundle is None else (
+            f"save {bundle['save_id']} (epoch {bundle['epoch']}, step {bundle['step']})"
+        )
         summaries = gather_or_raise(summary, error, "restore the state", failure=StateError)
         if any(s != summaries[0] for s in summaries):
-            found = ", ".join(
-                f"rank {r}: " + ("nothing" if s is None else f"save {s[0]} (epoch {s[1]}, step {s[2]})")
-                for r, s in enumerate(summaries)
-            )
+            found = ", ".join(f"rank {r}: {s or 'nothing'}" for r, s in enumerate(summaries))
             raise StateError(
                 f"ranks restored different checkpoints ({found}); every rank must read the "
                 "same store (a memory:// store is private to its process: use a shared "
@@ -306,17 +312,3 @@ def _serialise(bundle: dict[str, Any]) -> Path:
     log.debug("serialised state bundle (epoch=%d, step=%d, %d bytes) in %s", bundle["epoch"],
               bundle["step"], (folder / STATE_FILE).stat().st_size, threading.current_thread().name)
     return folder / STATE_FILE
-
-
-def _write_and_save(checkpoint: CheckpointLike, bundle: dict[str, Any]) -> None:
-    """A background save's work: serialise ``bundle`` and commit it."""
-    path = _serialise(bundle)
-    try:
-        if isinstance(checkpoint, Checkpoint):
-            # Its upload process (or thread) sends it, off this process's GIL.
-            checkpoint.save_sync(_upload_target(checkpoint, path), background=True, snapshot="link")
-            checkpoint.wait()
-        else:
-            checkpoint.save_sync(path)
-    finally:
-        shutil.rmtree(path.parent, ignore_errors=True)

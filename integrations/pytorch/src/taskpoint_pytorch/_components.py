@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from taskpoint_pytorch._errors import StateMismatchError
-from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION
+from taskpoint_pytorch._layout import KINDS, LAYOUT, LAYOUT_VERSION
 from taskpoint_pytorch._rng import restore_rank_rng
 from taskpoint_pytorch._safety import check_weights_only
 
@@ -78,12 +78,9 @@ def _named(
     for name, item in named.items():
         if not one and (not isinstance(name, str) or not name):
             raise ValueError(f"{arg} names must be non-empty strings; got {name!r}")
-        if kind is None:
-            fits = callable(getattr(item, "state_dict", None)) and callable(
-                getattr(item, "load_state_dict", None)
-            )
-        else:
-            fits = isinstance(item, kind)
+        fits = isinstance(item, kind) if kind is not None else all(
+            callable(getattr(item, method, None)) for method in ("state_dict", "load_state_dict")
+        )
         if not fits:
             need = (
                 "have state_dict() and load_state_dict() (an LR scheduler, say)" if kind is None
@@ -113,7 +110,8 @@ class Components:
         generators: Mapping[str, torch.Generator] | None,
         rng: bool,
     ) -> None:
-        self.models = _named("model", "model", model, nn.Module, "a torch.nn.Module")
+        models = _named("model", "model", model, nn.Module, "a torch.nn.Module")
+        self.models = {name: unwrap(module) for name, module in models.items()}  # see unwrap
         self.optimizers = _named(
             "optimizer", "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer"
         )
@@ -131,23 +129,10 @@ class Components:
         )
         self.rng = bool(rng)  # whether the global RNGs are saved and restored
 
-    def unwrapped_models(self) -> dict[str, nn.Module]:
-        """The models by name, each without its wrappers (see :func:`unwrap`)."""
-        return {name: unwrap(module) for name, module in self.models.items()}
-
     def by_kind(self) -> dict[str, Mapping[str, Any]]:
-        """Every kind's objects by name, models unwrapped (what ``_layout`` checks against)."""
-        return {
-            "models": self.unwrapped_models(),
-            "optimizers": self.optimizers,
-            "schedulers": self.schedulers,
-            "scalers": self.scalers,
-            "generators": self.generators,
-        }
-
-    def layout(self) -> dict[str, list[str]]:
-        """The component names per kind, sorted."""
-        return {kind: sorted(objects) for kind, objects in self.by_kind().items()}
+        """Every kind's objects by name (what ``_layout`` checks against): the attribute of
+        each name in ``_layout.KINDS``."""
+        return {kind: getattr(self, kind) for kind in KINDS}
 
     def device(self) -> torch.device:
         """Where the first model's first parameter (or buffer) lives; CPU without one."""
@@ -158,7 +143,7 @@ class Components:
 
     def state_bytes(self) -> int:
         """The bytes of the models' and optimizers' tensors: about what a save writes."""
-        states = [unwrap(m).state_dict() for m in self.models.values()]
+        states = [m.state_dict() for m in self.models.values()]
         states += [o.state_dict() for o in self.optimizers.values()]
         return sum(t.numel() * t.element_size() for t in tensors_in(states))
 
@@ -185,7 +170,7 @@ class Components:
             "layout": LAYOUT,
             "version": LAYOUT_VERSION,
             "models": {
-                n: unwrap(m).state_dict() if tensors else {} for n, m in self.models.items()
+                n: m.state_dict() if tensors else {} for n, m in self.models.items()
             },
             "optimizers": {
                 n: o.state_dict() if tensors else {} for n, o in self.optimizers.items()
@@ -214,7 +199,7 @@ class Components:
             StateMismatchError: an optimizer cannot take its saved state.
         """
         for name, module in self.models.items() if tensors else ():
-            unwrap(module).load_state_dict(bundle["models"][name])
+            module.load_state_dict(bundle["models"][name])
         for name, optimizer in self.optimizers.items() if tensors else ():
             try:
                 optimizer.load_state_dict(bundle["optimizers"][name])
@@ -223,10 +208,7 @@ class Components:
                     f"optimizers[{name!r}] cannot take the checkpoint's state: {exc}",
                     component=f"optimizers[{name!r}]",
                 ) from exc
-        stateful: dict[str, Mapping[str, Any]] = {
-            "schedulers": self.schedulers, "scalers": self.scalers
-        }
-        for kind, objects in stateful.items():
+        for kind, objects in (("schedulers", self.schedulers), ("scalers", self.scalers)):
             for name, obj in objects.items():
                 obj.load_state_dict(bundle[kind][name])
         for name, generator in self.generators.items():

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 DCP_FOLDER = "dcp"
 """The name of the tree a DCP checkpoint is committed as (and restored to)."""
 _METADATA = ".metadata"
+_PART = "__taskpoint_part__"
+"""The name of the extra write result that carries a rank's uploaded part (its record)
+to the coordinator."""
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,6 @@ class _Hello:
     url: str
     world_size: int
     inner: Any
-
-
-@dataclass(frozen=True)
-class _PartRecord:
-    """A rank's uploaded part, carried to the coordinator as an extra write result."""
-
-    record: dict[str, Any]
 
 
 def need_checkpoint(checkpoint: object, user: str) -> taskpoint.Checkpoint:
@@ -156,7 +152,6 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         self._thread_count = thread_count
         self._inner: _StagingWriter | None = None
         self._commit: taskpoint.PartsCommit | None = None
-        self._rank = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save (DCP calls this first, on every rank).
@@ -194,7 +189,6 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         inner, _ = self._ready()
         inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self._rank = int(kwargs.get("rank") or 0)
         if is_coordinator:
             # Before any rank uploads (they do after the plan's scatter): the lease keeps
             # collections from freeing content the parts reuse until the commit.
@@ -229,11 +223,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         record = self._checkpoint.upload_part(part)
         for path in part.iterdir():  # uploaded: free the local disk
             path.unlink()
-        marker = WriteResult(
-            index=MetadataIndex(fqn=f"__taskpoint_part_{self._rank}__"),
-            size_in_bytes=0,
-            storage_data=_PartRecord(record),
-        )
+        marker = WriteResult(index=MetadataIndex(fqn=_PART), size_in_bytes=0, storage_data=record)
         done: Future[list[WriteResult]] = Future()
         done.set_result([*results, marker])
         return done
@@ -241,11 +231,8 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator: write DCP's metadata, upload it, commit every rank's part."""
         inner, folder = self._ready()
-        records = [
-            next((r.storage_data.record for r in rank if isinstance(r.storage_data, _PartRecord)), None)
-            for rank in results
-        ]
-        kept = [[r for r in rank if not isinstance(r.storage_data, _PartRecord)] for rank in results]
+        records = [next((r.storage_data for r in rank if r.index.fqn == _PART), None) for rank in results]
+        kept = [[r for r in rank if r.index.fqn != _PART] for rank in results]
         missing = [rank for rank, record in enumerate(records) if record is None]
         if missing:
             raise CheckpointCoordinationError(
@@ -266,8 +253,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
             "objects": {**first["objects"], **meta["objects"]},
             **{k: first[k] + meta[k] for k in ("size", "uploaded", "reused")},
         }
-        commit, self._commit = self._commit, None
-        commit.commit([merged, *records[1:]])
+        self._commit.commit([merged, *records[1:]])  # aborts (releases the lease) if it fails
         self.close()
 
     def storage_meta(self) -> StorageMeta | None:
@@ -277,8 +263,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         next one here, so each save records its own id (readers check that every rank
         planned with the same save by it).
         """
-        inner, _ = self._ready()
-        return inner.storage_meta()
+        return self._ready()[0].storage_meta()
 
 
 def _release(folder: Path, commits: list[taskpoint.PartsCommit]) -> None:

@@ -92,16 +92,16 @@ def read_bundle(
             f"({type(exc).__name__}, details in the chained exception): it is not a state "
             "bundle written by TaskpointState, and restoring never unpickles other objects"
         ) from exc
-    check_layout(bundle, file, parts, rng)
+    check_layout(bundle, str(file), parts, rng)
     check_fit(bundle, parts)
     return cast(dict[str, Any], bundle)
 
 
 def check_layout(
-    bundle: Any, file: Path, parts: Mapping[str, Mapping[str, Any]], rng: bool
+    bundle: Any, where: str, parts: Mapping[str, Mapping[str, Any]], rng: bool
 ) -> None:
     """Check ``bundle`` is a bundle of this layout, a version this package reads, with
-    every entry and the same component names as ``parts``.
+    every entry and the same component names as ``parts`` (``where`` names it in messages).
 
     Raises:
         StateLayoutError: it is not; the message says what it holds instead.
@@ -113,25 +113,25 @@ def check_layout(
             else f"a {type(bundle).__name__}"
         )
         raise StateLayoutError(
-            f"{str(file)!r} is not a TaskpointState bundle: it holds {held} and no "
+            f"{where!r} is not a TaskpointState bundle: it holds {held} and no "
             f"'layout' entry. A file saved with plain torch.save is loaded with torch.load; "
             f"TaskpointState restores bundles of layout {LAYOUT!r} only"
         )
     if bundle["layout"] != LAYOUT:
         raise StateLayoutError(
-            f"{str(file)!r} has bundle layout {bundle['layout']!r}; this TaskpointState "
+            f"{where!r} has bundle layout {bundle['layout']!r}; this TaskpointState "
             f"reads {LAYOUT!r}"
         )
     version = bundle.get("version")
     if not isinstance(version, int) or not 1 <= version <= LAYOUT_VERSION:
         raise StateLayoutError(
-            f"{str(file)!r} has {LAYOUT!r} version {version!r}; this taskpoint-pytorch "
+            f"{where!r} has {LAYOUT!r} version {version!r}; this taskpoint-pytorch "
             f"reads versions 1 to {LAYOUT_VERSION}: upgrade taskpoint-pytorch to restore it"
         )
     missing = sorted(REQUIRED - set(bundle))
     if missing:
         raise StateLayoutError(
-            f"{str(file)!r} is a damaged {LAYOUT!r} bundle: it lacks the entries {missing}"
+            f"{where!r} is a damaged {LAYOUT!r} bundle: it lacks the entries {missing}"
         )
     differences = []
     for kind in KINDS:
@@ -141,14 +141,14 @@ def check_layout(
             differences.append(f"{kind}: checkpoint has {saved}, this state has {mine}")
     if differences:
         raise StateLayoutError(
-            f"{str(file)!r} holds other components than this TaskpointState ("
+            f"{where!r} holds other components than this TaskpointState ("
             + "; ".join(differences)
             + "). Restore into a TaskpointState built with the same names"
         )
     if rng and bundle.get("rng") is None and rank_and_size()[0] == 0:
         log.warning(
             "checkpoint %s was saved without RNG states (rng=False): the resumed run "
-            "will not draw the same random numbers as an uninterrupted one", file,
+            "will not draw the same random numbers as an uninterrupted one", where,
         )
 
 

@@ -17,12 +17,16 @@ import io
 import logging
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import taskpoint
 import torch
-from taskpoint.integration import broadcast_from_zero, gather_or_raise, rank_and_size
+from taskpoint.integration import (
+    broadcast_from_zero,
+    describe_error,
+    gather_or_raise,
+    rank_and_size,
+)
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -80,10 +84,8 @@ def owner_of(optimizer: torch.optim.Optimizer, models: Mapping[str, nn.Module]) 
 
 
 def _translate(exc: CheckpointException, what: str) -> StateError:
-    failed = [
-        f"rank {rank}: {type(error).__name__}: {error}"
-        for rank, (error, _) in sorted(exc.failures.items())
-    ]
+    failures = sorted(exc.failures.items())  # rank: (error, its traceback)
+    failed = [f"rank {rank}: {describe_error(error)}" for rank, (error, _) in failures]
     return StateError(f"cannot {what}: " + "; ".join(failed))
 
 
@@ -112,7 +114,7 @@ class ShardedState:
 
     def __init__(self, components: Components) -> None:
         for optimizer in components.optimizers.values():
-            owner_of(optimizer, components.unwrapped_models())
+            owner_of(optimizer, components.models)
         self._components = components
 
     def save_sync(
@@ -153,8 +155,8 @@ class ShardedState:
             local_error = exc
         gather_or_raise(None, local_error, "save the state", failure=StateError)
         assert isinstance(checkpoint, taskpoint.Checkpoint)
-        models = self._components.unwrapped_models()
-        state = _state_dict(models, self._components.optimizers, blob.getvalue())  # stored once
+        # The rest as bytes: stored once, not per rank.
+        state = _state_dict(self._components.models, self._components.optimizers, blob.getvalue())
         writer = TaskpointStorageWriter(checkpoint)
         try:
             dcp_save(state, storage_writer=writer)
@@ -209,7 +211,7 @@ class ShardedState:
         if newest is None:
             return None
         assert isinstance(checkpoint, taskpoint.Checkpoint)
-        models, optimizers = self._components.unwrapped_models(), self._components.optimizers
+        models, optimizers = self._components.models, self._components.optimizers
         state = _state_dict(models, optimizers, b"")
         reader = TaskpointStorageReader(checkpoint)
         try:
@@ -223,14 +225,11 @@ class ShardedState:
             set_optimizer_state_dict(
                 owner_of(optimizer, models), optimizer, state["optimizers"][name], options=options
             )
-        raw = state[REST]
-        rest = torch.load(io.BytesIO(raw), weights_only=True) if isinstance(raw, bytes) else None
-        if not isinstance(rest, dict):
+        if not isinstance(state[REST], bytes):
             raise StateError(f"the checkpoint's {REST!r} entry is not a state bundle")
-        check_layout(
-            rest, Path(f"{checkpoint.url} (sharded state)"), self._components.by_kind(),
-            self._components.rng,
-        )
+        rest = torch.load(io.BytesIO(state[REST]), weights_only=True)
+        where = f"{checkpoint.url} (sharded state)"
+        check_layout(rest, where, self._components.by_kind(), self._components.rng)
         self._components.load(rest, rank, world, tensors=False)
         if rank == 0:
             log.info(

@@ -122,23 +122,23 @@ class TaskpointState:
         self._preemption = BoundarySaves(
             save_on_preemption, size=self._components.state_bytes, thread="taskpoint-state-upload"
         )
-        self._uploads = self._preemption.uploads
+        uploads = self._preemption.uploads
         self._state: BundleState | ShardedState
         if sharded:  # imports torch.distributed.checkpoint, which only sharded saves need
             from taskpoint_pytorch._sharded import ShardedState
 
             self._state = ShardedState(self._components)
         else:
-            self._state = BundleState(self._components, blocking=bool(blocking), uploads=self._uploads)
-        track(self._uploads)
+            self._state = BundleState(self._components, blocking=bool(blocking), uploads=uploads)
+        track(uploads)
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{kind}={sorted(names)}" for kind, names in self.layout().items())
+        parts = ", ".join(f"{kind}={names}" for kind, names in self.layout().items())
         return f"TaskpointState({parts}, rng={self._components.rng})"
 
     def layout(self) -> dict[str, list[str]]:
         """The component names per kind, as a bundle records them (for messages and tests)."""
-        return self._components.layout()
+        return {kind: sorted(objects) for kind, objects in self._components.by_kind().items()}
 
     # -- saving -----------------------------------------------------------------------
 
@@ -251,7 +251,7 @@ class TaskpointState:
         Raises:
             taskpoint.CheckpointError: the background save failed (raised once).
         """
-        return self._uploads.wait(timeout)
+        return self._preemption.uploads.wait(timeout)
 
     # -- restoring --------------------------------------------------------------------
 
