@@ -50,7 +50,7 @@ class Gate:
 def _until_idle(state: TaskpointState) -> None:
     """Until the state's background saves have finished (without taking their error)."""
     deadline = time.monotonic() + 60
-    while state._uploads.busy and time.monotonic() < deadline:
+    while state._preemption.uploads.busy and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
