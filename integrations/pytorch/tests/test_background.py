@@ -239,6 +239,15 @@ def test_the_copy_is_private_and_keeps_shared_tensors_shared() -> None:
     assert isinstance(copied["b"][1], tuple)
 
 
+def test_the_copy_of_a_state_dict_keeps_its_metadata() -> None:
+    """A background save's bundle holds what a blocking save's does: a module's state dict
+    with its ``_metadata`` (the module versions ``load_state_dict`` reads)."""
+    state = torch.nn.BatchNorm1d(3).state_dict()
+    copied, _ = cpu_copy({"models": {"model": state}})
+    assert type(copied["models"]["model"]) is type(state)
+    assert copied["models"]["model"]._metadata == state._metadata  # type: ignore[attr-defined]
+
+
 def test_a_copy_writes_into_an_earlier_copys_tensors_when_they_fit() -> None:
     """The memory an earlier copy touched takes the next one (no page faults on fresh
     memory: the time training waits); a bundle whose tensors changed shape gets new ones."""
