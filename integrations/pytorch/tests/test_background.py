@@ -300,6 +300,39 @@ def test_coalesced_background_saves_reuse_copies_without_mixing_them(tmp_path: P
         assert torch.equal(weight, expected[epoch]), epoch
 
 
+def test_a_copy_takes_the_last_copys_tensors_once_serialised_while_it_uploads(
+    tmp_path: Path,
+) -> None:
+    """A background save's host tensors serve the next copy as soon as its bundle is
+    serialised (the upload reads the file, not them); each commit holds its own weights."""
+    gate = Gate()
+    url = f"file://{tmp_path / 'store'}"
+    checkpoint = taskpoint.Checkpoint(url, keep=5, progress=gate)
+    committed: list[float] = []
+
+    def newest_weight(_: taskpoint.SaveStats) -> None:
+        folder = taskpoint.Checkpoint(url).load_sync(into=tmp_path / f"restored{len(committed)}")
+        assert folder is not None
+        bundle = torch.load(next(Path(folder).rglob("state.pt")), weights_only=True)
+        committed.append(float(bundle["models"]["model"]["weight"].mean()))
+
+    checkpoint.on_commit(newest_weight)
+    model, opt = _trained()
+    state = TaskpointState(model, opt, blocking=False)
+    gate.close()
+    for epoch in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(float(epoch))
+        state.save_sync(checkpoint, epoch=epoch)
+        if epoch == 1:
+            assert gate.held.wait(timeout=30)  # save 1 is serialised; its upload is held
+            assert len(state._state._free) == 1  # type: ignore[union-attr]  # its tensors
+    assert not state._state._free  # type: ignore[union-attr]  # save 2 copied into them
+    gate.open()
+    assert state.wait()
+    assert committed == [1.0, 2.0]
+
+
 @pytest.mark.parametrize("failures", [(5,), (6, 14)], ids=lambda f: "fail-" + "-".join(map(str, f)))
 def test_background_saves_resume_bitwise_equal(
     lib: ModuleType, tmp_path: Path, failures: tuple[int, ...]
