@@ -74,7 +74,7 @@ def _named(
     if value is None:
         return {}
     one = not isinstance(value, Mapping)
-    named: dict[str, T] = {default: value} if one else dict(value)  # type: ignore[dict-item]
+    named: dict[str, T] = dict(value) if isinstance(value, Mapping) else {default: value}
     for name, item in named.items():
         if not one and (not isinstance(name, str) or not name):
             raise ValueError(f"{arg} names must be non-empty strings; got {name!r}")

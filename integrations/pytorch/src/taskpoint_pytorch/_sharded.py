@@ -227,7 +227,7 @@ class ShardedState:
             )
         if not isinstance(state[REST], bytes):
             raise StateError(f"the checkpoint's {REST!r} entry is not a state bundle")
-        rest = torch.load(io.BytesIO(state[REST]), weights_only=True)
+        rest: dict[str, Any] = torch.load(io.BytesIO(state[REST]), weights_only=True)
         where = f"{checkpoint.url} (sharded state)"
         check_layout(rest, where, self._components.by_kind(), self._components.rng)
         self._components.load(rest, rank, world, tensors=False)
