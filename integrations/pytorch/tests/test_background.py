@@ -19,7 +19,7 @@ import taskpoint
 import torch
 from taskpoint import preemption
 from taskpoint_pytorch import ResumePoint, TaskpointState
-from taskpoint_pytorch._save import cpu_copy
+from taskpoint_pytorch._bundle import cpu_copy
 from torch import nn
 
 
@@ -50,7 +50,7 @@ class Gate:
 def _until_idle(state: TaskpointState) -> None:
     """Until the state's background saves have finished (without taking their error)."""
     deadline = time.monotonic() + 60
-    while state._uploads.busy and time.monotonic() < deadline:
+    while state._preemption.uploads.busy and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -239,6 +239,15 @@ def test_the_copy_is_private_and_keeps_shared_tensors_shared() -> None:
     assert isinstance(copied["b"][1], tuple)
 
 
+def test_the_copy_of_a_state_dict_keeps_its_metadata() -> None:
+    """A background save's bundle holds what a blocking save's does: a module's state dict
+    with its ``_metadata`` (the module versions ``load_state_dict`` reads)."""
+    state = torch.nn.BatchNorm1d(3).state_dict()
+    copied, _ = cpu_copy({"models": {"model": state}})
+    assert type(copied["models"]["model"]) is type(state)
+    assert copied["models"]["model"]._metadata == state._metadata  # type: ignore[attr-defined]
+
+
 def test_a_copy_writes_into_an_earlier_copys_tensors_when_they_fit() -> None:
     """The memory an earlier copy touched takes the next one (no page faults on fresh
     memory: the time training waits); a bundle whose tensors changed shape gets new ones."""
@@ -289,6 +298,39 @@ def test_coalesced_background_saves_reuse_copies_without_mixing_them(tmp_path: P
     assert len(committed) == 2
     for weight, epoch in zip(committed, (1, 4), strict=True):
         assert torch.equal(weight, expected[epoch]), epoch
+
+
+def test_a_copy_takes_the_last_copys_tensors_once_serialised_while_it_uploads(
+    tmp_path: Path,
+) -> None:
+    """A background save's host tensors serve the next copy as soon as its bundle is
+    serialised (the upload reads the file, not them); each commit holds its own weights."""
+    gate = Gate()
+    url = f"file://{tmp_path / 'store'}"
+    checkpoint = taskpoint.Checkpoint(url, keep=5, progress=gate)
+    committed: list[float] = []
+
+    def newest_weight(_: taskpoint.SaveStats) -> None:
+        folder = taskpoint.Checkpoint(url).load_sync(into=tmp_path / f"restored{len(committed)}")
+        assert folder is not None
+        bundle = torch.load(next(Path(folder).rglob("state.pt")), weights_only=True)
+        committed.append(float(bundle["models"]["model"]["weight"].mean()))
+
+    checkpoint.on_commit(newest_weight)
+    model, opt = _trained()
+    state = TaskpointState(model, opt, blocking=False)
+    gate.close()
+    for epoch in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(float(epoch))
+        state.save_sync(checkpoint, epoch=epoch)
+        if epoch == 1:
+            assert gate.held.wait(timeout=30)  # save 1 is serialised; its upload is held
+            assert len(state._state._free) == 1  # type: ignore[union-attr]  # its tensors
+    assert not state._state._free  # type: ignore[union-attr]  # save 2 copied into them
+    gate.open()
+    assert state.wait()
+    assert committed == [1.0, 2.0]
 
 
 @pytest.mark.parametrize("failures", [(5,), (6, 14)], ids=lambda f: "fail-" + "-".join(map(str, f)))

@@ -7,7 +7,7 @@ import pytest
 import taskpoint
 import torch
 from taskpoint_pytorch import TaskpointState
-from taskpoint_pytorch._save import cpu_copy
+from taskpoint_pytorch._bundle import cpu_copy
 from torch import nn
 
 pytestmark = pytest.mark.gpu

@@ -16,34 +16,7 @@ from taskpoint.integration import all_gather_object, gather_or_raise, settle_upl
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._rng import capture_rng
 
-__all__ = ["agree_to_save", "check_counter", "check_extra", "settle_every_rank"]
-
-
-def check_counter(name: str, value: object) -> int:
-    """``value``, checked to be a non-negative int (not a bool).
-
-    Raises:
-        ValueError: it is not; the message names ``name``.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int; got {value!r}")
-    return value
-
-
-def check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A save's ``extra`` as a new dict (empty for ``None``).
-
-    Raises:
-        TypeError: it is not a mapping, or a key is not a string.
-    """
-    if extra is None:
-        return {}
-    if not isinstance(extra, Mapping):
-        raise TypeError(f"extra must be a mapping of str keys to values; got {type(extra).__name__}")
-    for key in extra:
-        if not isinstance(key, str):
-            raise TypeError(f"extra keys must be strings; got {key!r}")
-    return dict(extra)
+__all__ = ["agree_to_save", "settle_every_rank"]
 
 
 def agree_to_save(
@@ -57,10 +30,12 @@ def agree_to_save(
     rank's RNG state (with ``rng``), and gather them all.
 
     Returns:
-        The checked epoch, step and extra state, and every rank's RNG state in rank
-        order (``None`` entries without ``rng``).
+        The checked epoch, step and extra state (a new dict; empty for ``None``), and
+        every rank's RNG state in rank order (``None`` entries without ``rng``).
 
     Raises:
+        ValueError: (on this rank) a counter is not a non-negative int.
+        TypeError: (on this rank) ``extra`` is not a mapping, or a key of it not a string.
         Exception: what ``prepare`` or a check raised here, or :class:`StateError`
             when another rank failed: every rank raises, none goes on to save.
     """
@@ -69,9 +44,17 @@ def agree_to_save(
     extra_state: dict[str, Any] = {}
     try:
         prepare()
-        epoch = check_counter("epoch", epoch)
-        step = check_counter("step", step)
-        extra_state = check_extra(extra)
+        for name, value in (("epoch", epoch), ("step", step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int; got {value!r}")
+        if extra is not None and not isinstance(extra, Mapping):
+            raise TypeError(
+                f"extra must be a mapping of str keys to values; got {type(extra).__name__}"
+            )
+        extra_state = dict(extra or {})
+        for key in extra_state:
+            if not isinstance(key, str):
+                raise TypeError(f"extra keys must be strings; got {key!r}")
         # After the checks (they draw no random numbers), before anything that could.
         rng_state = capture_rng() if rng else None
     except Exception as exc:

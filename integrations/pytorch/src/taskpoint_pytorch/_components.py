@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -20,10 +20,11 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from taskpoint_pytorch._errors import StateMismatchError
-from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION
+from taskpoint_pytorch._layout import KINDS, LAYOUT, LAYOUT_VERSION
 from taskpoint_pytorch._rng import restore_rank_rng
+from taskpoint_pytorch._safety import check_weights_only
 
-__all__ = ["Components", "unwrap"]
+__all__ = ["Components", "tensors_in", "unwrap"]
 
 T = TypeVar("T")
 
@@ -41,51 +42,54 @@ def unwrap(module: nn.Module) -> nn.Module:
         module = inner
 
 
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` (a tensor, or dicts, lists, tuples and sets holding them),
+    depth first, each as often as it appears."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for child in value.values():
+            yield from tensors_in(child)
+    elif isinstance(value, (list, tuple, set)):
+        for child in value:
+            yield from tensors_in(child)
+
+
 def _named(
-    arg: str, default: str, value: T | Mapping[str, T] | None, check: Callable[[str, Any], None]
+    arg: str,
+    default: str,
+    value: T | Mapping[str, T] | None,
+    kind: type | None = None,
+    expected: str = "",
 ) -> dict[str, T]:
     """``value`` as a dict of names to objects: a mapping as given, one object under
-    ``default``, ``None`` as empty; ``check`` runs on each object.
+    ``default``, ``None`` as empty.
 
     Raises:
         ValueError: a name in the mapping is empty or not a string.
+        TypeError: an object is not a ``kind`` (named ``expected`` in the message), or
+            without ``kind`` lacks ``state_dict()`` or ``load_state_dict()``; the
+            message names it (``arg``, or ``arg[name]``).
     """
     if value is None:
         return {}
-    if isinstance(value, Mapping):
-        named: dict[str, T] = {}
-        for name, item in value.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"{arg} names must be non-empty strings; got {name!r}")
-            check(f"{arg}[{name!r}]", item)
-            named[name] = item
-        return named
-    check(arg, value)
-    return {default: value}
-
-
-def _is_a(kind: type | tuple[type, ...], expected: str) -> Callable[[str, Any], None]:
-    """A check raising ``TypeError`` for a value that is not a ``kind``."""
-
-    def check(where: str, value: Any) -> None:
-        if not isinstance(value, kind):
-            raise TypeError(
-                f"{where} must be {expected} (or pass a mapping of names to them); "
-                f"got {type(value).__name__}"
-            )
-
-    return check
-
-
-def _is_stateful(where: str, value: Any) -> None:
-    """Raise ``TypeError`` unless ``value`` has ``state_dict()`` and ``load_state_dict()``."""
-    if not (callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    )):
-        raise TypeError(
-            f"{where} must have state_dict() and load_state_dict() (an LR scheduler, say); "
-            f"got {type(value).__name__}"
+    one = not isinstance(value, Mapping)
+    named: dict[str, T] = dict(value) if isinstance(value, Mapping) else {default: value}
+    for name, item in named.items():
+        if not one and (not isinstance(name, str) or not name):
+            raise ValueError(f"{arg} names must be non-empty strings; got {name!r}")
+        fits = isinstance(item, kind) if kind is not None else all(
+            callable(getattr(item, method, None)) for method in ("state_dict", "load_state_dict")
         )
+        if not fits:
+            need = (
+                "have state_dict() and load_state_dict() (an LR scheduler, say)" if kind is None
+                else f"be {expected} (or pass a mapping of names to them)"
+            )
+            raise TypeError(
+                f"{arg if one else f'{arg}[{name!r}]'} must {need}; got {type(item).__name__}"
+            )
+    return named
 
 
 class Components:
@@ -106,14 +110,14 @@ class Components:
         generators: Mapping[str, torch.Generator] | None,
         rng: bool,
     ) -> None:
-        self.models = _named("model", "model", model, _is_a(nn.Module, "a torch.nn.Module"))
+        models = _named("model", "model", model, nn.Module, "a torch.nn.Module")
+        self.models = {name: unwrap(module) for name, module in models.items()}  # see unwrap
         self.optimizers = _named(
-            "optimizer", "optimizer", optimizer,
-            _is_a(torch.optim.Optimizer, "a torch.optim.Optimizer"),
+            "optimizer", "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer"
         )
-        self.schedulers: dict[str, Any] = _named("scheduler", "scheduler", scheduler, _is_stateful)
+        self.schedulers: dict[str, Any] = _named("scheduler", "scheduler", scheduler)
         self.scalers = _named(
-            "scaler", "scaler", scaler, _is_a(torch.amp.GradScaler, "a torch.amp.GradScaler")
+            "scaler", "scaler", scaler, torch.amp.GradScaler, "a torch.amp.GradScaler"
         )
         if generators is not None and not isinstance(generators, Mapping):
             raise TypeError(
@@ -121,27 +125,14 @@ class Components:
                 f"got {type(generators).__name__}"
             )
         self.generators: dict[str, torch.Generator] = _named(
-            "generators", "generator", generators, _is_a(torch.Generator, "a torch.Generator")
+            "generators", "generator", generators, torch.Generator, "a torch.Generator"
         )
         self.rng = bool(rng)  # whether the global RNGs are saved and restored
 
-    def unwrapped_models(self) -> dict[str, nn.Module]:
-        """The models by name, each without its wrappers (see :func:`unwrap`)."""
-        return {name: unwrap(module) for name, module in self.models.items()}
-
     def by_kind(self) -> dict[str, Mapping[str, Any]]:
-        """Every kind's objects by name, models unwrapped (what ``_layout`` checks against)."""
-        return {
-            "models": self.unwrapped_models(),
-            "optimizers": self.optimizers,
-            "schedulers": self.schedulers,
-            "scalers": self.scalers,
-            "generators": self.generators,
-        }
-
-    def layout(self) -> dict[str, list[str]]:
-        """The component names per kind, sorted."""
-        return {kind: sorted(objects) for kind, objects in self.by_kind().items()}
+        """Every kind's objects by name (what ``_layout`` checks against): the attribute of
+        each name in ``_layout.KINDS``."""
+        return {kind: getattr(self, kind) for kind in KINDS}
 
     def device(self) -> torch.device:
         """Where the first model's first parameter (or buffer) lives; CPU without one."""
@@ -152,21 +143,9 @@ class Components:
 
     def state_bytes(self) -> int:
         """The bytes of the models' and optimizers' tensors: about what a save writes."""
-        total = 0
-        for state in itertools.chain(
-            (unwrap(m).state_dict() for m in self.models.values()),
-            (o.state_dict() for o in self.optimizers.values()),
-        ):
-            stack: list[Any] = [state]
-            while stack:
-                item = stack.pop()
-                if isinstance(item, torch.Tensor):
-                    total += item.numel() * item.element_size()
-                elif isinstance(item, Mapping):
-                    stack.extend(item.values())
-                elif isinstance(item, (list, tuple)):
-                    stack.extend(item)
-        return total
+        states = [m.state_dict() for m in self.models.values()]
+        states += [o.state_dict() for o in self.optimizers.values()]
+        return sum(t.numel() * t.element_size() for t in tensors_in(states))
 
     def bundle(
         self,
@@ -181,12 +160,17 @@ class Components:
         """A new bundle (a fresh ``save_id``, entries in the layout's order) of the objects'
         current state, not copied, and the checked counters, ``extra``, every rank's RNG
         state in rank order (kept only with ``rng``) and the world size. Without
-        ``tensors`` the models' and optimizers' entries are empty (DCP saves them)."""
-        return {
+        ``tensors`` the models' and optimizers' entries are empty (DCP saves them).
+
+        Raises:
+            TypeError: an entry holds a value ``torch.load(weights_only=True)`` would not
+                rebuild (``_safety.check_weights_only``), so the bundle could never restore.
+        """
+        bundle = {
             "layout": LAYOUT,
             "version": LAYOUT_VERSION,
             "models": {
-                n: unwrap(m).state_dict() if tensors else {} for n, m in self.models.items()
+                n: m.state_dict() if tensors else {} for n, m in self.models.items()
             },
             "optimizers": {
                 n: o.state_dict() if tensors else {} for n, o in self.optimizers.items()
@@ -202,6 +186,9 @@ class Components:
             "save_id": uuid.uuid4().hex,
             "torch_version": str(torch.__version__),
         }
+        for key, value in bundle.items():
+            check_weights_only(value, key)
+        return bundle
 
     def load(self, bundle: dict[str, Any], rank: int, world: int, *, tensors: bool = True) -> None:
         """Load a bundle that passed ``_layout``'s checks into the objects, and this rank's
@@ -212,7 +199,7 @@ class Components:
             StateMismatchError: an optimizer cannot take its saved state.
         """
         for name, module in self.models.items() if tensors else ():
-            unwrap(module).load_state_dict(bundle["models"][name])
+            module.load_state_dict(bundle["models"][name])
         for name, optimizer in self.optimizers.items() if tensors else ():
             try:
                 optimizer.load_state_dict(bundle["optimizers"][name])
@@ -221,10 +208,7 @@ class Components:
                     f"optimizers[{name!r}] cannot take the checkpoint's state: {exc}",
                     component=f"optimizers[{name!r}]",
                 ) from exc
-        stateful: dict[str, Mapping[str, Any]] = {
-            "schedulers": self.schedulers, "scalers": self.scalers
-        }
-        for kind, objects in stateful.items():
+        for kind, objects in (("schedulers", self.schedulers), ("scalers", self.scalers)):
             for name, obj in objects.items():
                 obj.load_state_dict(bundle[kind][name])
         for name, generator in self.generators.items():

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 DCP_FOLDER = "dcp"
 """The name of the tree a DCP checkpoint is committed as (and restored to)."""
 _METADATA = ".metadata"
+_PART = "__taskpoint_part__"
+"""The name of the extra write result that carries a rank's uploaded part (its record)
+to the coordinator."""
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,6 @@ class _Hello:
     url: str
     world_size: int
     inner: Any
-
-
-@dataclass(frozen=True)
-class _PartRecord:
-    """A rank's uploaded part, carried to the coordinator as an extra write result."""
-
-    record: dict[str, Any]
 
 
 def need_checkpoint(checkpoint: object, user: str) -> taskpoint.Checkpoint:
@@ -156,14 +152,13 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         self._thread_count = thread_count
         self._inner: _StagingWriter | None = None
         self._commit: taskpoint.PartsCommit | None = None
-        self._rank = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save (DCP calls this first, on every rank).
 
         ``checkpoint_id`` is ignored: the checkpoint's URL is where it goes.
         """
-        self._finish()
+        self.close()
         self._folder = self._new_folder("taskpoint-dcp-")
         (self._folder / DCP_FOLDER).mkdir()
         self._held: list[taskpoint.PartsCommit] = []
@@ -181,9 +176,6 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         rank failed, ``finish`` never ran here: call this (or drop the writer: the next
         ``reset`` and garbage collection release them too).
         """
-        self._finish()
-
-    def _finish(self) -> None:
         self._drop_folder()
         self._commit = None
         self._inner = None
@@ -197,7 +189,6 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         inner, _ = self._ready()
         inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self._rank = int(kwargs.get("rank") or 0)
         if is_coordinator:
             # Before any rank uploads (they do after the plan's scatter): the lease keeps
             # collections from freeing content the parts reuse until the commit.
@@ -212,22 +203,18 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         inner, _ = self._ready()
+        hellos = [p.storage_data if isinstance(p.storage_data, _Hello) else None for p in plans]
         try:
-            return self._check_plans(inner, plans)
+            urls = [h.url if h else None for h in hellos]
+            check_agreement(urls, [h.world_size if h else None for h in hellos],
+                            undone="Nothing was uploaded")
+            return inner.prepare_global_plan([
+                dataclasses.replace(p, storage_data=h.inner if h else None)
+                for p, h in zip(plans, hellos, strict=True)
+            ])
         except BaseException:
-            self._finish()  # nothing will be uploaded: release the lease now
+            self.close()  # nothing will be uploaded: release the lease now
             raise
-
-    def _check_plans(self, inner: _StagingWriter, plans: list[SavePlan]) -> list[SavePlan]:
-        hellos = [p.storage_data for p in plans]
-        urls = [h.url if isinstance(h, _Hello) else None for h in hellos]
-        worlds = [h.world_size if isinstance(h, _Hello) else None for h in hellos]
-        check_agreement(urls, worlds, undone="Nothing was uploaded")
-        plans = [
-            dataclasses.replace(p, storage_data=h.inner if isinstance(h, _Hello) else None)
-            for p, h in zip(plans, hellos, strict=True)
-        ]
-        return inner.prepare_global_plan(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         inner, folder = self._ready()
@@ -236,11 +223,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         record = self._checkpoint.upload_part(part)
         for path in part.iterdir():  # uploaded: free the local disk
             path.unlink()
-        marker = WriteResult(
-            index=MetadataIndex(fqn=f"__taskpoint_part_{self._rank}__"),
-            size_in_bytes=0,
-            storage_data=_PartRecord(record),
-        )
+        marker = WriteResult(index=MetadataIndex(fqn=_PART), size_in_bytes=0, storage_data=record)
         done: Future[list[WriteResult]] = Future()
         done.set_result([*results, marker])
         return done
@@ -248,18 +231,8 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator: write DCP's metadata, upload it, commit every rank's part."""
         inner, folder = self._ready()
-        records: list[dict[str, Any] | None] = []
-        kept: list[list[WriteResult]] = []
-        for rank_results in results:
-            record = None
-            keep = []
-            for result in rank_results:
-                if isinstance(result.storage_data, _PartRecord):
-                    record = result.storage_data.record
-                else:
-                    keep.append(result)
-            records.append(record)
-            kept.append(keep)
+        records = [next((r.storage_data for r in rank if r.index.fqn == _PART), None) for rank in results]
+        kept = [[r for r in rank if r.index.fqn != _PART] for rank in results]
         missing = [rank for rank, record in enumerate(records) if record is None]
         if missing:
             raise CheckpointCoordinationError(
@@ -280,9 +253,8 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
             "objects": {**first["objects"], **meta["objects"]},
             **{k: first[k] + meta[k] for k in ("size", "uploaded", "reused")},
         }
-        commit, self._commit = self._commit, None
-        commit.commit([merged, *records[1:]])
-        self._finish()
+        self._commit.commit([merged, *records[1:]])  # aborts (releases the lease) if it fails
+        self.close()
 
     def storage_meta(self) -> StorageMeta | None:
         """This save's identity for DCP's metadata: the checkpoint's URL and a save id.
@@ -291,8 +263,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         next one here, so each save records its own id (readers check that every rank
         planned with the same save by it).
         """
-        inner, _ = self._ready()
-        return inner.storage_meta()
+        return self._ready()[0].storage_meta()
 
 
 def _release(folder: Path, commits: list[taskpoint.PartsCommit]) -> None:
@@ -333,19 +304,16 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
         self._inner: FileSystemReader | None = None
         self._metadata: bytes | None = None
         self._save_id: str | None = None
-        self._setup: tuple[Metadata, bool, tuple[Any, ...], dict[str, Any]] | None = None
+        self._rank: int | None = None  # DCP's rank, once set up
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a new load; ``checkpoint_id`` is ignored (the checkpoint's URL is read)."""
-        self._finish()
-
-    def _finish(self) -> None:
-        """Remove this load's local files and forget what it planned with."""
+        """Start a new load: remove the last one's local files and forget what it planned
+        with. ``checkpoint_id`` is ignored (the checkpoint's URL is read)."""
         self._drop_folder()
         self._inner = None
         self._metadata = None
         self._save_id = None
-        self._setup = None
+        self._rank = None
 
     def _restore(self, paths: list[str]) -> Path:
         """Restore ``paths`` of the newest checkpoint into this load's folder.
@@ -398,7 +366,7 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self._metadata_reader().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._setup = (metadata, is_coordinator, args, kwargs)
+        self._rank = kwargs.get("rank", rank_and_size()[0])
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         plan = self._metadata_reader().prepare_local_plan(plan)
@@ -417,7 +385,8 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
         return self._metadata_reader().prepare_global_plan(plans)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Restore the shard files ``plan`` reads (and ``.metadata`` again) and read them.
+        """Restore the shard files ``plan`` reads (and ``.metadata`` again, into the same
+        folder) and read them.
 
         Raises:
             CheckpointCoordinationError: a checkpoint was committed since ``.metadata`` was
@@ -425,9 +394,8 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
                 reads): load again.
         """
         inner = self._metadata_reader()
-        if self._setup is None:
+        if self._rank is None:
             raise RuntimeError("read_data before set_up_storage_reader: call dcp.load")
-        metadata, is_coordinator, args, kwargs = self._setup
         started = time.monotonic()
         url = self._checkpoint.url
         files = sorted({inner.storage_data[item.storage_index].relative_path for item in plan.items})
@@ -447,14 +415,12 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
             log.info(
                 "rank %s fetched .metadata and %d of the %d shard files (%d bytes of shards) "
                 "of %s for its load plan in %.2fs",
-                kwargs.get("rank", rank_and_size()[0]), len(files),
+                self._rank, len(files),
                 len({info.relative_path for info in inner.storage_data.values()}),
                 sum((path / f).stat().st_size for f in files), url, time.monotonic() - started,
             )
-            reader = FileSystemReader(path)
-            reader.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-            done = reader.read_data(plan, planner)
+            done = inner.read_data(plan, planner)
             done.wait()
         finally:
-            self._finish()
+            self.reset()
         return done

@@ -10,7 +10,7 @@ states and world size follow (:data:`REQUIRED`). Reading one runs
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -48,11 +48,10 @@ REQUIRED = frozenset({*KINDS, "rng", "epoch", "step", "extra", "world_size", "sa
 _LISTED = 10
 
 
-def listed(keys: list[str]) -> str:
-    """``keys`` for a message: the first few, and how many more."""
-    shown = ", ".join(repr(k) for k in keys[:_LISTED])
-    more = f" and {len(keys) - _LISTED} more" if len(keys) > _LISTED else ""
-    return f"[{shown}{more}]"
+def listed(items: list[str], show: Callable[[str], str] = repr) -> str:
+    """``items`` for a message, each through ``show``: the first few, and how many more."""
+    more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+    return ", ".join(show(item) for item in items[:_LISTED]) + more
 
 
 def read_bundle(
@@ -93,46 +92,46 @@ def read_bundle(
             f"({type(exc).__name__}, details in the chained exception): it is not a state "
             "bundle written by TaskpointState, and restoring never unpickles other objects"
         ) from exc
-    check_layout(bundle, file, parts, rng)
+    check_layout(bundle, str(file), parts, rng)
     check_fit(bundle, parts)
     return cast(dict[str, Any], bundle)
 
 
 def check_layout(
-    bundle: Any, file: Path, parts: Mapping[str, Mapping[str, Any]], rng: bool
+    bundle: Any, where: str, parts: Mapping[str, Mapping[str, Any]], rng: bool
 ) -> None:
     """Check ``bundle`` is a bundle of this layout, a version this package reads, with
-    every entry and the same component names as ``parts``.
+    every entry and the same component names as ``parts`` (``where`` names it in messages).
 
     Raises:
         StateLayoutError: it is not; the message says what it holds instead.
     """
     if not isinstance(bundle, dict) or "layout" not in bundle:
         held = (
-            f"a dict with keys {listed(sorted(map(str, bundle)))}"
+            f"a dict with keys [{listed(sorted(map(str, bundle)))}]"
             if isinstance(bundle, dict)
             else f"a {type(bundle).__name__}"
         )
         raise StateLayoutError(
-            f"{str(file)!r} is not a TaskpointState bundle: it holds {held} and no "
+            f"{where!r} is not a TaskpointState bundle: it holds {held} and no "
             f"'layout' entry. A file saved with plain torch.save is loaded with torch.load; "
             f"TaskpointState restores bundles of layout {LAYOUT!r} only"
         )
     if bundle["layout"] != LAYOUT:
         raise StateLayoutError(
-            f"{str(file)!r} has bundle layout {bundle['layout']!r}; this TaskpointState "
+            f"{where!r} has bundle layout {bundle['layout']!r}; this TaskpointState "
             f"reads {LAYOUT!r}"
         )
     version = bundle.get("version")
     if not isinstance(version, int) or not 1 <= version <= LAYOUT_VERSION:
         raise StateLayoutError(
-            f"{str(file)!r} has {LAYOUT!r} version {version!r}; this taskpoint-pytorch "
+            f"{where!r} has {LAYOUT!r} version {version!r}; this taskpoint-pytorch "
             f"reads versions 1 to {LAYOUT_VERSION}: upgrade taskpoint-pytorch to restore it"
         )
     missing = sorted(REQUIRED - set(bundle))
     if missing:
         raise StateLayoutError(
-            f"{str(file)!r} is a damaged {LAYOUT!r} bundle: it lacks the entries {missing}"
+            f"{where!r} is a damaged {LAYOUT!r} bundle: it lacks the entries {missing}"
         )
     differences = []
     for kind in KINDS:
@@ -142,14 +141,14 @@ def check_layout(
             differences.append(f"{kind}: checkpoint has {saved}, this state has {mine}")
     if differences:
         raise StateLayoutError(
-            f"{str(file)!r} holds other components than this TaskpointState ("
+            f"{where!r} holds other components than this TaskpointState ("
             + "; ".join(differences)
             + "). Restore into a TaskpointState built with the same names"
         )
     if rng and bundle.get("rng") is None and rank_and_size()[0] == 0:
         log.warning(
             "checkpoint %s was saved without RNG states (rng=False): the resumed run "
-            "will not draw the same random numbers as an uninterrupted one", file,
+            "will not draw the same random numbers as an uninterrupted one", where,
         )
 
 
@@ -186,13 +185,12 @@ def _check_model(component: str, module: nn.Module, saved: Mapping[str, Any]) ->
         return
     parts = []
     if missing:
-        parts.append(f"in the model but not the checkpoint: {listed(missing)}")
+        parts.append(f"in the model but not the checkpoint: [{listed(missing)}]")
     if unexpected:
-        parts.append(f"in the checkpoint but not the model: {listed(unexpected)}")
+        parts.append(f"in the checkpoint but not the model: [{listed(unexpected)}]")
     if shapes:
-        differ = [f"{k!r} saved {s} vs model {c}" for k, (s, c) in list(shapes.items())[:_LISTED]]
-        more = f" and {len(shapes) - _LISTED} more" if len(shapes) > _LISTED else ""
-        parts.append("shapes differ: " + ", ".join(differ) + more)
+        differ = listed(list(shapes), lambda k: f"{k!r} saved {shapes[k][0]} vs model {shapes[k][1]}")
+        parts.append(f"shapes differ: {differ}")
     raise StateMismatchError(
         f"{component} does not match the checkpoint: " + "; ".join(parts)
         + ". Build the model as it was when the checkpoint was saved",

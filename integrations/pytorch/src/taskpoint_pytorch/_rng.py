@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "restore_rank_rng", "restore_rng"]
+__all__ = ["capture_rng", "restore_rank_rng"]
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +40,17 @@ def _from_plain(value: Any) -> Any:
     return value
 
 
-def _cuda_states() -> list[torch.Tensor]:
-    # Only once CUDA is in use: querying it otherwise would start a context per device.
-    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    if not (torch.cuda.is_available() and initialized):
-        return []
-    return [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
-
-
 def capture_rng() -> dict[str, Any]:
-    """This process's Python, NumPy, torch CPU and CUDA (every device) generator states.
+    """This process's Python, NumPy, torch CPU and CUDA (every device, once CUDA is in use)
+    generator states.
 
     Returns:
         A dict of tensors, lists, numbers and strings only.
     """
     version, internal, gauss_next = random.getstate()
+    # Only once CUDA is in use: querying it otherwise would start a context per device.
+    in_use = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())] if in_use else []
     return {
         "python": {
             "version": int(version),
@@ -63,16 +59,40 @@ def capture_rng() -> dict[str, Any]:
         },
         "numpy": _to_plain(np.random.get_state(legacy=False)),
         "torch": torch.get_rng_state(),
-        "cuda": _cuda_states(),
+        "cuda": cuda,
     }
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    """Set the global generators to ``state``, as made by :func:`capture_rng`.
+def restore_rank_rng(states: list[dict[str, Any] | None] | None, rank: int, world: int) -> None:
+    """Set the global generators to this rank's entry of a bundle's RNG states (each as
+    made by :func:`capture_rng`).
 
-    CUDA states are restored for the devices present, from device 0 up; where CUDA is
-    unavailable they are skipped with a log line, so a GPU checkpoint resumes on CPU.
+    With as many states as ranks, each rank takes its own; otherwise (the world size
+    changed) every rank takes rank 0's, and rank 0 logs a warning that the run will not
+    match an uninterrupted one. Nothing happens when ``states`` is empty or ``None`` (saved
+    with ``rng=False``) or the chosen entry is ``None``. CUDA states are restored for the
+    devices present, from device 0 up; where CUDA is unavailable they are skipped with a
+    log line, so a GPU checkpoint resumes on CPU.
+
+    Args:
+        states: every saving rank's state, in rank order, as the bundle holds them.
+        rank: this process's global rank.
+        world: the world size now.
     """
+    if not states:
+        return
+    if len(states) == world:
+        state = states[rank]
+    else:
+        state = states[0]
+        if rank == 0:
+            log.warning(
+                "checkpoint was saved by %d rank(s), this job has %d: every rank "
+                "restores rank 0's RNG state, so the run will not match an "
+                "uninterrupted one", len(states), world,
+            )
+    if state is None:
+        return
     py = state["python"]
     internal = tuple(int(v) for v in py["internal"].tolist())
     random.setstate((py["version"], internal, py["gauss_next"]))
@@ -92,32 +112,3 @@ def restore_rng(state: dict[str, Any]) -> None:
         )
     for index, device_state in enumerate(cuda[:count]):
         torch.cuda.set_rng_state(device_state.cpu(), index)
-
-
-def restore_rank_rng(states: list[dict[str, Any] | None] | None, rank: int, world: int) -> None:
-    """Restore this rank's entry of a bundle's RNG states (see :func:`restore_rng`).
-
-    With as many states as ranks, each rank takes its own; otherwise (the world size
-    changed) every rank takes rank 0's, and rank 0 logs a warning that the run will not
-    match an uninterrupted one. Nothing happens when ``states`` is empty or ``None`` (saved
-    with ``rng=False``) or the chosen entry is ``None``.
-
-    Args:
-        states: every saving rank's state, in rank order, as the bundle holds them.
-        rank: this process's global rank.
-        world: the world size now.
-    """
-    if not states:
-        return
-    if len(states) == world:
-        mine = states[rank]
-    else:
-        mine = states[0]
-        if rank == 0:
-            log.warning(
-                "checkpoint was saved by %d rank(s), this job has %d: every rank "
-                "restores rank 0's RNG state, so the run will not match an "
-                "uninterrupted one", len(states), world,
-            )
-    if mine is not None:
-        restore_rng(mine)

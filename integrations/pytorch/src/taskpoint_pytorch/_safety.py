@@ -17,8 +17,9 @@ __all__ = ["check_weights_only"]
 _PRIMITIVES: frozenset[type] = frozenset(
     {type(None), bool, int, float, complex, str, bytes, bytearray}
 )
-_TORCH_VALUES: frozenset[type] = frozenset({torch.Size, torch.dtype, torch.device, torch.layout})
-_TENSORS: frozenset[type] = frozenset({torch.Tensor, torch.nn.Parameter})
+_LEAVES: frozenset[type] = _PRIMITIVES | {
+    torch.Size, torch.dtype, torch.device, torch.layout, torch.Tensor, torch.nn.Parameter
+}
 _MAPPINGS: frozenset[type] = frozenset({dict, collections.OrderedDict, collections.Counter})
 _SEQUENCES: frozenset[type] = frozenset({list, tuple, set})
 
@@ -30,12 +31,9 @@ ACCEPTED = (
 
 
 def _user_safe_types() -> set[type]:
-    found: set[type] = set()
-    for entry in torch.serialization.get_safe_globals():
-        candidate = entry[0] if isinstance(entry, tuple) else entry
-        if isinstance(candidate, type):
-            found.add(candidate)
-    return found
+    """The classes registered with ``torch.serialization.add_safe_globals``."""
+    entries = [e[0] if isinstance(e, tuple) else e for e in torch.serialization.get_safe_globals()]
+    return {entry for entry in entries if isinstance(entry, type)}
 
 
 def _describe(kind: type) -> str:
@@ -60,7 +58,7 @@ def check_weights_only(value: Any, where: str) -> None:
     while stack:
         path, item = stack.pop()
         kind = type(item)
-        if kind in _PRIMITIVES or kind in _TORCH_VALUES or kind in _TENSORS:
+        if kind in _LEAVES:
             continue
         if kind in _MAPPINGS:
             for key, child in item.items():

@@ -17,17 +17,14 @@ import io
 import logging
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import taskpoint
 import torch
 from taskpoint.integration import (
-    all_gather_object,
     broadcast_from_zero,
     describe_error,
     gather_or_raise,
-    raise_first_failure,
     rank_and_size,
 )
 from torch import nn
@@ -50,9 +47,8 @@ from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._dcp import TaskpointStorageReader, TaskpointStorageWriter, need_checkpoint
 from taskpoint_pytorch._errors import StateError
 from taskpoint_pytorch._layout import check_layout
-from taskpoint_pytorch._safety import check_weights_only
 
-__all__ = ["ShardedState", "load_sharded", "owner_of", "save_sharded"]
+__all__ = ["ShardedState", "owner_of"]
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +84,8 @@ def owner_of(optimizer: torch.optim.Optimizer, models: Mapping[str, nn.Module]) 
 
 
 def _translate(exc: CheckpointException, what: str) -> StateError:
-    failed = [
-        f"rank {rank}: {type(error).__name__}: {error}"
-        for rank, (error, _) in sorted(exc.failures.items())
-    ]
+    failures = sorted(exc.failures.items())  # rank: (error, its traceback)
+    failed = [f"rank {rank}: {describe_error(error)}" for rank, (error, _) in failures]
     return StateError(f"cannot {what}: " + "; ".join(failed))
 
 
@@ -108,61 +102,6 @@ def _state_dict(
     }
 
 
-def save_sharded(
-    checkpoint: taskpoint.Checkpoint,
-    models: Mapping[str, nn.Module],
-    optimizers: Mapping[str, torch.optim.Optimizer],
-    rest: dict[str, Any],
-) -> None:
-    """Commit the sharded state and ``rest`` (a collective: every rank calls it).
-
-    Raises:
-        StateError: any rank failed (naming each failed rank and its error).
-    """
-    blob = io.BytesIO()
-    torch.save(rest, blob)
-    state = _state_dict(models, optimizers, blob.getvalue())  # bytes: stored once
-    writer = TaskpointStorageWriter(checkpoint)
-    try:
-        dcp_save(state, storage_writer=writer)
-    except CheckpointException as exc:
-        raise _translate(exc, "save the sharded state") from None
-    finally:
-        writer.close()
-
-
-def load_sharded(
-    checkpoint: taskpoint.Checkpoint,
-    models: Mapping[str, nn.Module],
-    optimizers: Mapping[str, torch.optim.Optimizer],
-) -> dict[str, Any]:
-    """Load the newest sharded state into ``models`` and ``optimizers``; the ``rest``
-    bundle (a collective: every rank calls it, after checking a checkpoint exists).
-
-    Raises:
-        StateError: any rank failed (naming each failed rank and its error).
-    """
-    state = _state_dict(models, optimizers, b"")
-    try:
-        dcp_load(state, storage_reader=TaskpointStorageReader(checkpoint), planner=_SafeLoadPlanner())
-    except CheckpointException as exc:
-        raise _translate(exc, "restore the sharded state") from None
-    options = StateDictOptions(strict=True)
-    for name, module in models.items():
-        set_model_state_dict(module, state["models"][name], options=options)
-    for name, optimizer in optimizers.items():
-        set_optimizer_state_dict(
-            owner_of(optimizer, models), optimizer, state["optimizers"][name], options=options
-        )
-    raw = state[REST]
-    if not isinstance(raw, bytes):
-        raise StateError(f"the checkpoint's {REST!r} entry is not a state bundle")
-    rest = torch.load(io.BytesIO(raw), weights_only=True)
-    if not isinstance(rest, dict):
-        raise StateError(f"the checkpoint's {REST!r} entry is not a state bundle")
-    return rest
-
-
 class ShardedState:
     """The saves and restores of one ``TaskpointState(..., sharded=True)``.
 
@@ -175,10 +114,10 @@ class ShardedState:
 
     def __init__(self, components: Components) -> None:
         for optimizer in components.optimizers.values():
-            owner_of(optimizer, components.unwrapped_models())
+            owner_of(optimizer, components.models)
         self._components = components
 
-    def save(
+    def save_sync(
         self,
         checkpoint: object,
         epoch: int,
@@ -205,26 +144,44 @@ class ShardedState:
             prepare, epoch, step, extra, self._components.rng
         )
         save_id = broadcast_from_zero(uuid.uuid4().hex)
-        rest: dict[str, Any] = {}
+        blob = io.BytesIO()
         local_error: Exception | None = None
         try:
             rest = self._components.bundle(epoch, step, extra_state, rng_states, world, tensors=False)
             rest["save_id"] = save_id
             rest["sharded"] = True
-            for key, value in rest.items():
-                check_weights_only(value, key)
+            torch.save(rest, blob)
         except Exception as exc:
             local_error = exc
-        failures = all_gather_object(describe_error(local_error))
-        raise_first_failure(local_error, failures, "save the state", failure=StateError)
+        gather_or_raise(None, local_error, "save the state", failure=StateError)
         assert isinstance(checkpoint, taskpoint.Checkpoint)
-        save_sharded(checkpoint, self._components.unwrapped_models(), self._components.optimizers, rest)
+        # The rest as bytes: stored once, not per rank.
+        state = _state_dict(self._components.models, self._components.optimizers, blob.getvalue())
+        writer = TaskpointStorageWriter(checkpoint)
+        try:
+            dcp_save(state, storage_writer=writer)
+        except CheckpointException as exc:
+            raise _translate(exc, "save the sharded state") from None
+        finally:
+            writer.close()
         if rank == 0:
             log.debug("committed sharded state (epoch=%d, step=%d) from %d ranks", epoch, step, world)
 
-    def restore(self, checkpoint: object) -> dict[str, Any] | None:
-        """Every rank: agree a checkpoint exists, ``dcp.load`` into the current sharding,
-        then apply the rest of the bundle.
+    async def save(
+        self, checkpoint: object, epoch: int, step: int,
+        extra: Mapping[str, Any] | None, background: bool | None,
+    ) -> None:
+        """:meth:`save_sync`, on the calling thread (DCP's collectives are blocking)."""
+        self.save_sync(checkpoint, epoch, step, extra, background)
+
+    async def restore(self, checkpoint: object, map_location: object) -> dict[str, Any] | None:
+        """:meth:`restore_sync`, on the calling thread (DCP's collectives are blocking)."""
+        return self.restore_sync(checkpoint, map_location)
+
+    def restore_sync(self, checkpoint: object, map_location: object) -> dict[str, Any] | None:
+        """Every rank: agree a checkpoint exists, ``dcp.load`` into the current sharding
+        (``map_location`` is not used: each tensor loads where its shard lives), then apply
+        the rest of the bundle.
 
         Returns:
             The rest of the bundle restored, or ``None`` when nothing was committed yet.
@@ -254,11 +211,25 @@ class ShardedState:
         if newest is None:
             return None
         assert isinstance(checkpoint, taskpoint.Checkpoint)
-        rest = load_sharded(checkpoint, self._components.unwrapped_models(), self._components.optimizers)
-        check_layout(
-            rest, Path(f"{checkpoint.url} (sharded state)"), self._components.by_kind(),
-            self._components.rng,
-        )
+        models, optimizers = self._components.models, self._components.optimizers
+        state = _state_dict(models, optimizers, b"")
+        reader = TaskpointStorageReader(checkpoint)
+        try:
+            dcp_load(state, storage_reader=reader, planner=_SafeLoadPlanner())
+        except CheckpointException as exc:
+            raise _translate(exc, "restore the sharded state") from None
+        options = StateDictOptions(strict=True)
+        for name, module in models.items():
+            set_model_state_dict(module, state["models"][name], options=options)
+        for name, optimizer in optimizers.items():
+            set_optimizer_state_dict(
+                owner_of(optimizer, models), optimizer, state["optimizers"][name], options=options
+            )
+        if not isinstance(state[REST], bytes):
+            raise StateError(f"the checkpoint's {REST!r} entry is not a state bundle")
+        rest: dict[str, Any] = torch.load(io.BytesIO(state[REST]), weights_only=True)
+        where = f"{checkpoint.url} (sharded state)"
+        check_layout(rest, where, self._components.by_kind(), self._components.rng)
         self._components.load(rest, rank, world, tensors=False)
         if rank == 0:
             log.info(

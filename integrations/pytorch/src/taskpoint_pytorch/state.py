@@ -26,10 +26,9 @@ from taskpoint import CheckpointLike, IntervalChoice
 from taskpoint.integration import BoundarySaves, rank_and_size, track
 from torch import nn
 
+from taskpoint_pytorch._bundle import BundleState, MapLocation
 from taskpoint_pytorch._components import Components
 from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION, STATE_FILE
-from taskpoint_pytorch._restore import BundleRestorer, MapLocation
-from taskpoint_pytorch._save import BundleSaver
 
 if TYPE_CHECKING:
     from taskpoint_pytorch._sharded import ShardedState
@@ -123,23 +122,23 @@ class TaskpointState:
         self._preemption = BoundarySaves(
             save_on_preemption, size=self._components.state_bytes, thread="taskpoint-state-upload"
         )
-        self._uploads = self._preemption.uploads
-        self._sharded: ShardedState | None = None
+        uploads = self._preemption.uploads
+        self._state: BundleState | ShardedState
         if sharded:  # imports torch.distributed.checkpoint, which only sharded saves need
             from taskpoint_pytorch._sharded import ShardedState
 
-            self._sharded = ShardedState(self._components)
-        self._saver = BundleSaver(self._components, blocking=bool(blocking), uploads=self._uploads)
-        self._restorer = BundleRestorer(self._components)
-        track(self._uploads)
+            self._state = ShardedState(self._components)
+        else:
+            self._state = BundleState(self._components, blocking=bool(blocking), uploads=uploads)
+        track(uploads)
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{kind}={sorted(names)}" for kind, names in self.layout().items())
+        parts = ", ".join(f"{kind}={names}" for kind, names in self.layout().items())
         return f"TaskpointState({parts}, rng={self._components.rng})"
 
     def layout(self) -> dict[str, list[str]]:
         """The component names per kind, as a bundle records them (for messages and tests)."""
-        return self._components.layout()
+        return {kind: sorted(objects) for kind, objects in self._components.by_kind().items()}
 
     # -- saving -----------------------------------------------------------------------
 
@@ -162,9 +161,8 @@ class TaskpointState:
         call makes this call save at once, wait for the commit within the grace period
         left, and raise :class:`taskpoint.Preempted`: the next attempt resumes at this
         step. A loop that saves every N steps calls it at every step with ``every=N``; one
-        that saves every N seconds of training, with ``every_s=N`` (``every_s="auto"``:
-        an interval chosen from what a save costs and how often the run fails; see
-        :class:`taskpoint.SaveInterval`). Given both, it saves when either says so.
+        that saves every N seconds of training (or as often as ``"auto"`` finds best), with
+        ``every_s=N``. Given both, it saves when either says so.
 
         Args:
             checkpoint: a :class:`taskpoint.Checkpoint` or any ``CheckpointLike``.
@@ -207,10 +205,7 @@ class TaskpointState:
         if not turn.save:
             return False
         with turn:
-            if self._sharded is not None:
-                self._sharded.save(checkpoint, epoch, step, extra, background)
-            else:
-                self._saver.save_sync(checkpoint, epoch, step, extra, background)
+            self._state.save_sync(checkpoint, epoch, step, extra, background)
         return True
 
     async def save(
@@ -231,10 +226,7 @@ class TaskpointState:
         if not turn.save:
             return False
         with turn:
-            if self._sharded is not None:
-                self._sharded.save(checkpoint, epoch, step, extra, background)
-            else:
-                await self._saver.save(checkpoint, epoch, step, extra, background)
+            await self._state.save(checkpoint, epoch, step, extra, background)
         return True
 
     @property
@@ -259,7 +251,7 @@ class TaskpointState:
         Raises:
             taskpoint.CheckpointError: the background save failed (raised once).
         """
-        return self._uploads.wait(timeout)
+        return self._preemption.uploads.wait(timeout)
 
     # -- restoring --------------------------------------------------------------------
 
@@ -289,17 +281,13 @@ class TaskpointState:
             StateError: ranks restored different checkpoints, or another rank failed.
             taskpoint.CheckpointError: the store failed or holds no intact checkpoint.
         """
-        if self._sharded is not None:
-            return self._resumed(self._sharded.restore(checkpoint))
-        return self._resumed(self._restorer.restore_sync(checkpoint, map_location))
+        return self._resumed(self._state.restore_sync(checkpoint, map_location))
 
     async def restore(
         self, checkpoint: CheckpointLike, *, map_location: MapLocation = None
     ) -> ResumePoint | None:
         """Async :meth:`restore_sync`: the download is awaited."""
-        if self._sharded is not None:
-            return self._resumed(self._sharded.restore(checkpoint))
-        return self._resumed(await self._restorer.restore(checkpoint, map_location))
+        return self._resumed(await self._state.restore(checkpoint, map_location))
 
     def _resumed(self, bundle: dict[str, Any] | None) -> ResumePoint | None:
         """Training resumes from ``bundle`` (every rank; ``None``: from scratch): begin the
