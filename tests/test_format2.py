@@ -26,6 +26,11 @@ from taskpoint import Checkpoint, CheckpointUnsafeError, SaveStats, TaskpointWar
 from taskpoint.format import retention
 from taskpoint.format.manifest import Blob, Entry, Manifest, tree_checksum
 
+LOCAL = pytest.mark.stores("file", "s3")
+"""For what happens on the local disk (which files a save reads, which a restore into a
+folder trusts or links, a tree refused before any upload), the same whatever the store: the
+file store and one object store are enough."""
+
 MiB = 2**20
 
 
@@ -152,6 +157,7 @@ def test_restoring_into_a_folder_fetches_only_what_is_missing(store_url: str, tm
     assert sum(moved) == 0
 
 
+@LOCAL
 def test_a_kept_file_restores_its_hard_links_too(store_url: str, tmp_path: Path) -> None:
     """A file kept from ``into`` used to replace the restored one after its hard links were
     made to it, so they kept the empty file the extractor had created."""
@@ -197,6 +203,7 @@ def _settle() -> None:
     time.sleep(2 * SLACK_NS / 1e9)
 
 
+@LOCAL
 def test_a_save_reads_only_files_whose_stat_changed(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -227,6 +234,7 @@ def test_a_save_reads_only_files_whose_stat_changed(
     assert len(read) == len([p for p in tree.rglob("*") if p.is_file()])
 
 
+@LOCAL
 def test_files_changed_too_recently_to_tell_are_read_again(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -247,6 +255,7 @@ def test_files_changed_too_recently_to_tell_are_read_again(
     assert "shard-0.bin" in hashed
 
 
+@LOCAL
 def test_a_restore_into_a_folder_trusts_only_files_it_wrote_and_nobody_touched(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -416,6 +425,7 @@ def test_grouping_a_packs_blobs_into_reads_is_linear_in_its_blobs() -> None:
     assert cost[1] <= 2.5 * cost[0], f"{cost[0]:,} bytes for 4000 blobs, {cost[1]:,} for 8000"
 
 
+@LOCAL
 def test_a_symlink_out_of_the_tree_fails_the_save_before_any_upload(
     store_url: str, tmp_path: Path
 ) -> None:

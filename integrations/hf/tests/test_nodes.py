@@ -83,18 +83,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "results"
 
 
-@pytest.mark.parametrize("each_node", [True, False], ids=["save_on_each_node", "node0_saves"])
+@pytest.mark.parametrize(
+    ("store_url", "each_node"),
+    [("file", True), ("seaweedfs", False)],  # each a kill and a resume, both nodes twice
+    ids=["save_on_each_node", "node0_saves-through_seaweedfs_s3"],
+    indirect=["store_url"],
+)
 def test_killed_two_node_run_resumes_exactly_with_each_nodes_rng(
-    tmp_path: Path, reference: Path, each_node: bool
+    tmp_path: Path, reference: Path, store_url: str, each_node: bool
 ) -> None:
-    _killed_and_resumed(tmp_path, reference, f"file://{tmp_path / 'store'}", each_node)
-
-
-@pytest.mark.parametrize("store_url", ["seaweedfs"], indirect=True)
-def test_killed_two_node_run_resumes_exactly_through_seaweedfs_s3(
-    tmp_path: Path, reference: Path, store_url: str
-) -> None:
-    _killed_and_resumed(tmp_path, reference, store_url, each_node=False)
+    _killed_and_resumed(tmp_path, reference, store_url, each_node)
 
 
 def _killed_and_resumed(tmp_path: Path, reference: Path, store: str, each_node: bool) -> None:

@@ -72,7 +72,12 @@ def test_nothing_complete_gives_none(tmp_path: Path) -> None:
         assert last_complete_checkpoint(tmp_path) is None
 
 
-@pytest.mark.parametrize("how", ["no_state", "marker"])
+@pytest.mark.parametrize("how", [
+    # One way of breaking it on every store; how checkpoint-12 was broken is read from the
+    # restored folder, the same whatever the store, so the file store and one object store
+    # are enough for the other (each case trains a Trainer to the end).
+    "no_state", pytest.param("marker", marks=pytest.mark.stores("file", "s3")),
+])
 def test_partial_newest_in_store_resumes_from_previous_good_one(
     trained_dir: Path,
     tmp_path: Path,

@@ -13,6 +13,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from taskpoint import TaskpointWarning
 from taskpoint_lightning import RNG_STATE_KEY, TaskpointModelCheckpoint, resume_ckpt_path
 
+PICKS = pytest.mark.stores("file", "s3")
+"""For which file is picked, decided from the restored tree's names and times, the same
+whatever the store: the file store and one object store are enough. An empty store and the
+restore into ``dirpath`` run on every store."""
+
 
 def make_tree(root: Path, files: dict[str, int]) -> Path:
     """Files named by ``files``, each with that modification time."""
@@ -38,6 +43,7 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(tmp_path: Path) -> N
             resume_ckpt_path(ckpt, timeout=bad)  # type: ignore[arg-type]
 
 
+@PICKS
 def test_prefers_newest_last_then_newest_ckpt(store_url: str, tmp_path: Path) -> None:
     ckpt = taskpoint.Checkpoint(store_url)
     ckpt.save_sync(make_tree(tmp_path / "a" / "ckpts", {
@@ -53,6 +59,7 @@ def test_prefers_newest_last_then_newest_ckpt(store_url: str, tmp_path: Path) ->
     assert path is not None and Path(path).name == "epoch=3.ckpt"
 
 
+@PICKS
 def test_a_sharded_checkpoint_folder_counts_dated_by_its_newest_file(
     store_url: str, tmp_path: Path
 ) -> None:
@@ -73,6 +80,7 @@ def test_a_sharded_checkpoint_folder_counts_dated_by_its_newest_file(
     assert path is not None and Path(path).name == "epoch=2.ckpt"
 
 
+@PICKS
 def test_no_ckpt_in_the_mirror_gives_none(store_url: str, tmp_path: Path) -> None:
     ckpt = taskpoint.Checkpoint(store_url)
     ckpt.save_sync(make_tree(tmp_path / "ckpts", {"notes.txt": 1}))
@@ -96,6 +104,7 @@ def test_restores_into_dirpath_replacing_stale_files(
     assert (dirpath / "last.ckpt").stat().st_mtime == 100
 
 
+@PICKS
 def test_other_ranks_leave_dirpath_alone(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,7 +24,12 @@ def _expected_starts(lib: ModuleType, failures: tuple[int, ...]) -> list[int]:
 # Failure points: before any save, right after a save, mid-epoch twice, at every epoch start.
 FAILURES = [(3,), (5,), (6, 14), (5, 9, 13, 17)]
 
+ONE_OBJECT_STORE = pytest.mark.stores("file", "s3")
+"""For the tests of where a resumed run starts and what it carries over, the same bytes on
+every store; ``test_uninterrupted_run_with_saves_matches_plain_run`` runs on every store."""
 
+
+@ONE_OBJECT_STORE
 @pytest.mark.parametrize("failures", FAILURES, ids=lambda f: "fail-" + "-".join(map(str, f)))
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_interrupted_run_is_bitwise_equal_to_uninterrupted(
@@ -70,6 +75,7 @@ async def test_interrupted_run_is_bitwise_equal_to_uninterrupted(
     assert lib.bitwise_differences(result, reference) == []
 
 
+@ONE_OBJECT_STORE
 def test_without_rng_restore_the_resumed_run_differs(
     lib: ModuleType, reference: dict[str, Any], store_url: str
 ) -> None:

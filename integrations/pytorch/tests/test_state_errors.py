@@ -18,6 +18,10 @@ from taskpoint_pytorch import (
 )
 from torch import nn
 
+# What is checked is the bundle's layout and the state's shapes, the same bytes on every
+# store: the file store and one object store are enough.
+pytestmark = pytest.mark.stores("file", "s3")
+
 
 def _mlp(hidden: int = 8, extra_layer: bool = False) -> nn.Sequential:
     layers: list[nn.Module] = [nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 1)]

@@ -13,6 +13,10 @@ import torch
 from taskpoint_pytorch import STATE_FILE, TaskpointState
 from torch import nn
 
+# What is checked is the bundle's pickle, the same bytes on every store: the file store and
+# one object store are enough.
+pytestmark = pytest.mark.stores("file", "s3")
+
 EXTRA: dict[str, Any] = {
     "tensor": torch.arange(6, dtype=torch.float64).reshape(2, 3),
     "int_tensor": torch.tensor([1, 2, 3], dtype=torch.int32),

@@ -24,6 +24,10 @@ CASE_NAMES = [
 FAIL_AT = (2, 4)
 """Attempt n fails at chunk FAIL_AT[n], after training on it and before saving it."""
 
+ONE_OBJECT_STORE = pytest.mark.stores("file", "s3")
+"""For the tests of what the estimators and generators carry over, the same bytes on every
+store; ``test_bundle_is_a_snapshot_and_restores_all_fields`` runs on every store."""
+
 
 def _current_checkpoint() -> taskpoint.CheckpointLike:
     context = taskpoint.ctx()
@@ -31,6 +35,7 @@ def _current_checkpoint() -> taskpoint.CheckpointLike:
     return context.checkpoint
 
 
+@ONE_OBJECT_STORE
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_exception_interrupted_run_equals_uninterrupted(
     name: str, cases: ModuleType, store_url: str
@@ -69,6 +74,7 @@ def test_exception_interrupted_run_equals_uninterrupted(
     assert bundle.rng.bit_generator.state == reference_rng.bit_generator.state
 
 
+@ONE_OBJECT_STORE
 @pytest.mark.parametrize("name", ["SGDClassifier", "MLPClassifier"])
 async def test_async_task_resumes_exactly(name: str, cases: ModuleType, store_url: str) -> None:
     case = cases.CASES[name]
@@ -94,6 +100,7 @@ async def test_async_task_resumes_exactly(name: str, cases: ModuleType, store_ur
     cases.assert_same_fit(case, estimator, cases.uninterrupted(case))
 
 
+@ONE_OBJECT_STORE
 def test_resume_without_saved_rng_diverges(cases: ModuleType, store_url: str) -> None:
     """Control: the comparison is sensitive. Restoring the estimator but restarting the
     generator (the spec's plain pickle example does this) gives different coefficients."""
@@ -147,6 +154,7 @@ def test_bundle_is_a_snapshot_and_restores_all_fields(store_url: str) -> None:
     assert np.array_equal(restored.metadata["w"], np.arange(3.0))
 
 
+@ONE_OBJECT_STORE
 @pytest.mark.parametrize("bit_generator", ["PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64"])
 def test_every_numpy_bit_generator_continues_its_stream(bit_generator: str, store_url: str) -> None:
     rng = np.random.Generator(getattr(np.random, bit_generator)(123))

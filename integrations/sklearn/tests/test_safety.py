@@ -23,6 +23,10 @@ from taskpoint_sklearn import (
     UntrustedTypesError,
 )
 
+# What is refused is decided from the committed file's bytes, the same on every store: the
+# file store and one object store are enough.
+pytestmark = pytest.mark.stores("file", "s3")
+
 
 def _trained_bundle() -> PartialFitBundle:
     rng = np.random.default_rng(0)
