@@ -49,8 +49,7 @@ log = logging.getLogger(__name__)
 
 def _at_step_boundary(trainer: pl.Trainer) -> bool:
     """Whether the batch just done applied its gradients (not inside an accumulation)."""
-    should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
-    return not (callable(should_accumulate) and should_accumulate())
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
 
 
 class _TaskpointMirror(Mirroring):
