@@ -74,9 +74,6 @@ class TimedSaves(_TimedSaves):
         interval = self.interval if isinstance(self.spec, SaveInterval) else None
         return {"spec": self.spec, "interval": interval, "mirrors": 0, "_background": False}
 
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__dict__.update(state)
-
     def __eq__(self, other: object) -> bool:
         """Equal settings: what a pickled or deep-copied callback carries is equal."""
         if not isinstance(other, TimedSaves):

@@ -9,7 +9,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from taskpoint import CheckpointLike, TaskpointWarning
 from taskpoint.integration import (
@@ -222,14 +222,57 @@ class Mirroring:
             self._fit.flagged = requested()
             self._fit.files.mirrored()
 
-    # -- a SIGTERM's save (see _preemption.Preemption.stop) -----------------------------
+    # -- a SIGTERM's save (see _preemption) -------------------------------------------
 
-    def _preemption_first(self) -> None:
-        """Drop a mirror waiting behind the upload in flight: the preemption's goes first."""
+    def _preemption_stop(self, trainer: pl.Trainer, *, where: str) -> NoReturn:
+        """Save at this step boundary (every rank; ``where`` names it), wait for the commit
+        and raise (outside a task global rank zero first records the end as preempted in
+        the checkpoint): core's stop sequence, with this callback's save and mirror.
+
+        Raises:
+            taskpoint.Preempted: always, once the stop is done (saved or not).
+        """
+        fit = self._fit
+        assert fit is not None  # a stop is requested only within a fit
+        stop, step = fit.stop.sequence, trainer.global_step
         if self._job_mirror is not None and self._job_mirror.uploads.drop_waiting():
-            self._unmirrored = True  # the preemption's own mirror saves the folder anew
+            # The mirror waiting behind the upload in flight is dropped: the preemption's
+            # own mirror goes first and saves the folder anew.
+            self._unmirrored = True
+        decision = stop.decide(
+            step, wait=lambda timeout: self._preemption_wait(timeout),
+            estimate=lambda: fit.write_s + fit.upload_s, also=lambda: [fit.flagged],
+        )
+        started = time.monotonic()
+        if not decision.saving:
+            outcome = f"missed: {decision.reason} (the store keeps the previous checkpoint)"
+        else:
+            saved = None
+            if self._last_global_step_saved != step:
+                saved = self._save_newest_last(trainer)
+            elif not decision.agreed[0]:
+                # The save at this step began before the notice (some rank's last mirror
+                # started before it): mirror it once more (the same files, nothing new to
+                # upload) so that its commit counts as the preemption's.
+                self._unmirrored = True
+            self._mirror(trainer)
+            # Also a barrier: no rank ends (torchrun then stops the others) before the commit.
+            committed = stop.committed(
+                lambda timeout: not self._unmirrored and self._preemption_wait(timeout)
+            )
+            what = f"saved {saved}" if saved else "the save at this step"
+            outcome = (
+                f"{what} and committed it in {time.monotonic() - started:.1f}s"
+                if committed else
+                f"missed: {what} did not commit within the grace period (the store keeps "
+                "the previous checkpoint)"
+            )
+        stop.end(
+            f"{decision.signal} received: stopped at step {step} ({where}); {outcome}",
+            step=step, leader=trainer.is_global_zero, checkpoint=self._taskpoint,
+        )
 
-    def _preemption_wait(self, trainer: pl.Trainer, timeout: float | None) -> bool:
+    def _preemption_wait(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds for this rank's upload in flight; whether none
         runs any more (a failed one, logged, counts as done: the folder is mirrored again)."""
         job = self._job_mirror
@@ -240,32 +283,6 @@ class Mirroring:
         if job.lost is not None:
             self._unmirrored = True
         return done is not False
-
-    def _preemption_estimate(self) -> float:
-        """Seconds this rank expects a save to take, to the commit (0 when unknown)."""
-        fit = self._fit
-        return 0.0 if fit is None else fit.write_s + fit.upload_s
-
-    def _preemption_flagged(self) -> bool:
-        """Whether the last mirror started after the notice (its commit then counts)."""
-        return self._fit is not None and self._fit.flagged
-
-    def _preemption_save(self, trainer: pl.Trainer, *, again: bool) -> str | None:
-        """Save and start mirroring (every rank); the file written, ``None`` when a save at
-        this step exists already (mirrored once more when ``again``)."""
-        saved = None
-        if self._last_global_step_saved != trainer.global_step:
-            saved = self._save_newest_last(trainer)
-        elif again:
-            # The save at this step began before the notice: mirror it once more (the same
-            # files, nothing new to upload) so that its commit counts as the preemption's.
-            self._unmirrored = True
-        self._mirror(trainer)
-        return saved
-
-    def _preemption_mirrored(self) -> bool:
-        """Whether the folder's mirror has started since its last change."""
-        return not self._unmirrored
 
     def _save_newest_last(self, trainer: pl.Trainer) -> str:
         """Save the state at this step as the ``last`` checkpoint, a file even with

@@ -1,7 +1,8 @@
 """SIGTERM as a save for ``TaskpointModelCheckpoint``: every rank stops at one step
 boundary (``on_train_batch_end`` once the step's gradients are applied, or
 ``on_train_end``), Lightning's own checkpoint is saved there and committed, and the attempt
-ends with :class:`taskpoint.Preempted`. The sequence is core's
+ends with :class:`taskpoint.Preempted` (that save: ``Mirroring._preemption_stop`` in
+:mod:`taskpoint_lightning._mirroring`). The sequence is core's
 :class:`taskpoint.runtime.preemption_stop.PreemptionStop`, its ranks agreeing on a gloo
 group of its own (no GPU synchronisation); whether SIGTERM becomes a save is
 :func:`taskpoint.preemption.save_on_preemption`'s rule, global rank zero's for all.
@@ -19,9 +20,8 @@ import contextlib
 import logging
 import signal
 import threading
-import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from taskpoint.integration import (
     PreemptionStop,
@@ -38,23 +38,6 @@ __all__ = ["Preemption"]
 log = logging.getLogger(__name__)
 
 
-class Saver(Protocol):
-    """What a stop asks of the callback (:class:`taskpoint_lightning._mirroring.Mirroring`
-    documents each)."""
-
-    def _preemption_first(self) -> None: ...
-
-    def _preemption_wait(self, trainer: pl.Trainer, timeout: float) -> bool: ...
-
-    def _preemption_estimate(self) -> float: ...
-
-    def _preemption_flagged(self) -> bool: ...
-
-    def _preemption_save(self, trainer: pl.Trainer, *, again: bool) -> str | None: ...
-
-    def _preemption_mirrored(self) -> bool: ...
-
-
 def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
@@ -65,7 +48,8 @@ class Preemption:
 
     def __init__(self, active: bool, stop: PreemptionStop) -> None:
         self.active = active
-        self._stop = stop
+        self.sequence = stop
+        """Core's stop sequence, which the callback's preemption save runs."""
         self._before: Any = None  # the SIGTERM handler Lightning finds, and restores
 
     @classmethod
@@ -80,7 +64,7 @@ class Preemption:
         if trainer.world_size > 1:
             active = bool(trainer.strategy.broadcast(active, src=0))  # rank zero's rule
         self = cls(active, PreemptionStop(timeout=timeout))
-        if active and not self._stop.begin():
+        if active and not self.sequence.begin():
             log.warning(
                 "rank %d: not in the main thread, so SIGTERM cannot be handled here; it "
                 "stops training when another rank receives it", trainer.global_rank,
@@ -105,48 +89,11 @@ class Preemption:
         Raises:
             taskpoint.CheckpointCoordinationError: a rank did not vote within the timeout.
         """
-        return self._stop.requested()
+        return self.sequence.requested()
 
     def raised(self, exception: BaseException) -> bool:
         """Whether ``exception`` is this stop's :class:`taskpoint.Preempted`."""
-        return self._stop.stopped is not None and exception is self._stop.stopped
-
-    def stop(
-        self, trainer: pl.Trainer, saver: Saver, *, where: str, checkpoint: object = None
-    ) -> None:
-        """Save at this step boundary (every rank), wait for the commit, raise (outside a
-        task global rank zero first records the end as preempted in ``checkpoint``).
-
-        Raises:
-            taskpoint.Preempted: always, once the stop is done (saved or not).
-        """
-        step = trainer.global_step
-        saver._preemption_first()
-        decision = self._stop.decide(
-            step, wait=lambda timeout: saver._preemption_wait(trainer, timeout),
-            estimate=saver._preemption_estimate, also=lambda: [saver._preemption_flagged()],
-        )
-        started = time.monotonic()
-        if not decision.saving:
-            outcome = f"missed: {decision.reason} (the store keeps the previous checkpoint)"
-        else:
-            saved = saver._preemption_save(trainer, again=not decision.agreed[0])
-            # Also a barrier: no rank ends (torchrun then stops the others) before the commit.
-            committed = self._stop.committed(
-                lambda timeout: saver._preemption_mirrored()
-                and saver._preemption_wait(trainer, timeout)
-            )
-            what = f"saved {saved}" if saved else "the save at this step"
-            outcome = (
-                f"{what} and committed it in {time.monotonic() - started:.1f}s"
-                if committed else
-                f"missed: {what} did not commit within the grace period (the store keeps "
-                "the previous checkpoint)"
-            )
-        self._stop.end(
-            f"{decision.signal} received: stopped at step {step} ({where}); {outcome}",
-            step=step, leader=trainer.is_global_zero, checkpoint=checkpoint,
-        )
+        return self.sequence.stopped is not None and exception is self.sequence.stopped
 
     @contextlib.contextmanager
     def shielded(self) -> Iterator[None]:
@@ -164,4 +111,4 @@ class Preemption:
 
     def close(self) -> None:
         """End the deferral and the vote (each rank on its own); idempotent."""
-        self._stop.close()
+        self.sequence.close()

@@ -13,14 +13,13 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from taskpoint import TaskpointWarning
-from taskpoint.integration import all_gather_object, is_distributed
+from taskpoint.integration import all_gather_object
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = [
-    "RNG_FORMAT", "RNG_STATE_KEY", "capture_rng", "load_from_checkpoint", "pick_rng", "restore_rng",
-    "stash_in_checkpoint",
+    "RNG_FORMAT", "RNG_STATE_KEY", "load_from_checkpoint", "restore_rng", "stash_in_checkpoint"
 ]
 
 log = logging.getLogger(__name__)
@@ -34,28 +33,37 @@ the callback's own entry, ``checkpoint["callbacks"][state_key]``, still read).""
 
 
 def _storable(states: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's collected states with NumPy arrays and tuples turned into plain values."""
+    """Lightning's collected states as plain values and NumPy arrays (which pickle without
+    ``torch.save``, so every rank's can be gathered; :func:`_as_tensors` makes them
+    tensors for the checkpoint)."""
     version, internal, gauss_next = states["python"]
     out: dict[str, Any] = {
-        "torch": states["torch"],
+        "torch": states["torch"].numpy(),
         "python": [int(version), [int(v) for v in internal], gauss_next],
     }
     if "numpy" in states:
         name, keys, pos, has_gauss, cached = states["numpy"]
         out["numpy"] = [
-            str(name),
-            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            int(pos),
-            int(has_gauss),
-            float(cached),
+            str(name), np.asarray(keys, dtype=np.int64), int(pos), int(has_gauss), float(cached)
         ]
     if "torch.cuda" in states:
-        out["torch.cuda"] = [s.cpu() for s in states["torch.cuda"]]
+        out["torch.cuda"] = [s.cpu().numpy() for s in states["torch.cuda"]]
     return out
 
 
+def _as_tensors(value: Any) -> Any:
+    """``value`` with every NumPy array made a tensor (what ``weights_only`` loads)."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, dict):
+        return {k: _as_tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_tensors(v) for v in value]
+    return value
+
+
 def _native(stored: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of :func:`_storable`: what ``_set_rng_states`` takes."""
+    """A stored state (:func:`_storable`, as tensors) as ``_set_rng_states`` takes it."""
     version, internal, gauss_next = stored["python"]
     out: dict[str, Any] = {
         "torch": stored["torch"].cpu(),
@@ -79,74 +87,6 @@ def _native(stored: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def capture_rng(*, include_cuda: bool, mid_epoch: bool) -> dict[str, Any]:
-    """Every rank's random state, gathered on every rank (a collective, as Lightning's
-    checkpoint dump is): ``{"format", "mid_epoch", "ranks"}``, ``ranks`` by global rank.
-    ``include_cuda`` only when training on CUDA (a CPU run never starts a CUDA context);
-    ``mid_epoch``: taken inside an epoch, whose iterator a resume makes again."""
-    local = _storable(_collect_rng_states(include_cuda=include_cuda))
-    ranks: list[Any] = [local]
-    if is_distributed():
-        # Gathered as bytes: pickling a tensor calls torch.save, and a rank that is not
-        # writing the checkpoint must not save anything (Lightning's own tests count it).
-        ranks = [_from_wire(state) for state in all_gather_object(_to_wire(local))]
-    return {"format": RNG_FORMAT, "mid_epoch": bool(mid_epoch), "ranks": ranks}
-
-
-_TENSOR = "__taskpoint_tensor__"
-
-
-def _to_wire(value: Any) -> Any:
-    """``value`` with every tensor replaced by its dtype, shape and bytes."""
-    if isinstance(value, torch.Tensor):
-        data = value.detach().cpu().contiguous()
-        raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
-        return (_TENSOR, str(data.dtype).removeprefix("torch."), list(data.shape), raw)
-    if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_wire(v) for v in value]
-    return value
-
-
-def _from_wire(value: Any) -> Any:
-    """The inverse of :func:`_to_wire`."""
-    if isinstance(value, tuple) and len(value) == 4 and value[0] == _TENSOR:
-        _, dtype_name, shape, raw = value
-        dtype = getattr(torch, dtype_name)
-        if not raw:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
-    if isinstance(value, dict):
-        return {k: _from_wire(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_from_wire(v) for v in value]
-    return value
-
-
-def pick_rng(stored: dict[str, Any], global_rank: int) -> dict[str, Any]:
-    """This rank's states from what :func:`capture_rng` made, ready for :func:`restore_rng`.
-
-    Raises:
-        ValueError: the stored layout is from a newer version of this adapter.
-    """
-    fmt = stored.get("format")
-    if fmt != RNG_FORMAT:
-        raise ValueError(
-            f"the checkpoint's random state has format {fmt!r}; this taskpoint-lightning "
-            f"reads format {RNG_FORMAT}: upgrade taskpoint-lightning to resume from it"
-        )
-    ranks = stored["ranks"]
-    if global_rank < len(ranks):
-        return _native(ranks[global_rank])
-    log.warning(
-        "the checkpoint holds random state for %d ranks; rank %d uses rank 0's, so its "
-        "random draws will differ from an uninterrupted run",
-        len(ranks), global_rank,
-    )
-    return _native(ranks[0])
-
-
 def restore_rng(states: dict[str, Any]) -> None:
     """Set this process's global generators (Python, NumPy, torch, CUDA) to ``states``."""
     _set_rng_states(states)
@@ -162,13 +102,22 @@ def _mid_epoch(trainer: pl.Trainer) -> bool:
 
 
 def stash_in_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-    """Keep every rank's random state in ``checkpoint`` (``on_save_checkpoint``; every rank),
-    beside the callbacks' states: the process's, kept by the first taskpoint callback."""
-    if RNG_STATE_KEY not in checkpoint:
-        checkpoint[RNG_STATE_KEY] = capture_rng(
-            include_cuda=trainer.strategy.root_device.type == "cuda",
-            mid_epoch=_mid_epoch(trainer),
-        )
+    """Keep every rank's random state in ``checkpoint`` (``on_save_checkpoint``; every rank:
+    a collective, as Lightning's checkpoint dump is), beside the callbacks' states: the
+    process's, kept by the first taskpoint callback. It holds ``{"format", "mid_epoch",
+    "ranks"}``: ``ranks`` by global rank, CUDA's only when training on CUDA (a CPU run never
+    starts a CUDA context), ``mid_epoch`` when taken inside an epoch, whose iterator a
+    resume makes again."""
+    if RNG_STATE_KEY in checkpoint:
+        return
+    cuda = trainer.strategy.root_device.type == "cuda"
+    # Gathered as arrays: pickling a tensor calls torch.save, and a rank that is not
+    # writing the checkpoint must not save anything (Lightning's own tests count it).
+    local = _storable(_collect_rng_states(include_cuda=cuda))
+    ranks = [_as_tensors(state) for state in all_gather_object(local)]
+    checkpoint[RNG_STATE_KEY] = {
+        "format": RNG_FORMAT, "mid_epoch": _mid_epoch(trainer), "ranks": ranks
+    }
 
 
 def load_from_checkpoint(
@@ -199,6 +148,18 @@ def load_from_checkpoint(
             log.warning(message)
             warnings.warn(message, TaskpointWarning, stacklevel=3)
         return None
-    states = pick_rng(stored, trainer.global_rank)
+    if stored.get("format") != RNG_FORMAT:
+        raise ValueError(
+            f"the checkpoint's random state has format {stored.get('format')!r}; this "
+            f"taskpoint-lightning reads format {RNG_FORMAT}: upgrade taskpoint-lightning to "
+            "resume from it"
+        )
+    ranks, rank = stored["ranks"], trainer.global_rank
+    if rank >= len(ranks):
+        log.warning(
+            "the checkpoint holds random state for %d ranks; rank %d uses rank 0's, so its "
+            "random draws will differ from an uninterrupted run", len(ranks), rank,
+        )
+    states = _native(ranks[rank if rank < len(ranks) else 0])
     restore_rng(states)
     return states if stored.get("mid_epoch") else None

@@ -49,8 +49,7 @@ log = logging.getLogger(__name__)
 
 def _at_step_boundary(trainer: pl.Trainer) -> bool:
     """Whether the batch just done applied its gradients (not inside an accumulation)."""
-    should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
-    return not (callable(should_accumulate) and should_accumulate())
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
 
 
 class _TaskpointMirror(Mirroring):
@@ -179,7 +178,7 @@ class _TaskpointMirror(Mirroring):
         fit = self._fit
         if fit is not None and _at_step_boundary(trainer) and fit.stop.requested():
             where = f"after batch {batch_idx} of epoch {trainer.current_epoch}"
-            fit.stop.stop(trainer, self, where=where, checkpoint=self._taskpoint)
+            self._preemption_stop(trainer, where=where)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with self._timed.measured(trainer, self._save_token):
@@ -224,9 +223,7 @@ class _TaskpointMirror(Mirroring):
         super().on_train_end(trainer, pl_module)  # type: ignore[misc]
         self._mirror(trainer)
         if self._fit is not None and self._fit.stop.requested():
-            self._fit.stop.stop(
-                trainer, self, where="at the end of training", checkpoint=self._taskpoint
-            )
+            self._preemption_stop(trainer, where="at the end of training")
         self._finish(trainer)
 
     def on_exception(
@@ -260,7 +257,7 @@ class _TaskpointMirror(Mirroring):
         if fit is not None and fit.files.changed():
             self._unmirrored = True
         # The other ranks may not be here: no collective with several processes.
-        if self._nodes is None and self._preemption_wait(trainer, bound):
+        if self._nodes is None and self._preemption_wait(bound):
             self._mirror(trainer)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if self._job_mirror is not None:  # every rank with an upload commits its own part

@@ -49,21 +49,12 @@ def _newest_ckpt(root: Path, pattern: str) -> Path | None:
     sharded strategy's checkpoint, one file per rank), dated by its newest file."""
     if root.is_file():
         return latest_checkpoint(root, pattern)
-    newest: tuple[int, str] | None = None
-    found = None
+    dated = []
     for path in root.glob(pattern):
-        if path.is_dir():
-            files = [p for p in path.rglob("*") if p.is_file()]
-            if not files:
-                continue
-            when = max(latest.stat().st_mtime_ns for latest in files)
-        elif path.is_file():
-            when = path.stat().st_mtime_ns
-        else:
-            continue
-        if newest is None or (when, str(path)) > newest:
-            newest, found = (when, str(path)), path
-    return found
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        if files:  # (an empty folder, or a link to nothing, holds no checkpoint)
+            dated.append((max(f.stat().st_mtime_ns for f in files), str(path), path))
+    return max(dated)[2] if dated else None
 
 
 def _replace_tree(restored: Path, target: Path) -> Path:

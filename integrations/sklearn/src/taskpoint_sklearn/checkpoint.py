@@ -226,15 +226,11 @@ class TaskpointSklearnCheckpoint:
 
     # -- resuming ---------------------------------------------------------------------
 
-    def _resume(
-        self,
-        restored: PartialFitBundle | None,
-        estimator: Any,
-        rng: np.random.Generator | None,
-        metadata: Mapping[str, Any] | None,
-    ) -> PartialFitBundle:
+    def _resume(self, restored: PartialFitBundle | None, fresh: PartialFitBundle) -> PartialFitBundle:
+        """``restored``, else the first attempt's ``fresh`` bundle, once it matches this run."""
+        estimator, rng = fresh.estimator, fresh.rng
         if restored is None:
-            restored = PartialFitBundle(estimator, 0, rng, dict(metadata or {}))
+            restored = fresh
         if type(restored.estimator) is not type(estimator):
             raise BundleFormatError(
                 f"the checkpoint holds a {type(restored.estimator).__name__} but this run "
@@ -273,8 +269,8 @@ class TaskpointSklearnCheckpoint:
                 on whether there is an rng.
             UntrustedTypesError: as in :meth:`load_sync`.
         """
-        PartialFitBundle(estimator, 0, rng, dict(metadata or {}))  # validate before any I/O
-        return self._resume(self.load_sync(), estimator, rng, metadata)
+        fresh = PartialFitBundle(estimator, 0, rng, dict(metadata or {}))  # before any I/O
+        return self._resume(self.load_sync(), fresh)
 
     async def resume(
         self,
@@ -284,5 +280,5 @@ class TaskpointSklearnCheckpoint:
         metadata: Mapping[str, Any] | None = None,
     ) -> PartialFitBundle:
         """Async :meth:`resume_sync`."""
-        PartialFitBundle(estimator, 0, rng, dict(metadata or {}))
-        return self._resume(await self.load(), estimator, rng, metadata)
+        fresh = PartialFitBundle(estimator, 0, rng, dict(metadata or {}))
+        return self._resume(await self.load(), fresh)

@@ -27,15 +27,6 @@ __all__ = ["check_partial_fit", "partial_fit", "supports_partial_fit"]
 log = logging.getLogger(__name__)
 
 
-def _final_step(pipeline: Pipeline) -> tuple[str, Any]:
-    name, step = pipeline.steps[-1]
-    return name, step
-
-
-def _is_passthrough(step: Any) -> bool:
-    return step is None or (isinstance(step, str) and step == "passthrough")
-
-
 def supports_partial_fit(estimator: object) -> bool:
     """Whether ``estimator`` can be trained chunk by chunk.
 
@@ -45,7 +36,7 @@ def supports_partial_fit(estimator: object) -> bool:
     if isinstance(estimator, Pipeline):
         if not estimator.steps:
             return False
-        return supports_partial_fit(_final_step(estimator)[1])
+        return supports_partial_fit(estimator.steps[-1][1])
     return callable(getattr(estimator, "partial_fit", None))
 
 
@@ -67,7 +58,7 @@ def check_partial_fit(estimator: object) -> None:
     if isinstance(estimator, Pipeline):
         if not estimator.steps:
             raise TypeError(f"the Pipeline has no steps; {hint}")
-        name, step = _final_step(estimator)
+        name, step = estimator.steps[-1]
         raise TypeError(
             f"the Pipeline's last step {name!r} ({type(step).__name__}) has no "
             f"partial_fit; {hint}"
@@ -103,7 +94,7 @@ def partial_fit(estimator: Any, X: Any, y: Any = None, **params: Any) -> Any:
         return estimator
     Xt = X
     for name, step in estimator.steps[:-1]:
-        if _is_passthrough(step):
+        if step is None or (isinstance(step, str) and step == "passthrough"):
             continue
         if callable(getattr(step, "partial_fit", None)):
             step.partial_fit(Xt, y)
@@ -117,5 +108,5 @@ def partial_fit(estimator: Any, X: Any, y: Any = None, **params: Any) -> Any:
                     "learns incrementally"
                 ) from exc
         Xt = step.transform(Xt)
-    _final_step(estimator)[1].partial_fit(Xt, y, **params)
+    estimator.steps[-1][1].partial_fit(Xt, y, **params)
     return estimator
