@@ -23,7 +23,8 @@ take that long and ``--slow-uploads`` makes every upload after the first stall t
 in the first attempt only).
 Global rank zero writes the final weights to OUT (rank R > 0 to ``OUT`` with ``-rankR``
 before its suffix); every rank of an attempt prints ``STARTED <epoch> <step> rank <R>``, and
-``ENDED <step> rank <R> <exception type>`` when training ends on an exception; the rank
+``ENDED <step> rank <R> <exception type>`` when training ends on an exception, and a rank
+that signals itself ``SIGNALLED <unix time> rank <R>`` just before; the rank
 that fails with ``--fail-at`` first prints ``COMMITTED <steps> rank <R>``, the steps of the
 checkpoints in the store at that moment.
 """
@@ -68,6 +69,7 @@ class Trigger(L.Callback):
                 say("COMMITTED", *steps, "rank", trainer.global_rank)
             raise lib.Planned(f"planned failure at step {step}")
         if step == args.sigterm_at and args.sigterm_rank in (None, trainer.global_rank):
+            say("SIGNALLED", time.time(), "rank", trainer.global_rank)
             os.kill(os.getpid(), signal.SIGTERM)
         if args.step_sleep:
             time.sleep(args.step_sleep)

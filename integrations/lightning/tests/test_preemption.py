@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,6 +174,29 @@ def test_a_grace_period_too_short_for_the_save_keeps_the_previous_checkpoint(
     assert second.resumed_step in (3, 6)  # the checkpoint before the signal
     assert starts(done)[1][1] == second.resumed_step
     lib.assert_bitwise_equal(torch.load(tmp_path / "final.pt"), reference)
+
+
+def test_a_sigterm_that_is_not_a_save_waits_for_the_upload_only_within_the_grace_period(
+    tmp_path: Path,
+) -> None:
+    # SIGTERM without a preemption save: the attempt waits for step 6's upload in flight,
+    # but stalled 30 s it cannot commit within 6 s of grace: the wait ends MARGIN_S before
+    # the deadline (preempt_timeout, 60 s, alone would outlast the grace period's SIGKILL).
+    done = run(
+        tmp_path, "--task", "--sigterm-at", "7", "--slow-uploads", "30",
+        TASKPOINT_GRACE_PERIOD="6", TASKPOINT_SAVE_ON_PREEMPTION="0",
+    )
+    (signalled,) = [
+        float(words[1]) for words in map(str.split, done.stdout.splitlines())
+        if words[:1] == ["SIGNALLED"]
+    ]
+    waited = [
+        float(found) for found in re.findall(r"still runs after ([0-9.]+)s", done.stderr)
+    ]
+    assert waited and max(waited) < 6.0, done.stderr[-4000:]  # not preempt_timeout's 60 s
+    first = records(tmp_path)[0]
+    assert first.outcome == "preempted" and first.ended is not None, done.stderr[-4000:]
+    assert first.ended - signalled < 20.0, "the attempt ended without waiting for the upload"
 
 
 def test_an_exception_one_step_after_a_save_resumes_from_that_save(

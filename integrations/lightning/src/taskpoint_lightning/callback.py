@@ -280,7 +280,7 @@ class _TaskpointMirror(Mirroring):
                 self._taskpoint.release()
 
     def _on_preempt(self) -> None:
-        self._job.wait_on_signal(self._preempt_timeout)
+        self._job.wait_on_signal(within_grace(self._preempt_timeout))
 
     # -- random state ------------------------------------------------------------------
 
