@@ -40,6 +40,29 @@ def _train(interval: SaveInterval, clock: FakeClock, steps: int, step_s: float) 
         interval.step_done()
 
 
+def _held_auto(
+    tmp_path: Path, prior_s: float
+) -> tuple[Checkpoint, SaveInterval, FakeClock, threading.Event]:
+    """An automatic interval on a real checkpoint whose uploads wait for the returned event
+    (set it to let them commit), with a fake clock."""
+    release = threading.Event()
+
+    def held(_moved: int) -> None:
+        release.wait(30)
+
+    checkpoint = Checkpoint(tmp_path.as_uri(), progress=held)
+    clock = FakeClock()
+    interval = SaveInterval.for_checkpoint(checkpoint, "auto", mtbf_prior_s=prior_s, clock=clock)
+    return checkpoint, interval, clock, release
+
+
+def _payload(tmp_path: Path, fill: bytes) -> Path:
+    """A 100 kB file beside ``tmp_path`` (not in the store's folder), rewritten each call."""
+    source = tmp_path.parent / f"{tmp_path.name}-payload"
+    source.write_bytes(fill * 100_000)
+    return source
+
+
 def test_young_daly_is_the_square_root_of_twice_cost_times_mtbf() -> None:
     assert young_daly(2.0, 3600.0) == pytest.approx(120.0)
     assert young_daly(0.0, 3600.0) == 0.0
@@ -328,18 +351,9 @@ def test_a_background_uploads_cost_counts_until_its_commit(tmp_path: Path) -> No
     """A background save through a real checkpoint: the steps that ran while its upload
     was in flight (held until the test lets it go) count what they lost, up to the
     commit the interval hears of; the steps after it run at full speed again."""
-    release = threading.Event()
-
-    def held(_moved: int) -> None:
-        release.wait(30)
-
-    checkpoint = Checkpoint(tmp_path.as_uri(), progress=held)
-    clock = FakeClock()
-    interval = SaveInterval.for_checkpoint(checkpoint, "auto", mtbf_prior_s=36_000.0, clock=clock)
+    checkpoint, interval, clock, release = _held_auto(tmp_path, 36_000.0)
     _train(interval, clock, 5, 1.0)  # a plain step takes 1 s
-    source = tmp_path.parent / f"{tmp_path.name}-payload"
-    source.write_bytes(b"x" * 100_000)
-    checkpoint.save_sync(source, background=True)
+    checkpoint.save_sync(_payload(tmp_path, b"x"), background=True)
     interval.saved(blocked_s=0.1, background=True)
     assert interval.choice.save_cost_s == pytest.approx(0.1), "provisional: the time blocked"
     assert not interval.due()
@@ -456,18 +470,9 @@ def test_an_automatic_interval_is_no_shorter_than_a_background_upload(tmp_path: 
     """Saves asked for faster than uploads commit only replace the one queued: once a
     background save's call-to-commit time is measured, an automatic interval that Young/Daly
     puts below it rises to it (rule ``upload``); a fixed interval is left as given."""
-    release = threading.Event()
-
-    def held(_moved: int) -> None:
-        release.wait(30)
-
-    checkpoint = Checkpoint(tmp_path.as_uri(), progress=held)
-    clock = FakeClock()
-    interval = SaveInterval.for_checkpoint(checkpoint, "auto", mtbf_prior_s=50.0, clock=clock)
+    checkpoint, interval, clock, release = _held_auto(tmp_path, 50.0)
     _train(interval, clock, 3, 1.0)
-    source = tmp_path.parent / f"{tmp_path.name}-payload"
-    source.write_bytes(b"x" * 100_000)
-    checkpoint.save_sync(source, background=True)
+    checkpoint.save_sync(_payload(tmp_path, b"x"), background=True)
     interval.saved(blocked_s=0.02, background=True)
     assert interval.choice.upload_s is None, "no upload measured before its commit"
     assert interval.choice.interval_s == pytest.approx(young_daly(0.02, 50.0))  # 1.41 s
@@ -505,14 +510,11 @@ def test_a_save_queued_behind_an_upload_counts_from_the_commit_before_it(tmp_pat
     checkpoint.on_commit(commits.append)
     clock = FakeClock()
     interval = SaveInterval.for_checkpoint(checkpoint, "auto", mtbf_prior_s=50.0, clock=clock)
-    source = tmp_path.parent / f"{tmp_path.name}-payload"
-    source.write_bytes(b"x" * 100_000)
-    checkpoint.save_sync(source, background=True)
+    checkpoint.save_sync(_payload(tmp_path, b"x"), background=True)
     interval.saved(blocked_s=0.0, background=True)
     assert uploading.wait(30)  # the first is uploading: the second queues, not replaces it
     clock.advance(1.0)
-    source.write_bytes(b"y" * 100_000)
-    checkpoint.save_sync(source, background=True)  # queued behind the first
+    checkpoint.save_sync(_payload(tmp_path, b"y"), background=True)  # queued behind the first
     interval.saved(blocked_s=0.0, background=True)
     clock.advance(3.0)
     gate[0].set()  # the first commits 4 s after its call
