@@ -404,3 +404,30 @@ def test_a_released_upload_process_ends_once_the_save_in_flight_commits(
     assert _ended_within(_uploader.shared(), pid, thread, 30) < _uploader.IDLE_EXIT_S / 2
     restored = Checkpoint(tmp_path / "store").load_sync()
     assert restored is not None and (restored / "step.txt").read_text() == "7"
+
+
+def test_a_relative_path_names_the_folder_of_the_working_directory_when_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upload process is started once, in the working directory of its first save; a
+    checkpoint made later with a relative path, after a chdir, commits to that path under
+    the directory it was made in, where its loads look, not under the upload process's."""
+    first, later = tmp_path / "first", tmp_path / "later"
+    first.mkdir()
+    later.mkdir()
+    monkeypatch.chdir(first)
+    with taskpoint.Checkpoint.at("warm") as warm:  # starts the upload process here
+        warm.save_sync(b"w", background=True)
+        assert warm.wait(60) and _uploader.shared().wait_ready(60)
+        monkeypatch.chdir(later)
+        ckpt = taskpoint.Checkpoint.at("runs/job")
+        ckpt.save_sync(b"y", background=True)
+        assert ckpt.wait(60)
+        restored = ckpt.load_sync()
+        assert restored is not None and restored.read_bytes() == b"y"
+        assert (later / "runs" / "job" / "checkpoints").is_dir()
+        assert not (first / "runs").exists()
+        assert ckpt.url == str(later / "runs" / "job")
+        ckpt.close()
+    assert taskpoint.Checkpoint.at("file://runs/job").url == f"file://{later}/runs/job"
+    assert taskpoint.Checkpoint.at("memory://runs/job").url == "memory://runs/job"

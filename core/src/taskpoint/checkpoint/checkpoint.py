@@ -64,7 +64,7 @@ from taskpoint.format._digest import Progress
 from taskpoint.format._statcache import StatCache
 from taskpoint.format.history import SaveStats
 from taskpoint.format.manifest import FORMAT_VERSION, TREE_FORMAT, Codec
-from taskpoint.store.store import RetryPolicy, Store, check_location
+from taskpoint.store.store import RetryPolicy, Store, absolute_location, check_location
 
 __all__ = ["Checkpoint", "SaveInput", "latest_checkpoint", "stores_by_content"]
 
@@ -79,7 +79,9 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
 
     Args:
         url: where checkpoints live: a local path or any fsspec URL (``s3://b/p``,
-            ``gs://b/p``, ``az://c/p``, ``memory://p``, ``file:///p``).
+            ``gs://b/p``, ``az://c/p``, ``memory://p``, ``file:///p``). A relative local
+            path is made absolute against the working directory at construction
+            (:attr:`url` then gives the absolute one).
         attempt: the attempt number this process saves as. ``None`` claims the next
             free number from the store at the first save, so two restarts never share one.
         keep: how many committed checkpoints to keep (newest first); at least 1.
@@ -159,7 +161,8 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
         store_format: int = FORMAT_VERSION,
         when_busy: WhenBusy | None = None,
     ) -> None:
-        url = check_location("url", url)
+        # the upload process, started earlier, may have another working directory
+        url = absolute_location(check_location("url", url))
         busy = check_when_busy(when_busy)
         if store_format not in (1, TREE_FORMAT) or isinstance(store_format, bool):
             raise ValueError(f"store_format must be 1 or {TREE_FORMAT}; got {store_format!r}")

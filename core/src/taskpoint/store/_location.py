@@ -89,6 +89,18 @@ def check_location(what: str, value: object) -> str:
     return text
 
 
+def absolute_location(url: str) -> str:
+    """``url`` with a relative local path made absolute against the working directory now
+    (``runs/a`` becomes ``/cwd/runs/a``; ``file://runs/a``, ``file:///cwd/runs/a``), so
+    that it names the same folder from any process and after a ``chdir``; other URLs are
+    returned as given."""
+    protocol, path = fsspec.core.split_protocol(url)
+    if protocol not in (None, "file", "local") or os.path.isabs(path):
+        return url
+    absolute = os.path.abspath(path)
+    return absolute if protocol is None else f"{protocol}://{absolute}"
+
+
 class Location:
     """A prefix (``url``) on an fsspec filesystem, opened on first use.
 

@@ -49,12 +49,12 @@ from taskpoint.errors import CheckpointStoreError
 from taskpoint.store import _exclusive, _local_files, _payloads, _retry
 from taskpoint.store import transfer as _transfer
 from taskpoint.store._faults import is_transient
-from taskpoint.store._location import Location, check_location
+from taskpoint.store._location import Location, absolute_location, check_location
 from taskpoint.store._retry import RetryPolicy
 from taskpoint.store._streams import ReadView
 from taskpoint.store.transfer import Transfer
 
-__all__ = ["RetryPolicy", "Store", "check_location", "is_transient"]
+__all__ = ["RetryPolicy", "Store", "absolute_location", "check_location", "is_transient"]
 
 T = TypeVar("T")
 
