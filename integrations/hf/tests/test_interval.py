@@ -29,9 +29,10 @@ def checkpoints(folder: Path) -> list[int]:
 
 
 def train(
-    tmp_path: Path, save_every_s: Any, clock: Clock, **overrides: Any
+    tmp_path: Path, save_every_s: Any, clock: Clock, step_s: float = 10.0, **overrides: Any
 ) -> tuple[TaskpointTrainerCallback, SavedSteps, taskpoint.Checkpoint]:
-    """The classifier for 12 steps of 10 s on ``clock``, saving by time (and ``overrides``)."""
+    """The classifier for 12 steps of ``step_s`` on ``clock``, saving by time (and
+    ``overrides``)."""
     ckpt = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}")
     if callable(save_every_s):
         save_every_s = save_every_s(ckpt)
@@ -39,7 +40,9 @@ def train(
     callback = TaskpointTrainerCallback(ckpt, out, save_every_s=save_every_s)
     saves = SavedSteps()
     options: dict[str, Any] = {"save_strategy": "no", "save_total_limit": None, **overrides}
-    trainer = kit.classifier_trainer(out, callbacks=[Tick(clock), saves, callback], **options)
+    trainer = kit.classifier_trainer(
+        out, callbacks=[Tick(clock, step_s), saves, callback], **options
+    )
     trainer.train()
     return callback, saves, ckpt
 
@@ -127,9 +130,12 @@ def test_auto_saves_more_often_after_failures(
             attempt.mark_started()
             attempt.mark_ended("failed", "RuntimeError: planned")
         clock = Clock()
+        # Steps of 10 ms: an upload commits within a step or two, below both runs'
+        # Young/Daly intervals (auto never saves faster than uploads commit).
         runs[name] = train(
             tmp_path / name,
             lambda ckpt, c=clock: SaveInterval.for_checkpoint(ckpt, "auto", clock=c), clock,
+            step_s=0.01,
         )
 
     new, failing = (runs[n][0].save_interval for n in ("new", "failing"))

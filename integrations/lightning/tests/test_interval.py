@@ -73,8 +73,11 @@ def saved_steps(dirpath: Path) -> list[int]:
     return sorted(int(m.group(1)) for m in found if m)
 
 
-def fit(mc: TaskpointModelCheckpoint, clock: Clock, module: L.LightningModule, **kw: Any) -> None:
-    trainer = lib.trainer([Tick(clock), mc], max_epochs=2, **kw)
+def fit(
+    mc: TaskpointModelCheckpoint, clock: Clock, module: L.LightningModule, step_s: float = 10.0,
+    **kw: Any,
+) -> None:
+    trainer = lib.trainer([Tick(clock, step_s), mc], max_epochs=2, **kw)
     trainer.fit(module, lib.loader("shuffle"))
 
 
@@ -136,7 +139,9 @@ def test_auto_saves_more_often_after_failures(
             ckpt, dirpath=dirpath, save_top_k=-1,
             train_time_interval=SaveInterval.for_checkpoint(ckpt, "auto", clock=clock),
         )
-        fit(mc, clock, lib.TinyModule(), default_root_dir=tmp_path / name)
+        # Steps of 10 ms: an upload commits within a step or two, below both runs'
+        # Young/Daly intervals (auto never saves faster than uploads commit).
+        fit(mc, clock, lib.TinyModule(), step_s=0.01, default_root_dir=tmp_path / name)
         runs[name] = (mc, saved_steps(dirpath))
 
     new, failing = (runs[n][0].save_interval for n in ("new", "failing"))

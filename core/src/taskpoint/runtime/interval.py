@@ -311,14 +311,13 @@ class IntervalChoice:
     def metrics(self) -> dict[str, float]:
         """The choice as ``taskpoint/<name>`` metrics, beside a save's figures (an
         adapter's logger, a dashboard): ``interval_s`` always; ``save_cost_s``,
-        ``upload_s``, ``mtbf_s`` and ``failures`` for an automatic interval, those known."""
+        ``mtbf_s`` and ``failures`` for an automatic interval, those known (a save's own
+        ``taskpoint/upload_s`` figure already gives the upload time)."""
         out = {f"{PREFIX}interval_s": float(self.interval_s)}
         if self.rule != "fixed":
             out[f"{PREFIX}failures"] = float(self.failures)
             if self.save_cost_s is not None:
                 out[f"{PREFIX}save_cost_s"] = float(self.save_cost_s)
-            if self.upload_s is not None:
-                out[f"{PREFIX}upload_s"] = float(self.upload_s)
             if self.mtbf_s is not None:
                 out[f"{PREFIX}mtbf_s"] = float(self.mtbf_s)
         return out
