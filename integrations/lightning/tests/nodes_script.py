@@ -82,10 +82,7 @@ def main() -> None:
     state = lib.full_state(model) if args.fsdp else lib.weights(model)
     torch.save(state, args.results / f"{name}-rank{rank}.pt")
     print(f"rank {rank}: STARTED", *model.started_at, flush=True)
-    # Lightning leaves the process group up; tearing gloo down at interpreter exit instead
-    # sometimes aborts ("terminate called without an active exception") after FSDP.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    lib.end_process_group()
 
 
 if __name__ == "__main__":

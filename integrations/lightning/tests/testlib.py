@@ -201,6 +201,17 @@ def trainer(callbacks: list[Any], max_epochs: int = 5, **kwargs: Any) -> L.Train
     return L.Trainer(**options)
 
 
+def end_process_group() -> None:
+    """Destroys the process group Lightning leaves up after ``fit``.
+
+    Left to interpreter exit, gloo's teardown sometimes aborts the process ("terminate
+    called without an active exception", exit -6) after training ended cleanly, with or
+    without taskpoint; every multi-process script calls this last.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
