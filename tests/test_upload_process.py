@@ -293,6 +293,8 @@ def test_an_upload_process_no_open_checkpoint_uses_ends_once_idle(
     last is closed (or collected) it ends after IDLE_EXIT_S seconds, reader thread too,
     and the next background save starts a new one."""
     monkeypatch.setattr(_uploader, "_shared", None)  # this test's own upload process
+    # A 3 s idle wait, not the 10 s default: the rules are the same, each wait shorter.
+    monkeypatch.setattr(_uploader, "IDLE_EXIT_S", 3.0)
     gc.collect()
     ckpt = Checkpoint(tmp_path / "store", background_upload="process")
     assert ckpt.load_sync() is None  # a job loads first: that starts it for the saves

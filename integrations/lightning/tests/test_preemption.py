@@ -182,9 +182,10 @@ def test_a_sigterm_that_is_not_a_save_waits_for_the_upload_only_within_the_grace
     # SIGTERM without a preemption save: the attempt waits for step 6's upload in flight,
     # but stalled 30 s it cannot commit within 6 s of grace: the wait ends MARGIN_S before
     # the deadline (preempt_timeout, 60 s, alone would outlast the grace period's SIGKILL).
+    # Only that attempt matters: no retry (TP_RETRIES=0).
     done = run(
         tmp_path, "--task", "--sigterm-at", "7", "--slow-uploads", "30",
-        TASKPOINT_GRACE_PERIOD="6", TASKPOINT_SAVE_ON_PREEMPTION="0",
+        TASKPOINT_GRACE_PERIOD="6", TASKPOINT_SAVE_ON_PREEMPTION="0", TP_RETRIES="0",
     )
     (signalled,) = [
         float(words[1]) for words in map(str.split, done.stdout.splitlines())

@@ -1,4 +1,9 @@
-"""The examples run as documented, fail on purpose, and resume."""
+"""The examples run as documented, fail on purpose, and resume.
+
+``pytorch_checkpoint.py``, the README's first command, runs in ``tests/test_docs.py``
+(``first_screen_run``): its attempts, its result and its whole output, line for line
+against the getting-started guide's sample, and its checkpoint folder.
+"""
 
 from __future__ import annotations
 
@@ -20,15 +25,6 @@ def _run(script: str, cwd: Path, env: dict[str, str]) -> str:
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc.stdout
-
-
-@pytest.mark.slow
-def test_pytorch_checkpoint_example(tmp_path: Path, child_env: dict[str, str]) -> None:
-    out = _run("pytorch_checkpoint.py", tmp_path, child_env)
-    starts = re.findall(r"^attempt (\d): starting at epoch (\d+)", out, re.MULTILINE)
-    assert starts == [("0", "0"), ("1", "3"), ("2", "6"), ("3", "9")]
-    assert "identical: True" in out
-    assert (tmp_path / ".taskpoint" / "checkpoints" / "checkpoint_pytorch.train_linear").is_dir()
 
 
 @pytest.mark.slow

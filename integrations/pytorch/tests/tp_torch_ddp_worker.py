@@ -156,8 +156,10 @@ def errors(rank: int, out: Path) -> None:
     attempt("bg-store-fails", lambda: state.save_sync(failing, epoch=3, background=True))
     # A save asked for while that upload still runs would wait behind it (coalesced) and
     # return: let the upload fail first, so the next save is the one that hears of it.
-    FailingCheckpoint.tried.wait(60)
-    time.sleep(0.5)
+    # Only rank 0 uploads (and fails); rank 1 waits for it in the next save's collective.
+    if rank == 0:
+        FailingCheckpoint.tried.wait(60)
+        time.sleep(0.5)
     attempt("bg-next-save", lambda: state.save_sync(shared, epoch=4, background=True))
     attempt("bg-good-save", lambda: state.save_sync(shared, epoch=5, background=True))
     attempt("bg-wait", lambda: state.wait())
