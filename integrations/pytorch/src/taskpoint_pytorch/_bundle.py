@@ -70,34 +70,17 @@ class BundleState:
         # new copy use at once. The upload thread gives them back (a deque is thread-safe).
         self._free: collections.deque[list[torch.Tensor]] = collections.deque(maxlen=2)
 
-    def save_sync(
-        self, checkpoint: CheckpointLike, epoch: int, step: int,
-        extra: Mapping[str, Any] | None, background: bool | None,
-    ) -> None:
-        """One save on every rank, as ``TaskpointState.save_sync`` describes."""
-        with self._commit(checkpoint, epoch, step, extra, background) as path:
-            if path is not None:
-                checkpoint.save_sync(_upload_target(checkpoint, path))
-
-    async def save(
-        self, checkpoint: CheckpointLike, epoch: int, step: int,
-        extra: Mapping[str, Any] | None, background: bool | None,
-    ) -> None:
-        """Async :meth:`save_sync`: the upload is awaited."""
-        with self._commit(checkpoint, epoch, step, extra, background) as path:
-            if path is not None:
-                await checkpoint.save(_upload_target(checkpoint, path))
-
     @contextlib.contextmanager
-    def _commit(
+    def saving(
         self, checkpoint: CheckpointLike, epoch: int, step: int,
         extra: Mapping[str, Any] | None, background: bool | None,
     ) -> Iterator[Path | None]:
-        """One save (every rank, as the module describes), around its upload: yields rank
-        0's bundle file for the body to commit, or ``None`` (another rank, a bundle that
-        could not be built, a background save). An ``Exception`` the body raises is the
-        commit's failure; every rank then raises (:class:`StateError` on the other ranks)
-        and the file goes.
+        """One save on every rank (as ``TaskpointState.save_sync`` and the module
+        describe), around its upload: yields what rank 0 hands ``checkpoint`` to commit
+        (the bundle file, or its folder: :func:`_upload_target`), or ``None`` (another
+        rank, a bundle that could not be built, a background save). An ``Exception`` the
+        body raises is the commit's failure; every rank then raises (:class:`StateError`
+        on the other ranks) and the file goes.
 
         Rank 0 first raises what a finished background save raised (its failure fails the
         save on every rank); a blocking save, or any save when the checkpoint's
@@ -114,9 +97,7 @@ class BundleState:
                     self._uploads.wait()
             check_checkpoint_like(checkpoint, "TaskpointState")
 
-        epoch, step, extra_state, rng_states = agree_to_save(
-            prepare, epoch, step, extra, self._components.rng
-        )
+        extra_state, rng_states = agree_to_save(prepare, epoch, step, extra, self._components.rng)
         error: Exception | None = None
         path: Path | None = None
         if rank == 0:
@@ -131,7 +112,7 @@ class BundleState:
                 error = exc
         try:
             try:
-                yield path
+                yield None if path is None else _upload_target(checkpoint, path)
             except Exception as exc:
                 error = exc
             outcome = broadcast_from_zero(describe_error(error) if rank == 0 else None)
