@@ -97,7 +97,9 @@ class BundleState:
                     self._uploads.wait()
             check_checkpoint_like(checkpoint, "TaskpointState")
 
-        extra_state, rng_states = agree_to_save(prepare, epoch, step, extra, self._components.rng)
+        extra_state, rng_states = agree_to_save(
+            prepare, epoch, step, extra, self._components.rng
+        )
         error: Exception | None = None
         path: Path | None = None
         if rank == 0:

@@ -156,8 +156,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
     ) -> None:
         super().__init__(checkpoint, staging)
         self._thread_count = thread_count
-        self._inner: _StagingWriter | None = None
-        self._commit: taskpoint.PartsCommit | None = None
+        self.close()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save (DCP calls this first, on every rank).
@@ -167,7 +166,9 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         self.close()
         staged = self._new_folder("taskpoint-dcp-") / DCP_FOLDER
         staged.mkdir()
-        self._inner = _StagingWriter(staged, self.checkpoint_id, thread_count=self._thread_count)
+        self._inner: _StagingWriter | None = _StagingWriter(
+            staged, self.checkpoint_id, thread_count=self._thread_count
+        )
 
     def close(self) -> None:
         """Release what an unfinished save holds: on the coordinator, the save lease
@@ -179,7 +180,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         ``reset`` and garbage collection release them too).
         """
         self._drop_folder()
-        self._commit = None
+        self._commit: taskpoint.PartsCommit | None = None
         self._inner = None
 
     def _ready(self) -> tuple[_StagingWriter, Path]:
@@ -298,19 +299,16 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
         staging: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__(checkpoint, staging)
-        self._inner: FileSystemReader | None = None
-        self._metadata: bytes | None = None
-        self._save_id: str | None = None
-        self._rank: int | None = None  # DCP's rank, once set up
+        self.reset()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load: remove the last one's local files and forget what it planned
         with. ``checkpoint_id`` is ignored (the checkpoint's URL is read)."""
         self._drop_folder()
-        self._inner = None
-        self._metadata = None
-        self._save_id = None
-        self._rank = None
+        self._inner: FileSystemReader | None = None
+        self._metadata: bytes | None = None
+        self._save_id: str | None = None
+        self._rank: int | None = None  # DCP's rank, once set up
 
     def _restore(self, paths: list[str], lacking: str) -> Path:
         """Restore ``paths`` of the newest checkpoint into this load's folder.

@@ -140,7 +140,9 @@ class ShardedState:
                 raise ValueError("sharded=True saves are blocking: background=True is refused")
             need_checkpoint(checkpoint, "TaskpointState(sharded=True)")
 
-        extra_state, rng_states = agree_to_save(prepare, epoch, step, extra, self._components.rng)
+        extra_state, rng_states = agree_to_save(
+            prepare, epoch, step, extra, self._components.rng
+        )
         save_id = broadcast_from_zero(uuid.uuid4().hex)
         blob = io.BytesIO()
         local_error: Exception | None = None
