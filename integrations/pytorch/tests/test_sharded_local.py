@@ -43,6 +43,23 @@ def test_sharded_state_round_trips_in_one_process(lib: object, tmp_path: Path) -
     assert manifest.parts is not None and sorted(manifest.parts) == ["0"]
 
 
+async def test_sharded_state_async_save_and_restore(lib: object, tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    model, optimizer = _trained()
+    state = TaskpointState(model, optimizer, sharded=True)
+    assert await state.restore(taskpoint.Checkpoint(url)) is None
+    assert await state.save(taskpoint.Checkpoint(url), epoch=2, step=5)
+    assert not await state.save(taskpoint.Checkpoint(url), step=6, every=4)  # not due
+
+    torch.manual_seed(1)
+    fresh = torch.nn.Linear(4, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    resume = await TaskpointState(fresh, fresh_opt, sharded=True).restore(taskpoint.Checkpoint(url))
+    assert resume is not None and (resume.epoch, resume.step) == (2, 5)
+    assert lib.bitwise_differences(fresh.state_dict(), model.state_dict()) == []  # type: ignore[attr-defined]
+    assert len(taskpoint.Checkpoint(url).committed()) == 1  # the call that was not due saved none
+
+
 def test_sharded_state_needs_a_taskpoint_checkpoint_and_blocking_saves(tmp_path: Path) -> None:
     model, optimizer = _trained()
     with pytest.raises(ValueError, match="blocking"):

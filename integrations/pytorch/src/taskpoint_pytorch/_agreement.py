@@ -25,13 +25,13 @@ def agree_to_save(
     step: int,
     extra: Mapping[str, Any] | None,
     rng: bool,
-) -> tuple[int, int, dict[str, Any], list[dict[str, Any] | None]]:
+) -> tuple[dict[str, Any], list[dict[str, Any] | None]]:
     """Every rank: run ``prepare``, check the counters and ``extra``, capture this
     rank's RNG state (with ``rng``), and gather them all.
 
     Returns:
-        The checked epoch, step and extra state (a new dict; empty for ``None``), and
-        every rank's RNG state in rank order (``None`` entries without ``rng``).
+        The checked extra state (a new dict; empty for ``None``), and every rank's RNG
+        state in rank order (``None`` entries without ``rng``).
 
     Raises:
         ValueError: (on this rank) a counter is not a non-negative int.
@@ -60,7 +60,7 @@ def agree_to_save(
     except Exception as exc:
         local_error = exc
     rng_states = gather_or_raise(rng_state, local_error, "save the state", failure=StateError)
-    return epoch, step, extra_state, rng_states
+    return extra_state, rng_states
 
 
 def settle_every_rank() -> None:

@@ -25,7 +25,7 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from taskpoint import Checkpoint, CheckpointLike
@@ -42,8 +42,8 @@ from taskpoint.integration import (
 
 from taskpoint_pytorch._agreement import agree_to_save, settle_every_rank
 from taskpoint_pytorch._components import Components, tensors_in
-from taskpoint_pytorch._errors import StateError
-from taskpoint_pytorch._layout import STATE_FILE, read_bundle
+from taskpoint_pytorch._errors import StateError, StateLayoutError
+from taskpoint_pytorch._layout import STATE_FILE, check_fit, check_layout
 
 __all__ = ["BundleState", "MapLocation", "cpu_copy"]
 
@@ -70,34 +70,17 @@ class BundleState:
         # new copy use at once. The upload thread gives them back (a deque is thread-safe).
         self._free: collections.deque[list[torch.Tensor]] = collections.deque(maxlen=2)
 
-    def save_sync(
-        self, checkpoint: CheckpointLike, epoch: int, step: int,
-        extra: Mapping[str, Any] | None, background: bool | None,
-    ) -> None:
-        """One save on every rank, as ``TaskpointState.save_sync`` describes."""
-        with self._commit(checkpoint, epoch, step, extra, background) as path:
-            if path is not None:
-                checkpoint.save_sync(_upload_target(checkpoint, path))
-
-    async def save(
-        self, checkpoint: CheckpointLike, epoch: int, step: int,
-        extra: Mapping[str, Any] | None, background: bool | None,
-    ) -> None:
-        """Async :meth:`save_sync`: the upload is awaited."""
-        with self._commit(checkpoint, epoch, step, extra, background) as path:
-            if path is not None:
-                await checkpoint.save(_upload_target(checkpoint, path))
-
     @contextlib.contextmanager
-    def _commit(
+    def saving(
         self, checkpoint: CheckpointLike, epoch: int, step: int,
         extra: Mapping[str, Any] | None, background: bool | None,
     ) -> Iterator[Path | None]:
-        """One save (every rank, as the module describes), around its upload: yields rank
-        0's bundle file for the body to commit, or ``None`` (another rank, a bundle that
-        could not be built, a background save). An ``Exception`` the body raises is the
-        commit's failure; every rank then raises (:class:`StateError` on the other ranks)
-        and the file goes.
+        """One save on every rank (as ``TaskpointState.save_sync`` and the module
+        describe), around its upload: yields what rank 0 hands ``checkpoint`` to commit
+        (the bundle file, or its folder: :func:`_upload_target`), or ``None`` (another
+        rank, a bundle that could not be built, a background save). An ``Exception`` the
+        body raises is the commit's failure; every rank then raises (:class:`StateError`
+        on the other ranks) and the file goes.
 
         Rank 0 first raises what a finished background save raised (its failure fails the
         save on every rank); a blocking save, or any save when the checkpoint's
@@ -114,7 +97,7 @@ class BundleState:
                     self._uploads.wait()
             check_checkpoint_like(checkpoint, "TaskpointState")
 
-        epoch, step, extra_state, rng_states = agree_to_save(
+        extra_state, rng_states = agree_to_save(
             prepare, epoch, step, extra, self._components.rng
         )
         error: Exception | None = None
@@ -131,7 +114,7 @@ class BundleState:
                 error = exc
         try:
             try:
-                yield path
+                yield None if path is None else _upload_target(checkpoint, path)
             except Exception as exc:
                 error = exc
             outcome = broadcast_from_zero(describe_error(error) if rank == 0 else None)
@@ -201,8 +184,44 @@ class BundleState:
         return self._finish(bundle, None)
 
     def _read(self, restored: Path | None, map_location: MapLocation) -> dict[str, Any] | None:
+        """Load the bundle a restore brought back and check it fits the components.
+
+        Args:
+            restored: the restored file, or a directory holding :data:`STATE_FILE`; ``None``
+                when nothing was committed (returned as is).
+            map_location: where tensors load to (``torch.load``'s); ``None``: the
+                components' device.
+
+        Raises:
+            StateLayoutError: the file is missing, does not load with ``torch.load(...,
+                weights_only=True)`` (which never executes pickled code), or is not a
+                bundle of this layout with these component names
+                (``_layout.check_layout``).
+            StateMismatchError: a model's or optimizer's shape differs
+                (``_layout.check_fit``).
+        """
+        if restored is None:
+            return None
+        path = Path(restored)
+        file = path / STATE_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise StateLayoutError(
+                f"the checkpoint restored to {str(path)!r} is a directory without "
+                f"{STATE_FILE!r}: it was not saved by TaskpointState"
+            )
         location = map_location if map_location is not None else self._components.device()
-        return read_bundle(restored, location, self._components.by_kind(), self._components.rng)
+        try:
+            bundle = torch.load(file, map_location=location, weights_only=True)
+        except Exception as exc:
+            raise StateLayoutError(
+                f"cannot load {str(file)!r} with torch.load(weights_only=True) "
+                f"({type(exc).__name__}, details in the chained exception): it is not a state "
+                "bundle written by TaskpointState, and restoring never unpickles other objects"
+            ) from exc
+        parts = self._components.by_kind()
+        check_layout(bundle, str(file), parts, self._components.rng)
+        check_fit(bundle, parts)
+        return cast(dict[str, Any], bundle)
 
     def _finish(
         self, bundle: dict[str, Any] | None, error: Exception | None

@@ -80,6 +80,7 @@ class _AtCheckpoint:
         self._checkpoint = need_checkpoint(checkpoint, type(self).__name__)
         self._staging = None if staging is None else Path(os.fspath(staging))
         self._folder: Path | None = None
+        self._held: list[taskpoint.PartsCommit] = []  # leases the cleanup aborts
         self._cleanup: weakref.finalize[Any, Any] | None = None
 
     def __repr__(self) -> str:
@@ -95,10 +96,15 @@ class _AtCheckpoint:
         return False  # never picked for a bare checkpoint_id: pass the writer or reader
 
     def _new_folder(self, prefix: str) -> Path:
-        """A fresh local folder for this save's or load's files (under ``staging``)."""
+        """A fresh local folder for this save's or load's files (under ``staging``), now
+        :attr:`_folder`: :meth:`_drop_folder` (or garbage collection) removes it and aborts
+        the leases then in :attr:`_held`."""
         if self._staging is not None:
             self._staging.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=self._staging))
+        self._folder = Path(tempfile.mkdtemp(prefix=prefix, dir=self._staging))
+        self._held = []
+        self._cleanup = weakref.finalize(self, _release, self._folder, self._held)
+        return self._folder
 
     def _drop_folder(self) -> None:
         """Release the folder (and what its cleanup holds) now."""
@@ -150,8 +156,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
     ) -> None:
         super().__init__(checkpoint, staging)
         self._thread_count = thread_count
-        self._inner: _StagingWriter | None = None
-        self._commit: taskpoint.PartsCommit | None = None
+        self.close()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save (DCP calls this first, on every rank).
@@ -159,12 +164,10 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         ``checkpoint_id`` is ignored: the checkpoint's URL is where it goes.
         """
         self.close()
-        self._folder = self._new_folder("taskpoint-dcp-")
-        (self._folder / DCP_FOLDER).mkdir()
-        self._held: list[taskpoint.PartsCommit] = []
-        self._cleanup = weakref.finalize(self, _release, self._folder, self._held)
-        self._inner = _StagingWriter(
-            self._folder / DCP_FOLDER, self.checkpoint_id, thread_count=self._thread_count
+        staged = self._new_folder("taskpoint-dcp-") / DCP_FOLDER
+        staged.mkdir()
+        self._inner: _StagingWriter | None = _StagingWriter(
+            staged, self.checkpoint_id, thread_count=self._thread_count
         )
 
     def close(self) -> None:
@@ -177,7 +180,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         ``reset`` and garbage collection release them too).
         """
         self._drop_folder()
-        self._commit = None
+        self._commit: taskpoint.PartsCommit | None = None
         self._inner = None
 
     def _ready(self) -> tuple[_StagingWriter, Path]:
@@ -231,22 +234,17 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator: write DCP's metadata, upload it, commit every rank's part."""
         inner, folder = self._ready()
-        records = [next((r.storage_data for r in rank if r.index.fqn == _PART), None) for rank in results]
+        # Every rank's write_data added its part's record: prepare_global_plan checked that
+        # every rank plans with a TaskpointStorageWriter.
+        records = [next(r.storage_data for r in rank if r.index.fqn == _PART) for rank in results]
         kept = [[r for r in rank if r.index.fqn != _PART] for rank in results]
-        missing = [rank for rank, record in enumerate(records) if record is None]
-        if missing:
-            raise CheckpointCoordinationError(
-                f"the parts of ranks {missing} never reached the coordinator; nothing was "
-                "committed",
-                ranks=missing,
-            )
         inner.finish(metadata, kept)
         meta_folder = folder / "metadata" / DCP_FOLDER
         meta_folder.mkdir(parents=True)
         os.replace(folder / DCP_FOLDER / _METADATA, meta_folder / _METADATA)
         meta = self._checkpoint.upload_part(meta_folder)
         first = records[0]
-        assert first is not None and self._commit is not None
+        assert self._commit is not None
         merged = {
             **first,
             "entries": [*first["entries"], *meta["entries"]],
@@ -301,32 +299,32 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
         staging: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__(checkpoint, staging)
-        self._inner: FileSystemReader | None = None
-        self._metadata: bytes | None = None
-        self._save_id: str | None = None
-        self._rank: int | None = None  # DCP's rank, once set up
+        self.reset()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load: remove the last one's local files and forget what it planned
         with. ``checkpoint_id`` is ignored (the checkpoint's URL is read)."""
         self._drop_folder()
-        self._inner = None
-        self._metadata = None
-        self._save_id = None
-        self._rank = None
+        self._inner: FileSystemReader | None = None
+        self._metadata: bytes | None = None
+        self._save_id: str | None = None
+        self._rank: int | None = None  # DCP's rank, once set up
 
-    def _restore(self, paths: list[str]) -> Path:
+    def _restore(self, paths: list[str], lacking: str) -> Path:
         """Restore ``paths`` of the newest checkpoint into this load's folder.
 
         Raises:
             FileNotFoundError: nothing has been committed.
-            CheckpointCoordinationError: the newest checkpoint holds none of some of them.
+            CheckpointCoordinationError: the newest checkpoint holds none of some of them;
+                the message says that it ``lacking`` (what that means), and which.
         """
-        if self._folder is None:
-            self._folder = self._new_folder("taskpoint-dcp-load-")
-            self._cleanup = weakref.finalize(self, shutil.rmtree, self._folder, ignore_errors=True)
-        # Into the same folder each time: a .metadata already there and unchanged is kept.
-        path = self._checkpoint.load_sync(into=self._folder / DCP_FOLDER, paths=paths)
+        folder = self._folder or self._new_folder("taskpoint-dcp-load-")
+        try:  # into the same folder each time: a .metadata there and unchanged is kept
+            path = self._checkpoint.load_sync(into=folder / DCP_FOLDER, paths=paths)
+        except CheckpointCoordinationError as exc:
+            raise CheckpointCoordinationError(
+                f"the newest checkpoint at {self._checkpoint.url} {lacking} ({exc})"
+            ) from exc
         if path is None:
             raise FileNotFoundError(
                 f"no checkpoint committed at {self._checkpoint.url}: nothing to load"
@@ -336,13 +334,9 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
     def _metadata_reader(self) -> FileSystemReader:
         """A ``FileSystemReader`` on the newest checkpoint's ``.metadata`` (restored once)."""
         if self._inner is None:
-            try:
-                path = self._restore([_METADATA])
-            except CheckpointCoordinationError as exc:
-                raise CheckpointCoordinationError(
-                    f"the newest checkpoint at {self._checkpoint.url} is not a "
-                    f"torch.distributed.checkpoint save (no .metadata): {exc}"
-                ) from exc
+            path = self._restore(
+                [_METADATA], "is not a torch.distributed.checkpoint save (no .metadata)"
+            )
             self._metadata = (path / _METADATA).read_bytes()
             self._inner = FileSystemReader(path)
         return self._inner
@@ -400,13 +394,10 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
         url = self._checkpoint.url
         files = sorted({inner.storage_data[item.storage_index].relative_path for item in plan.items})
         try:
-            try:
-                path = self._restore([_METADATA, *files])
-            except CheckpointCoordinationError as exc:
-                raise CheckpointCoordinationError(
-                    f"the newest checkpoint at {url} lacks shard files this rank's load plan "
-                    f"reads ({exc}): a checkpoint was committed while loading; load again"
-                ) from exc
+            path = self._restore(
+                [_METADATA, *files], "lacks shard files this rank's load plan reads: a "
+                "checkpoint was committed while loading; load again",
+            )
             if (path / _METADATA).read_bytes() != self._metadata:
                 raise CheckpointCoordinationError(
                     f"a checkpoint was committed at {url} while loading (its .metadata is not "

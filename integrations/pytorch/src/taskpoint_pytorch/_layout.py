@@ -3,16 +3,14 @@
 A bundle is one ``torch.save`` file (:data:`STATE_FILE`) of plain tensors, numbers, strings
 and containers: ``layout`` and ``version`` name its format, one entry per component kind
 (:data:`KINDS`) maps component names to their state, and the counters, extra state, RNG
-states and world size follow (:data:`REQUIRED`). Reading one runs
-``torch.load(..., weights_only=True)`` and never executes pickled code.
+states and world size follow (:data:`REQUIRED`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from taskpoint.integration import rank_and_size
@@ -29,7 +27,6 @@ __all__ = [
     "check_fit",
     "check_layout",
     "listed",
-    "read_bundle",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,49 +49,6 @@ def listed(items: list[str], show: Callable[[str], str] = repr) -> str:
     """``items`` for a message, each through ``show``: the first few, and how many more."""
     more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
     return ", ".join(show(item) for item in items[:_LISTED]) + more
-
-
-def read_bundle(
-    restored: Path | None,
-    location: str | torch.device,
-    parts: Mapping[str, Mapping[str, Any]],
-    rng: bool,
-) -> dict[str, Any] | None:
-    """Load the bundle a restore brought back and check it fits ``parts``.
-
-    Args:
-        restored: the restored file, or a directory holding :data:`STATE_FILE`; ``None``
-            when nothing was committed (returned as is).
-        location: where tensors load to (``torch.load``'s ``map_location``).
-        parts: the restoring state's components, per kind (models unwrapped).
-        rng: whether the restoring state restores the global RNGs (a bundle without them
-            is then worth a warning).
-
-    Raises:
-        StateLayoutError: the file is missing, does not load with ``weights_only=True``,
-            or is not a bundle of this layout with these component names.
-        StateMismatchError: a model's or optimizer's shape differs (see :func:`check_fit`).
-    """
-    if restored is None:
-        return None
-    path = Path(restored)
-    file = path / STATE_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise StateLayoutError(
-            f"the checkpoint restored to {str(path)!r} is a directory without "
-            f"{STATE_FILE!r}: it was not saved by TaskpointState"
-        )
-    try:
-        bundle = torch.load(file, map_location=location, weights_only=True)
-    except Exception as exc:
-        raise StateLayoutError(
-            f"cannot load {str(file)!r} with torch.load(weights_only=True) "
-            f"({type(exc).__name__}, details in the chained exception): it is not a state "
-            "bundle written by TaskpointState, and restoring never unpickles other objects"
-        ) from exc
-    check_layout(bundle, str(file), parts, rng)
-    check_fit(bundle, parts)
-    return cast(dict[str, Any], bundle)
 
 
 def check_layout(

@@ -13,10 +13,11 @@ any of them calls ``dcp.save`` or ``dcp.load``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import taskpoint
@@ -117,15 +118,14 @@ class ShardedState:
             owner_of(optimizer, components.models)
         self._components = components
 
-    def save_sync(
-        self,
-        checkpoint: object,
-        epoch: int,
-        step: int,
-        extra: Mapping[str, Any] | None,
-        background: bool | None,
-    ) -> None:
-        """Every rank: gather RNG states, agree the bundle's rest is valid, ``dcp.save``.
+    @contextlib.contextmanager
+    def saving(
+        self, checkpoint: object, epoch: int, step: int,
+        extra: Mapping[str, Any] | None, background: bool | None,
+    ) -> Iterator[None]:
+        """Every rank: gather RNG states, agree the bundle's rest is valid, ``dcp.save``
+        (DCP's collectives are blocking: on the calling thread, async saves too); then
+        yields ``None``: the save is committed, the body has nothing to upload.
 
         Raises:
             ValueError: ``background`` is true, or a counter is bad.
@@ -140,7 +140,7 @@ class ShardedState:
                 raise ValueError("sharded=True saves are blocking: background=True is refused")
             need_checkpoint(checkpoint, "TaskpointState(sharded=True)")
 
-        epoch, step, extra_state, rng_states = agree_to_save(
+        extra_state, rng_states = agree_to_save(
             prepare, epoch, step, extra, self._components.rng
         )
         save_id = broadcast_from_zero(uuid.uuid4().hex)
@@ -166,13 +166,7 @@ class ShardedState:
             writer.close()
         if rank == 0:
             log.debug("committed sharded state (epoch=%d, step=%d) from %d ranks", epoch, step, world)
-
-    async def save(
-        self, checkpoint: object, epoch: int, step: int,
-        extra: Mapping[str, Any] | None, background: bool | None,
-    ) -> None:
-        """:meth:`save_sync`, on the calling thread (DCP's collectives are blocking)."""
-        self.save_sync(checkpoint, epoch, step, extra, background)
+        yield None
 
     async def restore(self, checkpoint: object, map_location: object) -> dict[str, Any] | None:
         """:meth:`restore_sync`, on the calling thread (DCP's collectives are blocking)."""

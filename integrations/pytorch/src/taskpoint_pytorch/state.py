@@ -204,8 +204,9 @@ class TaskpointState:
         turn = self._preemption.reached(checkpoint, step or epoch, every, every_s)
         if not turn.save:
             return False
-        with turn:
-            self._state.save_sync(checkpoint, epoch, step, extra, background)
+        with turn, self._state.saving(checkpoint, epoch, step, extra, background) as target:
+            if target is not None:
+                checkpoint.save_sync(target)
         return True
 
     async def save(
@@ -225,8 +226,9 @@ class TaskpointState:
         turn = self._preemption.reached(checkpoint, step or epoch, every, every_s)
         if not turn.save:
             return False
-        with turn:
-            await self._state.save(checkpoint, epoch, step, extra, background)
+        with turn, self._state.saving(checkpoint, epoch, step, extra, background) as target:
+            if target is not None:
+                await checkpoint.save(target)
         return True
 
     @property
