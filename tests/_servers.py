@@ -839,6 +839,8 @@ class FaultProxy:
         self.hang = hang
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str]] = []
+        self.headers: list[tuple[str, str, dict[str, str]]] = []
+        """``(method, target, headers)`` of every request, header names in lower case."""
         self.injected: list[tuple[str, str, str]] = []
         self._lock = threading.Lock()
         self._released = threading.Event()
@@ -952,6 +954,8 @@ class FaultProxy:
                 head = client.read_head()
                 request_line, headers = _parse_head(head)
                 method, target = request_line.split(" ")[:2]
+                with self._lock:
+                    self.headers.append((method, target, headers))
                 size = int(headers.get("content-length", "0") or 0)
                 if headers.get("expect", "").lower() == "100-continue":
                     client.sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")

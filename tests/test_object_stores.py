@@ -306,6 +306,40 @@ def test_large_objects_upload_in_parts_and_round_trip(
     assert (restored / "shards" / "a.bin").read_bytes() == (tree / "shards" / "a.bin").read_bytes()
 
 
+@pytest.mark.parametrize(
+    ("config", "extra", "header"),
+    [
+        ({}, {}, "x-amz-checksum-crc32"),  # botocore's default, computed off the event loop
+        ({"request_checksum_calculation": "when_required"}, {}, None),  # stores that refuse it
+        ({}, {"ChecksumAlgorithm": "SHA256"}, "x-amz-checksum-sha256"),  # the user's choice
+    ],
+    ids=["default", "when_required", "sha256"],
+)
+def test_uploads_carry_the_checksum_the_client_is_configured_for(
+    proxy: _servers.FaultProxy, kind: str, url: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, config: dict[str, Any], extra: dict[str, Any],
+    header: str | None,
+) -> None:
+    """Every part and single PUT carries exactly the checksum botocore's settings call for
+    (SeaweedFS checks it, so a wrong CRC32 fails the save); never one a client configured
+    not to send checksums did not ask for, and never two."""
+    if kind != "s3":
+        pytest.skip("S3's checksum headers")
+    monkeypatch.setenv("TASKPOINT_PART_SIZE", str(5 * MiB))
+    big = tmp_path / "weights.bin"
+    big.write_bytes(os.urandom(11 * MiB))
+    options = proxy.storage_options(config_kwargs=config, s3_additional_kwargs=extra)
+    ckpt = Checkpoint(url, storage_options=options, retry=FAST, store_format=1)
+    ckpt.save_sync(big)
+    ckpt.save_sync(b"one small PUT")
+    puts = [h for m, t, h in proxy.headers if m == "PUT" and ".payload" in t]
+    assert len(puts) >= 4, proxy.requests  # 3 parts and a single PUT
+    for headers in puts:
+        sent = sorted(name for name in headers if name.startswith("x-amz-checksum-"))
+        assert sent == ([header] if header else []), headers
+    assert read(direct(proxy.server, url).load_sync()) == b"one small PUT"
+
+
 def orphans(server: _servers.ObjectServer, url: str) -> list[str]:
     prefix = url.split("/", 3)[3] + "/"
     if isinstance(server, _servers.S3Server):

@@ -24,12 +24,14 @@ which stay in :mod:`taskpoint.store.store`:
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
 import contextlib
 import io
 import logging
 import os
 import tempfile
+import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -493,6 +495,10 @@ async def _s3_send(fs: Any, method: str, data: bytes, progress: Progress, **kwar
     call = getattr(client, method)
     merge = getattr(fs, "_get_s3_method_kwargs", None)  # options such as SSE, RequestPayer
     options = merge(call, **kwargs) if merge is not None else kwargs
+    if _default_checksum(client, options):
+        # The CRC32 botocore would add, computed on a worker thread: botocore computes it
+        # on the event loop's one thread, which every transfer of the process shares.
+        options["ChecksumCRC32"] = await asyncio.to_thread(_crc32, data)
     try:
         return await bounded(call(**options, Body=_Body(data, progress)), progress)
     except Exception as exc:
@@ -500,6 +506,27 @@ async def _s3_send(fs: Any, method: str, data: bytes, progress: Progress, **kwar
         if translated is exc:
             raise
         raise translated from exc
+
+
+def _default_checksum(client: Any, options: dict[str, Any]) -> bool:
+    """Whether botocore would add its default CRC32 to a request with ``options``: the
+    client's ``request_checksum_calculation`` is ``when_supported`` (``when_required``
+    stores, which refuse the header, keep it off) and no checksum was asked for."""
+    config = getattr(getattr(client, "meta", None), "config", None)
+    if getattr(config, "request_checksum_calculation", None) != "when_supported":
+        return False
+    return not any(key.startswith("Checksum") for key in options)
+
+
+def _crc32(data: bytes) -> str:
+    """``data``'s CRC32 as S3's ``x-amz-checksum-crc32`` carries it (base64, big-endian)."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
+def _read_part(local: str, start: int, size: int) -> bytes:
+    with open(local, "rb") as fh:
+        fh.seek(start)
+        return fh.read(size)
 
 
 async def _s3_put_object(
@@ -524,20 +551,25 @@ async def _s3_put(
         fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key), progress.child()
     )
     upload = started["UploadId"]
+    # A checksum asked for (s3_additional_kwargs) goes with each part into the completion,
+    # which S3 refuses without them.
+    algorithm = started.get("ChecksumAlgorithm")
+    checksum = f"Checksum{str(algorithm).upper()}" if algorithm else None
     count = -(-size // part_size)
     gate = asyncio.Semaphore(transfer.concurrency)
 
     async def send(number: int) -> dict[str, Any]:
         async with gate:
             start = (number - 1) * part_size
-            with open(local, "rb") as fh:
-                fh.seek(start)
-                data = fh.read(min(part_size, size - start))
+            data = await asyncio.to_thread(_read_part, local, start, min(part_size, size - start))
             answer = await _s3_send(
                 fs, "upload_part", data, progress.child(), Bucket=bucket, Key=key,
                 UploadId=upload, PartNumber=number,
             )
-            return {"PartNumber": number, "ETag": answer["ETag"]}
+            part = {"PartNumber": number, "ETag": answer["ETag"]}
+            if checksum is not None and checksum in answer:
+                part[checksum] = answer[checksum]
+            return part
 
     try:
         parts = await _all_or_none([send(number) for number in range(1, count + 1)])
