@@ -33,6 +33,38 @@ def test_in_one_process_a_job_mirror_has_no_nodes_and_saves_alone(tmp_path: Path
     assert len(taskpoint.Checkpoint(tmp_path / "store").committed()) == 1
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_alone_the_leader_saves_the_folder_logs_it_and_lets_the_upload_process_go(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    blocking: bool,
+) -> None:
+    released: list[object] = []
+    release = taskpoint.Checkpoint.release
+    monkeypatch.setattr(
+        taskpoint.Checkpoint, "release", lambda self: (released.append(self), release(self))
+    )
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "weights.bin").write_bytes(b"w")
+    checkpoint = taskpoint.Checkpoint(tmp_path / "store")
+    job = JobMirror(checkpoint, blocking=blocking, timeout=30)
+    assert job.join(tmp_path / "out") is None
+    assert job.background is not blocking  # the checkpoint's own background save
+    assert job.save(tmp_path / "out", step=1, leader=False) is False
+    assert not job.uploads.uploading and checkpoint.committed() == []
+    with caplog.at_level("INFO", logger="taskpoint.checkpoint.job_mirror"):
+        assert job.save(tmp_path / "out", step=2, leader=True) is True
+    verb = "saved" if blocking else "started saving"
+    assert f"{verb} {tmp_path / 'out'} (step 2) to {checkpoint!r} in " in caplog.text
+    assert job.finish(30, leader=True)
+    assert [s.step for s in job.uploads.take_stats()] == [2]
+    assert len(checkpoint.committed()) == 1
+    job.release()  # the checkpoint stays open: it saves again
+    assert released == [checkpoint]
+    assert job.save(tmp_path / "out", step=3, leader=True) and job.finish(30, leader=True)
+    assert [s.step for s in job.uploads.take_stats()] == [3]
+    JobMirror(_FailingCheckpoint()).release()  # another system's checkpoint: nothing to do
+
+
 @pytest.mark.slow
 def test_every_rank_commits_its_disk_as_one_checkpoint(tmp_path: Path) -> None:
     store = f"file://{tmp_path / 'store'}"

@@ -6,18 +6,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from taskpoint import CheckpointLike, TaskpointWarning
+from taskpoint import CheckpointLike
 from taskpoint.integration import (
     FolderMirror,
     JobMirror,
     Nodes,
     requested,
     unshare,
+    warn,
     within_grace,
 )
 
@@ -177,18 +177,8 @@ class Mirroring:
         root = Path(self.dirpath)
         if self._put_off(trainer, root, final=final, everywhere=parts):
             return
-        if parts:
-            self._job.save_parts(root, step=trainer.global_step)
-            self._mirrored()
-            return
-        started = time.monotonic()
-        self._uploads.save(root, step=trainer.global_step)
+        self._job.save(root, step=trainer.global_step, leader=trainer.is_global_zero)
         self._mirrored()
-        log.info(
-            "%s %s to %s at step %d in %.2fs",
-            "mirrored" if self._uploads.blocking else "started mirroring", root,
-            describe(self._taskpoint), trainer.global_step, time.monotonic() - started,
-        )
 
     def _put_off(self, trainer: pl.Trainer, root: Path, *, final: bool, everywhere: bool) -> bool:
         """Whether ``root`` holds files not fully written, so its mirror waits for the next
@@ -211,8 +201,7 @@ class Mirroring:
                 log.warning(message)
             else:
                 message += " (training has ended: the store keeps the previous mirror)"
-                log.warning(message)
-                warnings.warn(message, TaskpointWarning, stacklevel=3)
+                warn(log, message, stacklevel=3)
         return bool(problems)
 
     def _mirrored(self) -> None:

@@ -24,6 +24,7 @@ from taskpoint.integration import (
     JobMirror,
     check_checkpoint_like,
     check_timeout,
+    check_wait,
     within_grace,
 )
 
@@ -69,13 +70,9 @@ class _TaskpointMirror(Mirroring):
         self._taskpoint = check_checkpoint_like(checkpoint, type(self).__name__)
         try:
             self._timeout = check_timeout(timeout)
+            preempt_timeout = check_wait(preempt_timeout, "preempt_timeout")
         except ValueError as exc:
             raise ValueError(f"{type(self).__name__}: {exc}") from None
-        if preempt_timeout is not None and not preempt_timeout >= 0:
-            raise ValueError(
-                f"{type(self).__name__}: preempt_timeout must be a number of seconds >= 0 or "
-                f"None; got {preempt_timeout!r}"
-            )
         timed = check_time_interval(
             kwargs.pop("train_time_interval", None), type(self).__name__, kwargs
         )
@@ -213,11 +210,7 @@ class _TaskpointMirror(Mirroring):
 
     def _mirrored(self) -> None:
         super()._mirrored()
-        # A background upload through the checkpoint (one writer) ends at its commit, which
-        # the save interval hears of; a part of several writers' runs in the mirror's thread.
-        self._timed.mirror_started(
-            background=self._nodes is None and not self._uploads.blocking
-        )
+        self._timed.mirror_started(background=self._job.background)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)  # type: ignore[misc]
@@ -274,10 +267,7 @@ class _TaskpointMirror(Mirroring):
             self._finish(trainer)
             if fit is not None:
                 fit.stop.close()
-            # The fit is over: let go of the upload process (it ends once no open
-            # checkpoint uses it); the checkpoint stays open for a later fit.
-            if isinstance(self._taskpoint, taskpoint.Checkpoint):
-                self._taskpoint.release()
+            self._job.release()  # the fit is over; the checkpoint stays open for a later fit
 
     def _on_preempt(self) -> None:
         self._job.wait_on_signal(within_grace(self._preempt_timeout))
