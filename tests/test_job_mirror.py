@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,33 @@ def test_settle_waits_for_the_upload_and_logs_a_failure_instead_of_raising(
     assert "failed: CheckpointStoreError: store is down" in caplog.text
     assert "training ended by RuntimeError at step 2; the upload in flight committed" in caplog.text
     assert broken.settle(30) is None  # the failure is not raised again
+
+
+class _StalledCheckpoint(_FailingCheckpoint):
+    """Any system's checkpoint whose saves wait until :attr:`go` is set (a stalled store)."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    async def save(self, data: object, /) -> None:
+        self.save_sync(data)
+
+    def save_sync(self, data: object, /) -> None:
+        assert self.go.wait(30)
+
+
+def test_finish_says_on_the_leader_when_the_last_upload_outlasts_its_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "weights.bin").write_bytes(b"w")
+    stalled = _StalledCheckpoint()
+    job = JobMirror(stalled, blocking=False, timeout=30)
+    assert job.save(tmp_path / "out", step=1, leader=True)
+    with caplog.at_level("WARNING", logger="taskpoint"):
+        assert job.finish(0.2, leader=False) is True  # not the rank that saves: no wait
+        assert "still runs" not in caplog.text
+        assert job.finish(0.2, leader=True) is False
+    assert f"the upload to {stalled!r} still runs after 0.2s; not waiting for it" in caplog.text
+    stalled.go.set()
+    assert job.finish(30, leader=True) is True

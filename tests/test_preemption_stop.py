@@ -12,8 +12,15 @@ from pathlib import Path
 import pytest
 import taskpoint
 from taskpoint import preemption
+from taskpoint.checkpoint.job_mirror import JobMirror
 from taskpoint.format.history import read_attempts
-from taskpoint.runtime.preemption_stop import MARGIN_S, Alone, PreemptionStop, within_grace
+from taskpoint.runtime.preemption_stop import (
+    MARGIN_S,
+    Alone,
+    PreemptionStop,
+    wait_on_preemption,
+    within_grace,
+)
 from taskpoint.store.store import Store
 
 GRACE_S = 8.0
@@ -127,3 +134,37 @@ def test_only_the_leader_records_the_end(tmp_path: Path) -> None:
     with pytest.raises(taskpoint.Preempted):
         stop.end("stopped", step=7, leader=False, checkpoint=ckpt)
     assert read_attempts(Store(str(tmp_path / "store"))) == []
+
+
+def test_wait_on_preemption_gives_the_task_one_bounded_wait_for_the_leaders_upload(
+    tmp_path: Path,
+) -> None:
+    class Job(JobMirror):
+        """Notes the bound of each wait for its upload in flight."""
+
+        def __init__(self) -> None:
+            super().__init__(taskpoint.Checkpoint(tmp_path / "store"))
+            self.waits: list[float | None] = []
+
+        def wait_on_signal(self, timeout: float | None) -> None:
+            self.waits.append(timeout)
+
+    led, short, other = Job(), Job(), Job()
+    wait_on_preemption(led, 60.0, leader=True)  # outside a task: nothing to register with
+    env = taskpoint.TaskEnvironment(name="waits", root=str(tmp_path / "root"))
+
+    @env.task
+    def train() -> None:
+        for _start in range(2):  # each training start registers again: one wait all the same
+            wait_on_preemption(led, 60.0, leader=True)
+            wait_on_preemption(short, 2.0, leader=True)
+            wait_on_preemption(other, 60.0, leader=False)  # not the rank that waits
+        preemption.relay(GRACE_S)  # as SIGTERM would, before the task's callbacks run
+        context = taskpoint.ctx()
+        assert context is not None
+        context._run_preempt_callbacks()
+        preemption.reset()  # the attempt then succeeds: its waits are what is looked at
+
+    train()
+    assert led.waits == [pytest.approx(GRACE_S - MARGIN_S, abs=0.5)]  # the grace period's
+    assert short.waits == [2.0] and other.waits == []

@@ -22,7 +22,7 @@ are documented there. The names are grouped by the job they do:
   :func:`estimate_save_s`;
 - preemption: :func:`saves_on_preemption`, :func:`install`, :func:`deferred`,
   :func:`requested`, :class:`PreemptionStop`, :class:`Decision`, :func:`within_grace`,
-  :class:`AnyRank`;
+  :class:`AnyRank`, :func:`wait_on_preemption`;
 - ranks: :func:`rank_and_size`, :func:`current_ranks`, :class:`Ranks`,
   :func:`is_distributed`, :func:`all_gather_object`, :func:`broadcast_from_zero`,
   :func:`barrier`, :func:`gather_or_raise`, :func:`raise_first_failure`,
@@ -82,7 +82,12 @@ from taskpoint.preemption import deferred, install, requested
 from taskpoint.runtime.boundary_saves import BoundarySaves, Turn
 from taskpoint.runtime.context import saves_on_preemption
 from taskpoint.runtime.interval import SaveSchedule, TimedSaves, check_every
-from taskpoint.runtime.preemption_stop import Decision, PreemptionStop, within_grace
+from taskpoint.runtime.preemption_stop import (
+    Decision,
+    PreemptionStop,
+    wait_on_preemption,
+    within_grace,
+)
 from taskpoint.runtime.step_boundary import StepBoundary, estimate_save_s
 
 __all__ = [
@@ -133,6 +138,7 @@ __all__ = [
     "track",
     "unshare",
     "uploads_in_flight",
+    "wait_on_preemption",
     "warn",
     "within_grace",
 ]

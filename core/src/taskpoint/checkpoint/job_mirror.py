@@ -185,16 +185,25 @@ class JobMirror:
     def finish(self, timeout: float | None, *, leader: bool) -> bool:
         """Wait for the last upload at the end of training: on every rank of a
         multi-process mirror (a collective), else on ``leader`` alone (the rank that
-        saves); whether it committed within ``timeout`` seconds (``None``: no limit).
+        saves); whether it committed within ``timeout`` seconds (``None``: no limit). Where
+        it did not, ``leader`` logs a WARNING and training ends without it (the store keeps
+        the checkpoint before).
 
         Raises:
             CheckpointError: it failed (on every rank of a multi-process mirror).
         """
         if self.nodes is not None:
-            return all(nodes.run_everywhere(
+            done = all(nodes.run_everywhere(
                 self.nodes.main, lambda: self.uploads.wait(timeout), "finish the last upload"
             ))
-        return self.uploads.wait(timeout) if leader else True
+        else:
+            done = self.uploads.wait(timeout) if leader else True
+        if leader and not done:
+            log.warning(
+                "the upload to %r still runs after %ss; not waiting for it (the store keeps "
+                "the checkpoint before)", self.checkpoint, timeout,
+            )
+        return done
 
     def release(self) -> None:
         """Training is over: a :class:`~taskpoint.Checkpoint` lets go of its upload process

@@ -144,13 +144,8 @@ class Mirroring:
         """Wait for the mirror in flight (raising its error; within the grace period of a
         SIGTERM received) and log what is left."""
         bound = None if self._fit is None else within_grace(None)
-        done = self._job.finish(bound, leader=trainer.is_global_zero)
+        self._job.finish(bound, leader=trainer.is_global_zero)
         if trainer.is_global_zero:
-            if not done:
-                log.warning(
-                    "the mirror to %s still runs %ss into the grace period of a SIGTERM; "
-                    "not waiting for it", describe(self._taskpoint), bound,
-                )
             self._log_stats(trainer)
 
     def _log_stats(self, trainer: pl.Trainer) -> None:

@@ -25,6 +25,7 @@ from taskpoint.integration import (
     check_checkpoint_like,
     check_timeout,
     check_wait,
+    wait_on_preemption,
     within_grace,
 )
 
@@ -145,17 +146,15 @@ class _TaskpointMirror(Mirroring):
                 f"dirpath={self.dirpath!r} is remote; give it a local dirpath (the store "
                 "holds the durable copy)"
             )
-        context = taskpoint.ctx()
-        if trainer.is_global_zero and context is not None:
-            # SIGTERM outside training waits for the mirror in flight (inside, with
-            # save_on_preemption, the stop does); once per context: core ignores a repeat
-            context.on_preempt(self._on_preempt)
+        # SIGTERM outside training waits for the mirror in flight (inside, with
+        # save_on_preemption, the stop does)
+        wait_on_preemption(self._job, self._preempt_timeout, leader=trainer.is_global_zero)
         if self.dirpath is not None:
             self._job.join(Path(self.dirpath))
         if stage == "fit":
             self._timed.start(self._taskpoint)
             if self._fit is not None:
-                self._fit.stop.close()
+                self._fit.stop.sequence.close()
             files = ExceptionFiles.find(trainer, self, os.fspath(self.dirpath or "."))
             stop = Preemption.start(trainer, self._save_on_preemption, self._timeout)
             self._fit = Fit(stop, files if self.dirpath is not None else ExceptionFiles([]))
@@ -173,7 +172,7 @@ class _TaskpointMirror(Mirroring):
                 self._save_on_time(trainer)
             self._mirror(trainer)
         fit = self._fit
-        if fit is not None and _at_step_boundary(trainer) and fit.stop.requested():
+        if fit is not None and _at_step_boundary(trainer) and fit.stop.sequence.requested():
             where = f"after batch {batch_idx} of epoch {trainer.current_epoch}"
             self._preemption_stop(trainer, where=where)
 
@@ -215,7 +214,7 @@ class _TaskpointMirror(Mirroring):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)  # type: ignore[misc]
         self._mirror(trainer)
-        if self._fit is not None and self._fit.stop.requested():
+        if self._fit is not None and self._fit.stop.sequence.requested():
             self._preemption_stop(trainer, where="at the end of training")
         self._finish(trainer)
 
@@ -238,7 +237,7 @@ class _TaskpointMirror(Mirroring):
             )
         finally:
             if fit is not None:
-                fit.stop.close()
+                fit.stop.sequence.close()
 
     def _settle(self, trainer: pl.Trainer, exception: BaseException) -> None:
         """Mirror what the failure saved (``save_on_exception``, an ``OnExceptionCheckpoint``
@@ -266,11 +265,8 @@ class _TaskpointMirror(Mirroring):
             self._mirror(trainer, final=True)
             self._finish(trainer)
             if fit is not None:
-                fit.stop.close()
+                fit.stop.sequence.close()
             self._job.release()  # the fit is over; the checkpoint stays open for a later fit
-
-    def _on_preempt(self) -> None:
-        self._job.wait_on_signal(within_grace(self._preempt_timeout))
 
     # -- random state ------------------------------------------------------------------
 
