@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,3 +169,24 @@ def test_wait_on_preemption_gives_the_task_one_bounded_wait_for_the_leaders_uplo
     train()
     assert led.waits == [pytest.approx(GRACE_S - MARGIN_S, abs=0.5)]  # the grace period's
     assert short.waits == [2.0] and other.waits == []
+
+
+def test_outside_the_main_thread_begin_warns_that_sigterm_is_not_handled_here(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stop = PreemptionStop(timeout=30, agreement=lambda _timeout: Alone())
+    began: list[bool] = []
+    with caplog.at_level("WARNING", logger="taskpoint.runtime.preemption_stop"):
+        worker = threading.Thread(target=lambda: began.append(stop.begin()))
+        worker.start()
+        worker.join()
+    try:
+        assert began == [False] and stop.active  # the vote still runs: another rank's signal
+        assert "not in the main thread, so taskpoint cannot handle SIGTERM" in caplog.text
+    finally:
+        stop.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="taskpoint.runtime.preemption_stop"):
+        assert stop.begin()  # in the main thread: no warning
+    stop.close()
+    assert "main thread" not in caplog.text

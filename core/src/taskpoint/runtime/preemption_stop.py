@@ -258,8 +258,9 @@ class PreemptionStop:
         A stop begun before is closed first.
 
         Returns:
-            Whether taskpoint's handler is installed (``False`` outside the main thread:
-            the signal then stops training only when another rank receives it).
+            Whether taskpoint's handler is installed (``False`` outside the main thread,
+            with a WARNING: the signal then stops training only when another rank
+            receives it).
 
         Raises:
             CheckpointCoordinationError: the agreement could not be made.
@@ -267,6 +268,12 @@ class PreemptionStop:
         self.close()
         self.decision = self.stopped = None
         installed = preemption.install()
+        if not installed:
+            log.warning(
+                "not in the main thread, so taskpoint cannot handle SIGTERM in this process: "
+                "a SIGTERM here does not become a save (one another rank receives still "
+                "stops training here)"
+            )
         self._scope.enter_context(preemption.deferred())
         try:
             self._agreement = self._make(self._timeout)

@@ -142,11 +142,7 @@ class Preemption:
                     "step boundary (an exact resume) instead of transformers' save in the "
                     "middle of a step"
                 )
-            if not self._stop.begin():  # a collective: every rank
-                log.warning(
-                    "training runs outside the main thread and taskpoint's SIGTERM handler is "
-                    "not installed: SIGTERM will not become a save"
-                )
+            self._stop.begin()  # a collective: every rank
         elif jits:
             self.mode = "jit"
             install()  # on top of the Trainer's handler, which it calls

@@ -65,11 +65,8 @@ class Preemption:
         if trainer.world_size > 1:
             active = bool(trainer.strategy.broadcast(active, src=0))  # rank zero's rule
         self = cls(active, PreemptionStop(timeout=timeout))
-        if active and not self.sequence.begin():
-            log.warning(
-                "rank %d: not in the main thread, so SIGTERM cannot be handled here; it "
-                "stops training when another rank receives it", trainer.global_rank,
-            )
+        if active:
+            self.sequence.begin()  # a collective: every rank
         if _main_thread():
             self._before = signal.getsignal(signal.SIGTERM)
         return self
