@@ -28,7 +28,7 @@ from taskpoint_lightning._preemption import Preemption
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["Fit", "Mirroring", "describe"]
+__all__ = ["Fit", "Mirroring"]
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,6 @@ class Fit:
     write_s: float = 0.0
     upload_s: float = 0.0
     flagged: bool = False  # the last mirror started after a preemption notice
-
-
-def describe(checkpoint: CheckpointLike) -> str:
-    return str(getattr(checkpoint, "url", None) or type(checkpoint).__name__)
 
 
 def _last_state(path: str) -> tuple[str, str | None]:
@@ -187,7 +183,7 @@ class Mirroring:
         if everywhere:
             problems = self._job.everywhere(lambda: problems, "check its checkpoint files")[0]
         if problems and trainer.is_global_zero:
-            message = f"not mirroring {root} to {describe(self._taskpoint)} yet: " + "; ".join(
+            message = f"not mirroring {root} to {self._taskpoint!r} yet: " + "; ".join(
                 problems
             )
             if not final:

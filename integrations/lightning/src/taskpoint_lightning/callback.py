@@ -30,7 +30,7 @@ from taskpoint.integration import (
 )
 
 from taskpoint_lightning._interval import TimedSaves, check_time_interval
-from taskpoint_lightning._mirroring import Fit, Mirroring, describe
+from taskpoint_lightning._mirroring import Fit, Mirroring
 from taskpoint_lightning._on_exception import ExceptionFiles
 from taskpoint_lightning._preemption import Preemption
 from taskpoint_lightning._rng import (
@@ -232,8 +232,8 @@ class _TaskpointMirror(Mirroring):
                 self._settle(trainer, exception)
         except Exception as exc:  # never hide the exception that stopped training
             log.warning(
-                "could not mirror %s to %s while handling %s: %s: %s", self.dirpath,
-                describe(self._taskpoint), type(exception).__name__, type(exc).__name__, exc,
+                "could not mirror %s to %r while handling %s: %s: %s", self.dirpath,
+                self._taskpoint, type(exception).__name__, type(exc).__name__, exc,
             )
         finally:
             if fit is not None:
