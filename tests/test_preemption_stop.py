@@ -174,6 +174,7 @@ def test_wait_on_preemption_gives_the_task_one_bounded_wait_for_the_leaders_uplo
 def test_outside_the_main_thread_begin_warns_that_sigterm_is_not_handled_here(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not taskpoint's (an earlier test's)
     stop = PreemptionStop(timeout=30, agreement=lambda _timeout: Alone())
     began: list[bool] = []
     with caplog.at_level("WARNING", logger="taskpoint.runtime.preemption_stop"):
