@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,38 @@ def test_in_one_process_a_job_mirror_has_no_nodes_and_saves_alone(tmp_path: Path
     job.uploads.save(tmp_path / "out", step=1)
     assert job.finish(30, leader=True) and job.finish(30, leader=False)
     assert len(taskpoint.Checkpoint(tmp_path / "store").committed()) == 1
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_alone_the_leader_saves_the_folder_logs_it_and_lets_the_upload_process_go(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    blocking: bool,
+) -> None:
+    released: list[object] = []
+    release = taskpoint.Checkpoint.release
+    monkeypatch.setattr(
+        taskpoint.Checkpoint, "release", lambda self: (released.append(self), release(self))
+    )
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "weights.bin").write_bytes(b"w")
+    checkpoint = taskpoint.Checkpoint(tmp_path / "store")
+    job = JobMirror(checkpoint, blocking=blocking, timeout=30)
+    assert job.join(tmp_path / "out") is None
+    assert job.background is not blocking  # the checkpoint's own background save
+    assert job.save(tmp_path / "out", step=1, leader=False) is False
+    assert not job.uploads.uploading and checkpoint.committed() == []
+    with caplog.at_level("INFO", logger="taskpoint.checkpoint.job_mirror"):
+        assert job.save(tmp_path / "out", step=2, leader=True) is True
+    verb = "saved" if blocking else "started saving"
+    assert f"{verb} {tmp_path / 'out'} (step 2) to {checkpoint!r} in " in caplog.text
+    assert job.finish(30, leader=True)
+    assert [s.step for s in job.uploads.take_stats()] == [2]
+    assert len(checkpoint.committed()) == 1
+    job.release()  # the checkpoint stays open: it saves again
+    assert released == [checkpoint]
+    assert job.save(tmp_path / "out", step=3, leader=True) and job.finish(30, leader=True)
+    assert [s.step for s in job.uploads.take_stats()] == [3]
+    JobMirror(_FailingCheckpoint()).release()  # another system's checkpoint: nothing to do
 
 
 @pytest.mark.slow
@@ -106,3 +139,33 @@ def test_settle_waits_for_the_upload_and_logs_a_failure_instead_of_raising(
     assert "failed: CheckpointStoreError: store is down" in caplog.text
     assert "training ended by RuntimeError at step 2; the upload in flight committed" in caplog.text
     assert broken.settle(30) is None  # the failure is not raised again
+
+
+class _StalledCheckpoint(_FailingCheckpoint):
+    """Any system's checkpoint whose saves wait until :attr:`go` is set (a stalled store)."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    async def save(self, data: object, /) -> None:
+        self.save_sync(data)
+
+    def save_sync(self, data: object, /) -> None:
+        assert self.go.wait(30)
+
+
+def test_finish_says_on_the_leader_when_the_last_upload_outlasts_its_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "weights.bin").write_bytes(b"w")
+    stalled = _StalledCheckpoint()
+    job = JobMirror(stalled, blocking=False, timeout=30)
+    assert job.save(tmp_path / "out", step=1, leader=True)
+    with caplog.at_level("WARNING", logger="taskpoint"):
+        assert job.finish(0.2, leader=False) is True  # not the rank that saves: no wait
+        assert "still runs" not in caplog.text
+        assert job.finish(0.2, leader=True) is False
+    assert f"the upload to {stalled!r} still runs after 0.2s; not waiting for it" in caplog.text
+    stalled.go.set()
+    assert job.finish(30, leader=True) is True

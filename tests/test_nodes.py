@@ -183,6 +183,33 @@ def test_each_disk_restores_once_and_every_rank_gets_the_result(tmp_path: Path) 
     assert sorted(calls) == [0, 2]  # the leader of each disk, once
 
 
+def test_every_rank_checks_the_restore_and_one_rank_failing_fails_all(tmp_path: Path) -> None:
+    folders = _disks(tmp_path)
+    checked: list[tuple[int, Any]] = []
+
+    def restore_on(c: taskpoint.Coordinator) -> Any:
+        def restore(disks: nodes.Disks) -> str:
+            _write(folders[c.rank], {"checkpoint-6/model.bin": "m"})
+            return "checkpoint-6"
+
+        def check(name: Any) -> None:
+            checked.append((c.rank, name))
+            if c.rank == 1:
+                raise FileNotFoundError(f"rank 1 cannot see {name}")
+
+        return nodes.restore_to_every_disk(
+            c, folders[c.rank], restore, location="s3://b/run", world_size=3, check=check
+        )
+
+    outcomes = _on_ranks(tmp_path, 3, restore_on)
+    assert sorted(checked) == [(0, "checkpoint-6"), (1, "checkpoint-6"), (2, "checkpoint-6")]
+    assert isinstance(outcomes[1], FileNotFoundError)
+    for other in (outcomes[0], outcomes[2]):
+        assert isinstance(other, taskpoint.CheckpointCoordinationError), outcomes
+        assert "see the restored checkpoint" in str(other)
+        assert "rank 1 cannot see checkpoint-6" in str(other)
+
+
 @pytest.mark.parametrize(
     "case", ["location", "world_size", "one_rank_fails", "leaders_differ"]
 )

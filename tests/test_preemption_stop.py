@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import taskpoint
 from taskpoint import preemption
+from taskpoint.checkpoint.job_mirror import JobMirror
 from taskpoint.format.history import read_attempts
-from taskpoint.runtime.preemption_stop import MARGIN_S, Alone, PreemptionStop, within_grace
+from taskpoint.runtime.preemption_stop import (
+    MARGIN_S,
+    Alone,
+    PreemptionStop,
+    wait_on_preemption,
+    within_grace,
+)
 from taskpoint.store.store import Store
 
 GRACE_S = 8.0
@@ -127,3 +135,59 @@ def test_only_the_leader_records_the_end(tmp_path: Path) -> None:
     with pytest.raises(taskpoint.Preempted):
         stop.end("stopped", step=7, leader=False, checkpoint=ckpt)
     assert read_attempts(Store(str(tmp_path / "store"))) == []
+
+
+def test_wait_on_preemption_gives_the_task_one_bounded_wait_for_the_leaders_upload(
+    tmp_path: Path,
+) -> None:
+    class Job(JobMirror):
+        """Notes the bound of each wait for its upload in flight."""
+
+        def __init__(self) -> None:
+            super().__init__(taskpoint.Checkpoint(tmp_path / "store"))
+            self.waits: list[float | None] = []
+
+        def wait_on_signal(self, timeout: float | None) -> None:
+            self.waits.append(timeout)
+
+    led, short, other = Job(), Job(), Job()
+    wait_on_preemption(led, 60.0, leader=True)  # outside a task: nothing to register with
+    env = taskpoint.TaskEnvironment(name="waits", root=str(tmp_path / "root"))
+
+    @env.task
+    def train() -> None:
+        for _start in range(2):  # each training start registers again: one wait all the same
+            wait_on_preemption(led, 60.0, leader=True)
+            wait_on_preemption(short, 2.0, leader=True)
+            wait_on_preemption(other, 60.0, leader=False)  # not the rank that waits
+        preemption.relay(GRACE_S)  # as SIGTERM would, before the task's callbacks run
+        context = taskpoint.ctx()
+        assert context is not None
+        context._run_preempt_callbacks()
+        preemption.reset()  # the attempt then succeeds: its waits are what is looked at
+
+    train()
+    assert led.waits == [pytest.approx(GRACE_S - MARGIN_S, abs=0.5)]  # the grace period's
+    assert short.waits == [2.0] and other.waits == []
+
+
+def test_outside_the_main_thread_begin_warns_that_sigterm_is_not_handled_here(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not taskpoint's (an earlier test's)
+    stop = PreemptionStop(timeout=30, agreement=lambda _timeout: Alone())
+    began: list[bool] = []
+    with caplog.at_level("WARNING", logger="taskpoint.runtime.preemption_stop"):
+        worker = threading.Thread(target=lambda: began.append(stop.begin()))
+        worker.start()
+        worker.join()
+    try:
+        assert began == [False] and stop.active  # the vote still runs: another rank's signal
+        assert "not in the main thread, so taskpoint cannot handle SIGTERM" in caplog.text
+    finally:
+        stop.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="taskpoint.runtime.preemption_stop"):
+        assert stop.begin()  # in the main thread: no warning
+    stop.close()
+    assert "main thread" not in caplog.text

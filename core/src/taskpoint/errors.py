@@ -25,6 +25,8 @@ path that does not exist.
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +42,7 @@ __all__ = [
     "CheckpointUnsafeError",
     "TaskAttemptError",
     "TaskpointWarning",
+    "warn",
 ]
 
 
@@ -190,6 +193,20 @@ class TaskAttemptError(CheckpointError):
 
 class TaskpointWarning(UserWarning):
     """Warnings taskpoint issues (a skipped corrupt checkpoint, for example)."""
+
+
+def warn(logger: logging.Logger, message: str, *, stacklevel: int = 2) -> None:
+    """Say ``message`` both ways taskpoint warns: at WARNING on ``logger`` (the job's logs)
+    and as a :class:`TaskpointWarning` (what ``pytest.warns`` and ``-W error`` see).
+
+    Args:
+        logger: the caller's logger; ``message`` is logged as it is (no ``%`` formatting).
+        message: what to say.
+        stacklevel: as :func:`warnings.warn`'s, counted from the caller of :func:`warn`
+            (2, the default, blames whoever called that caller).
+    """
+    logger.warning("%s", message)
+    warnings.warn(message, TaskpointWarning, stacklevel=stacklevel + 1)
 
 
 @contextlib.contextmanager

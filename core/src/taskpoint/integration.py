@@ -16,16 +16,18 @@ are documented there. The names are grouped by the job they do:
 - what a checkpoint holds: :class:`Manifest` (:meth:`taskpoint.Checkpoint.committed`'s
   items), :func:`stores_by_content`;
 - the checkpoint an adapter is given: :func:`check_checkpoint_like`;
+- a warning both logged and issued as a :class:`taskpoint.TaskpointWarning`: :func:`warn`;
 - when to save: :class:`BoundarySaves` and its :class:`Turn` (a plain loop's save call),
   :class:`SaveSchedule`, :class:`TimedSaves`, :func:`check_every`, :class:`StepBoundary`,
   :func:`estimate_save_s`;
 - preemption: :func:`saves_on_preemption`, :func:`install`, :func:`deferred`,
   :func:`requested`, :class:`PreemptionStop`, :class:`Decision`, :func:`within_grace`,
-  :class:`AnyRank`;
+  :class:`AnyRank`, :func:`wait_on_preemption`;
 - ranks: :func:`rank_and_size`, :func:`current_ranks`, :class:`Ranks`,
   :func:`is_distributed`, :func:`all_gather_object`, :func:`broadcast_from_zero`,
   :func:`barrier`, :func:`gather_or_raise`, :func:`raise_first_failure`,
-  :func:`describe_error`, :func:`check_agreement`, :func:`check_timeout`;
+  :func:`describe_error`, :func:`check_agreement`, :func:`check_timeout`,
+  :func:`check_wait`;
 - coordinators and nodes' disks: :class:`TorchCoordinator`, :func:`torch_job_coordinator`,
   :func:`run_everywhere`, :class:`Disks`, :func:`restore_to_every_disk`, :func:`list_files`.
 
@@ -55,7 +57,7 @@ from taskpoint.checkpoint.mirror import (
     unshare,
     uploads_in_flight,
 )
-from taskpoint.distributed.coordination import check_agreement, check_timeout
+from taskpoint.distributed.coordination import check_agreement, check_timeout, check_wait
 from taskpoint.distributed.nodes import Disks, list_files, restore_to_every_disk, run_everywhere
 from taskpoint.distributed.torch_collectives import (
     Ranks,
@@ -74,12 +76,18 @@ from taskpoint.distributed.torch_coordination import (
     TorchCoordinator,
     torch_job_coordinator,
 )
+from taskpoint.errors import warn
 from taskpoint.format.manifest import Manifest
 from taskpoint.preemption import deferred, install, requested
 from taskpoint.runtime.boundary_saves import BoundarySaves, Turn
 from taskpoint.runtime.context import saves_on_preemption
 from taskpoint.runtime.interval import SaveSchedule, TimedSaves, check_every
-from taskpoint.runtime.preemption_stop import Decision, PreemptionStop, within_grace
+from taskpoint.runtime.preemption_stop import (
+    Decision,
+    PreemptionStop,
+    wait_on_preemption,
+    within_grace,
+)
 from taskpoint.runtime.step_boundary import StepBoundary, estimate_save_s
 
 __all__ = [
@@ -107,6 +115,7 @@ __all__ = [
     "check_checkpoint_like",
     "check_every",
     "check_timeout",
+    "check_wait",
     "combined_metrics",
     "current_ranks",
     "deferred",
@@ -129,5 +138,7 @@ __all__ = [
     "track",
     "unshare",
     "uploads_in_flight",
+    "wait_on_preemption",
+    "warn",
     "within_grace",
 ]

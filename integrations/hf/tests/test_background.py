@@ -266,9 +266,10 @@ def test_blocking_keeps_the_synchronous_upload(tmp_path: Path) -> None:
         assert f["taskpoint/blocked_s"] >= f["taskpoint/upload_s"] > 0
 
 
-def test_bad_preempt_timeout_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="preempt_timeout"):
-        TaskpointTrainerCallback(Checkpoint(f"file://{tmp_path}"), preempt_timeout=-1)
+@pytest.mark.parametrize("bad", [-1, True, "60"])
+def test_bad_preempt_timeout_is_named(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(ValueError, match=rf"preempt_timeout .* got {bad!r}"):
+        TaskpointTrainerCallback(Checkpoint(f"file://{tmp_path}"), preempt_timeout=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

@@ -256,10 +256,11 @@ def test_blocking_keeps_the_synchronous_mirror(tmp_path: Path) -> None:
         assert row["taskpoint/blocked_s"] >= row["taskpoint/upload_s"] > 0
 
 
-def test_bad_preempt_timeout_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="preempt_timeout"):
+@pytest.mark.parametrize("bad", [-1, True, "60"])
+def test_bad_preempt_timeout_is_named(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(ValueError, match=rf"TaskpointModelCheckpoint: preempt_timeout .* got {bad!r}"):
         TaskpointModelCheckpoint(
-            taskpoint.Checkpoint(f"file://{tmp_path}"), dirpath=tmp_path, preempt_timeout=-1
+            taskpoint.Checkpoint(f"file://{tmp_path}"), dirpath=tmp_path, preempt_timeout=bad
         )
 
 

@@ -26,7 +26,6 @@ import os
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Collection
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from taskpoint.errors import (
     CheckpointRestoreError,
     CheckpointStoreError,
     CheckpointUnsafeError,
-    TaskpointWarning,
+    warn,
 )
 from taskpoint.format import _payload, _tree_restore, history
 from taskpoint.format._catalog import Catalog
@@ -181,8 +180,7 @@ class Loader:
                     continue
                 skipped.append(url)
                 message = f"skipping checkpoint {url}: {exc}"
-                log.warning(message)
-                warnings.warn(message, TaskpointWarning, stacklevel=4)  # the caller of load_sync
+                warn(log, message, stacklevel=4)  # the caller of load_sync
                 continue
             elapsed = time.monotonic() - started
             whole = part is None and paths is None

@@ -11,12 +11,9 @@ every disk's share as one checkpoint (see :mod:`taskpoint.distributed.nodes`). T
 adapters keep only their framework's hooks::
 
     job = JobMirror(checkpoint, blocking=None, timeout=600.0)
-    job.join(folder)                      # at training start, on every rank
-    if job.nodes is not None:             # in the save hook, once every rank wrote
-        job.save_parts(folder, step=step)
-    elif rank == 0:
-        job.uploads.save(folder, step=step)
-    job.finish(None, leader=rank == 0)    # at the end of training, on every rank
+    job.join(folder)                          # at training start, on every rank
+    job.save(folder, step=step, leader=rank == 0)  # in the save hook, once every rank wrote
+    job.finish(None, leader=rank == 0)        # at the end of training, on every rank
 
 Two coordinators carry a multi-process mirror's collectives: one for the training thread
 (:meth:`save_parts`, :meth:`everywhere`, :meth:`finish`), one for the mirror's upload
@@ -137,6 +134,44 @@ class JobMirror:
             log.info("saving %s (step %s) to %r from every node", folder, step, self.checkpoint)
         self.uploads.save_part(part, coordinator=ranks.uploads, step=step, remove=part.parent)
 
+    @property
+    def background(self) -> bool:
+        """Whether a save's upload goes on after :meth:`save` returns, as the checkpoint's
+        own background save, until its commit (one writer, not blocking): a
+        :class:`~taskpoint.SaveInterval` then hears of that commit itself."""
+        return self.nodes is None and not self.uploads.blocking
+
+    def save(self, folder: Path, *, step: int | None, leader: bool) -> bool:
+        """Save ``folder`` at ``step`` once every rank has written its files: in a
+        multi-process mirror every disk's share as one checkpoint (:meth:`save_parts`: every
+        rank calls this), else the whole folder from ``leader`` (the rank that saves) alone,
+        through :attr:`uploads` (in the background unless it blocks), which logs one INFO
+        line: the folder, the step, the checkpoint and the seconds the call took.
+
+        Returns:
+            Whether this rank took part in a save (``False`` on the ranks that are not
+            ``leader`` of a mirror without nodes).
+
+        Raises:
+            CheckpointError: the previous upload failed (on every rank of a multi-process
+                mirror), or, when blocking, this one did.
+            CheckpointCoordinationError: a rank failed to stage its part, or did not arrive
+                in time.
+        """
+        if self.nodes is not None:
+            self.save_parts(folder, step=step)
+            return True
+        if not leader:
+            return False
+        started = time.monotonic()
+        self.uploads.save(folder, step=step)
+        log.info(
+            "%s %s (step %s) to %r in %.2fs",
+            "saved" if self.uploads.blocking else "started saving", folder, step,
+            self.checkpoint, time.monotonic() - started,
+        )
+        return True
+
     def everywhere(self, action: Callable[[], Any], what: str) -> list[Any]:
         """Run ``action`` on every rank (a collective), each rank's value in rank order;
         one rank's failure fails every rank (see
@@ -150,16 +185,32 @@ class JobMirror:
     def finish(self, timeout: float | None, *, leader: bool) -> bool:
         """Wait for the last upload at the end of training: on every rank of a
         multi-process mirror (a collective), else on ``leader`` alone (the rank that
-        saves); whether it committed within ``timeout`` seconds (``None``: no limit).
+        saves); whether it committed within ``timeout`` seconds (``None``: no limit). Where
+        it did not, ``leader`` logs a WARNING and training ends without it (the store keeps
+        the checkpoint before).
 
         Raises:
             CheckpointError: it failed (on every rank of a multi-process mirror).
         """
         if self.nodes is not None:
-            return all(nodes.run_everywhere(
+            done = all(nodes.run_everywhere(
                 self.nodes.main, lambda: self.uploads.wait(timeout), "finish the last upload"
             ))
-        return self.uploads.wait(timeout) if leader else True
+        else:
+            done = self.uploads.wait(timeout) if leader else True
+        if leader and not done:
+            log.warning(
+                "the upload to %r still runs after %ss; not waiting for it (the store keeps "
+                "the checkpoint before)", self.checkpoint, timeout,
+            )
+        return done
+
+    def release(self) -> None:
+        """Training is over: a :class:`~taskpoint.Checkpoint` lets go of its upload process
+        (:meth:`taskpoint.Checkpoint.release`; it stays open for a later run, and saves
+        already begun still commit); nothing for another system's checkpoint."""
+        if isinstance(self.checkpoint, Checkpoint):
+            self.checkpoint.release()
 
     def wait_on_signal(self, timeout: float | None) -> None:
         """A SIGTERM that is not turned into a save: wait for this rank's upload in flight

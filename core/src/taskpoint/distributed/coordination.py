@@ -149,6 +149,21 @@ def check_timeout(timeout: object) -> float:
     return float(timeout)
 
 
+def check_wait(value: object, name: str) -> float | None:
+    """``value`` as a float if it is a number of seconds of at least 0, or ``None`` (no
+    limit): how long an adapter waits for an upload (its ``preempt_timeout``, say).
+
+    Raises:
+        ValueError: it is neither ``None`` nor an int or float of at least 0 (a bool, a
+            negative number, NaN), naming ``name`` and the value.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0 or None; got {value!r}")
+    return float(value)
+
+
 def _odd_ones(values: Sequence[Hashable]) -> list[int]:
     """The ranks whose value differs from the one most ranks hold (rank 0's on a tie)."""
     tally = Counter(values)

@@ -174,6 +174,7 @@ def restore_to_every_disk(
     *,
     location: str | None,
     world_size: int,
+    check: Callable[[Any], object] | None = None,
 ) -> Any:
     """Restore a checkpoint into ``folder`` once on each disk (a collective).
 
@@ -193,6 +194,9 @@ def restore_to_every_disk(
         location: the checkpoint's URL as this rank names it (``None`` where the
             checkpoint object has none).
         world_size: the job's size as this rank sees it.
+        check: called on every rank with what ``restore`` returned, once every disk is
+            restored: raises where this rank cannot use the restored checkpoint (its copy
+            missing or incomplete); ``None``: no check.
 
     Returns:
         What ``restore`` returned (the same on every rank).
@@ -200,7 +204,8 @@ def restore_to_every_disk(
     Raises:
         CheckpointCoordinationError: on every rank: the ranks name different locations or
             world sizes (nothing was restored), a rank failed (naming it and its error),
-            the leaders restored different things, or a rank did not arrive in time.
+            the leaders restored different things, ``check`` failed on a rank, or a rank
+            did not arrive in time.
         Exception: on a rank whose own step failed, its own error.
     """
     rank = coordinator.rank
@@ -220,6 +225,8 @@ def restore_to_every_disk(
             f"the ranks restoring {str(folder)!r} found different checkpoints "
             f"({', '.join(sorted(found))}); was the store written to while they read it?"
         )
+    if check is not None:
+        run_everywhere(coordinator, lambda: check(results[0]), "see the restored checkpoint")
     return results[0]
 
 

@@ -36,9 +36,10 @@ from typing import NoReturn, Protocol
 
 from taskpoint import preemption
 from taskpoint.checkpoint.checkpoint import Checkpoint
+from taskpoint.checkpoint.job_mirror import JobMirror
 from taskpoint.distributed.torch_coordination import AnyRank
 from taskpoint.runtime import _life
-from taskpoint.runtime.context import Preempted, in_task
+from taskpoint.runtime.context import Preempted, ctx, in_task
 
 __all__ = [
     "MARGIN_S",
@@ -47,6 +48,7 @@ __all__ = [
     "Decision",
     "PreemptionStop",
     "record_preempted",
+    "wait_on_preemption",
     "why_not_saved",
     "within_grace",
 ]
@@ -69,6 +71,31 @@ def within_grace(timeout: float | None) -> float | None:
         return timeout
     left = max(0.0, notice.remaining() - MARGIN_S)
     return left if timeout is None else min(timeout, left)
+
+
+@dataclass(frozen=True)
+class _WaitOnSignal:
+    """A task's ``on_preempt`` callback: :meth:`JobMirror.wait_on_signal` within the grace
+    period. Equal for one job and timeout, so registering it again adds nothing."""
+
+    job: JobMirror
+    timeout: float | None
+
+    def __call__(self) -> None:
+        self.job.wait_on_signal(within_grace(self.timeout))
+
+
+def wait_on_preemption(job: JobMirror, timeout: float | None, *, leader: bool) -> None:
+    """Inside a task context, on the ``leader`` (the rank whose upload the attempt waits
+    for), make a SIGTERM that is not turned into a save wait for ``job``'s upload in flight
+    before the attempt ends (:meth:`JobMirror.wait_on_signal`: a timeout or failure is
+    logged): at most ``timeout`` seconds (``None``: no limit), and never past the grace
+    period less :data:`MARGIN_S` (:func:`within_grace`, as of the signal). Registered once
+    per context, job and timeout (an adapter calls this at every training start); nothing
+    outside a task context or on another rank."""
+    task = ctx()
+    if leader and task is not None:
+        task.on_preempt(_WaitOnSignal(job, timeout))
 
 
 def record_preempted(checkpoint: object, message: str, *, step: int | None) -> None:
@@ -231,8 +258,9 @@ class PreemptionStop:
         A stop begun before is closed first.
 
         Returns:
-            Whether taskpoint's handler is installed (``False`` outside the main thread:
-            the signal then stops training only when another rank receives it).
+            Whether taskpoint's handler is installed (``False`` outside the main thread,
+            with a WARNING: the signal then stops training only when another rank
+            receives it).
 
         Raises:
             CheckpointCoordinationError: the agreement could not be made.
@@ -240,6 +268,12 @@ class PreemptionStop:
         self.close()
         self.decision = self.stopped = None
         installed = preemption.install()
+        if not installed:
+            log.warning(
+                "not in the main thread, so taskpoint cannot handle SIGTERM in this process: "
+                "a SIGTERM here does not become a save (one another rank receives still "
+                "stops training here)"
+            )
         self._scope.enter_context(preemption.deferred())
         try:
             self._agreement = self._make(self._timeout)

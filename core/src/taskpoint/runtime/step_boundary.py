@@ -185,8 +185,7 @@ class StepBoundary:
         )
         if not self._enabled:
             return
-        if not self._stop.begin():
-            log.debug("not on the main thread: SIGTERM cannot be routed to a save here")
+        self._stop.begin()  # (outside the main thread, with a WARNING)
         scope.callback(self._stop.close)
 
     def reached(self, step: int | None) -> bool:

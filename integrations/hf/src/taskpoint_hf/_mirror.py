@@ -52,20 +52,17 @@ class OutputMirror(JobMirror):
         self.step = None  # no save yet: none of this training's steps is mirrored
         self.join(folder)
 
-    def save(self, folder: Path, state: TrainerState, step: int | None) -> None:
-        """Save ``folder`` once every rank has written its files (every rank calls this)."""
+    def save(self, folder: Path, *, step: int | None, leader: bool) -> bool:
+        """As :meth:`JobMirror.save` once every rank has written its files (every rank calls
+        this), an upload error met while logging raised first."""
         barrier()  # every rank has written its files into checkpoint-N
         try:
-            if self.nodes is not None:
-                self.save_parts(folder, step=step)
-            elif state.is_world_process_zero:
-                log.info("saving %s (step %s) to %r", folder, step, self.checkpoint)
-                self.raise_deferred()
-                self.uploads.save(folder, step=step)
-            else:
-                return
-            self.step = step
-            self.mirrored = marks(folder)
+            self.raise_deferred()
+            saved = super().save(folder, step=step, leader=leader)
+            if saved:
+                self.step = step
+                self.mirrored = marks(folder)
+            return saved
         finally:
             if self.nodes is None and self.uploads.blocking:
                 barrier()  # nobody writes the next checkpoint during the upload

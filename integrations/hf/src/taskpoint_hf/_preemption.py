@@ -29,7 +29,6 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
-import taskpoint
 from taskpoint.integration import (
     Decision,
     JobMirror,
@@ -38,6 +37,7 @@ from taskpoint.integration import (
     install,
     requested,
     saves_on_preemption,
+    wait_on_preemption,
     within_grace,
 )
 from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -142,11 +142,7 @@ class Preemption:
                     "step boundary (an exact resume) instead of transformers' save in the "
                     "middle of a step"
                 )
-            if not self._stop.begin():  # a collective: every rank
-                log.warning(
-                    "training runs outside the main thread and taskpoint's SIGTERM handler is "
-                    "not installed: SIGTERM will not become a save"
-                )
+            self._stop.begin()  # a collective: every rank
         elif jits:
             self.mode = "jit"
             install()  # on top of the Trainer's handler, which it calls
@@ -154,14 +150,7 @@ class Preemption:
                 self._stack.enter_context(deferred())
         else:
             self.mode = "wait"
-            task = taskpoint.ctx()
-            if state.is_world_process_zero and task is not None:
-                task.on_preempt(self._on_signal)  # once per context: core ignores a repeat
-
-    def _on_signal(self) -> None:
-        """``"wait"`` mode's SIGTERM, inside a task context: wait for the upload in flight
-        (``wait_timeout``, and never past the grace period), then the attempt ends."""
-        self.job.wait_on_signal(within_grace(self.wait_timeout))
+            wait_on_preemption(self.job, self.wait_timeout, leader=state.is_world_process_zero)
 
     def at_step_end(
         self,

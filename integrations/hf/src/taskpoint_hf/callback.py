@@ -23,6 +23,7 @@ from taskpoint.integration import (
     all_gather_object,
     check_checkpoint_like,
     check_timeout,
+    check_wait,
 )
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -113,10 +114,7 @@ class TaskpointTrainerCallback(TrainerCallback):
                 "output_dir must be a str or os.PathLike naming the Trainer's output_dir, or "
                 f"None to use args.output_dir; got {type(output_dir).__name__}"
             )
-        if preempt_timeout is not None and not preempt_timeout >= 0:
-            raise ValueError(
-                f"preempt_timeout must be a number of seconds >= 0 or None; got {preempt_timeout!r}"
-            )
+        preempt_timeout = check_wait(preempt_timeout, "preempt_timeout")
         self._timed = TimedSaves(check_save_every(save_every_s))
         self._output_dir = Path(os.fspath(output_dir)) if output_dir is not None else None
         self._saves = OutputMirror(checkpoint, blocking=blocking, timeout=check_timeout(timeout))
@@ -222,12 +220,10 @@ class TaskpointTrainerCallback(TrainerCallback):
         """
         began = time.monotonic()
         self._saves.written(state.global_step)
-        self._saves.save(self._folder(args), state, state.global_step)
-        # One writer's background upload goes on until its commit, which the interval hears of.
-        background = (
-            state.is_world_process_zero and self._saves.nodes is None
-            and not self._saves.uploads.blocking
+        self._saves.save(
+            self._folder(args), step=state.global_step, leader=state.is_world_process_zero
         )
+        background = state.is_world_process_zero and self._saves.background
         self._timed.saved_since(began, background=background)
 
     def on_step_end(
@@ -287,7 +283,8 @@ class TaskpointTrainerCallback(TrainerCallback):
         found = marks(folder) if state.is_world_process_zero else {}
         behind = state.is_world_process_zero and found != self._saves.mirrored
         if any(all_gather_object(behind)):
-            self._saves.save(folder, state, max((_step(Path(n)) for n in found), default=None))
+            step = max((_step(Path(n)) for n in found), default=None)
+            self._saves.save(folder, step=step, leader=state.is_world_process_zero)
         committed, error = True, None
         try:
             committed = self._saves.finish(
@@ -311,10 +308,7 @@ class TaskpointTrainerCallback(TrainerCallback):
                 )
             elif metrics:
                 log.info("taskpoint figures at the end of training: %s", metrics)
-        # Training is over: let go of the upload process (it ends once no open checkpoint
-        # uses it); the checkpoint stays open for a later train().
-        if isinstance(self._checkpoint, taskpoint.Checkpoint):
-            self._checkpoint.release()
+        self._saves.release()  # training is over; the checkpoint stays open for a later train()
         self._preemption.finish(state, committed, error)
 
     def _add_figures(

@@ -10,12 +10,11 @@ import re
 import shutil
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
-from taskpoint import CheckpointError, CheckpointLike, TaskpointWarning
+from taskpoint import CheckpointError, CheckpointLike
 from taskpoint.integration import (
     Disks,
     Ranks,
@@ -23,9 +22,9 @@ from taskpoint.integration import (
     check_checkpoint_like,
     current_ranks,
     restore_to_every_disk,
-    run_everywhere,
     settle_uploads,
     uploads_in_flight,
+    warn,
 )
 
 from taskpoint_hf import _selection
@@ -105,11 +104,6 @@ def _scan(folder: Path, *, itself: bool = False) -> _Scan:
     return _Scan(complete, incomplete)
 
 
-def _warn(message: str) -> None:
-    log.warning(message)
-    warnings.warn(message, TaskpointWarning, stacklevel=3)
-
-
 def last_complete_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     """The complete ``checkpoint-N`` under ``folder`` with the largest ``N``, or ``None``.
 
@@ -126,7 +120,7 @@ def last_complete_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     floor = _step(newest) if newest is not None else -1
     for path, reason in scan.incomplete:
         if _step(path) > floor:
-            _warn(f"skipping {path}: {reason}")
+            warn(log, f"skipping {path}: {reason}")
     return newest
 
 
@@ -222,10 +216,7 @@ def restore_last_checkpoint(
         step: int | None = restore_to_every_disk(
             coordinator, folder, restore, location=None if url is None else str(url),
             world_size=ranks.world_size,
-        )
-        run_everywhere(
-            coordinator, lambda: _check_visible(folder, step, ranks.rank),
-            "see the restored checkpoint",
+            check=lambda step: _check_visible(folder, step, ranks.rank),
         )
     finally:
         coordinator.close()  # its gloo group: the callback makes its own coordinators
@@ -249,12 +240,10 @@ def _resumed(folder: Path, step: int | None, ranks: Ranks) -> Path | None:
         return None
     path = folder / f"checkpoint-{step}"
     if ranks.world_size > 1 and not (path / f"rng_state_{ranks.rank}.pth").is_file():
-        _warn(
-            f"rank {ranks.rank}: {path} holds no rng_state_{ranks.rank}.pth, so this rank "
-            "resumes with fresh random state and the run will not repeat an uninterrupted "
-            "one exactly (the checkpoint was saved by a job of another size, or without "
-            "this rank's node's files)"
-        )
+        warn(log, f"rank {ranks.rank}: {path} holds no rng_state_{ranks.rank}.pth, so this "
+             "rank resumes with fresh random state and the run will not repeat an "
+             "uninterrupted one exactly (the checkpoint was saved by a job of another size, "
+             "or without this rank's node's files)")
     log.info("resuming from %s", path)
     return path
 
@@ -272,10 +261,8 @@ def _still_committing(checkpoint: CheckpointLike, stale: _Scan, restored: _Scan)
     if not uploads_in_flight(url if isinstance(url, str) else None):
         return set()
     for path in newer:
-        _warn(
-            f"keeping {path}, which is not part of the checkpoint being restored: an upload "
-            "of an earlier attempt still in flight on this machine may yet commit it"
-        )
+        warn(log, f"keeping {path}, which is not part of the checkpoint being restored: an "
+             "upload of an earlier attempt still in flight on this machine may yet commit it")
     return set(newer)
 
 
@@ -299,9 +286,9 @@ def _restore(
         )
     scan = _scan(tree, itself=True) if tree is not None else _Scan([], [])
     for path, reason in scan.incomplete:
-        _warn(f"skipping {path.name} from {checkpoint!r}: {reason}")
+        warn(log, f"skipping {path.name} from {checkpoint!r}: {reason}")
     if tree is not None and not scan.complete:
-        _warn(f"{checkpoint!r} holds no complete checkpoint-N directory; starting from scratch")
+        warn(log, f"{checkpoint!r} holds no complete checkpoint-N directory; starting from scratch")
 
     folder.mkdir(parents=True, exist_ok=True)
     for leftover in folder.glob(f"{STAGING_PREFIX}*"):  # from a restore that was killed

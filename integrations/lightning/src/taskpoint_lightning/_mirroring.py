@@ -6,18 +6,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from taskpoint import CheckpointLike, TaskpointWarning
+from taskpoint import CheckpointLike
 from taskpoint.integration import (
     FolderMirror,
     JobMirror,
     Nodes,
     requested,
     unshare,
+    warn,
     within_grace,
 )
 
@@ -28,7 +28,7 @@ from taskpoint_lightning._preemption import Preemption
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["Fit", "Mirroring", "describe"]
+__all__ = ["Fit", "Mirroring"]
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,6 @@ class Fit:
     write_s: float = 0.0
     upload_s: float = 0.0
     flagged: bool = False  # the last mirror started after a preemption notice
-
-
-def describe(checkpoint: CheckpointLike) -> str:
-    return str(getattr(checkpoint, "url", None) or type(checkpoint).__name__)
 
 
 def _last_state(path: str) -> tuple[str, str | None]:
@@ -144,13 +140,8 @@ class Mirroring:
         """Wait for the mirror in flight (raising its error; within the grace period of a
         SIGTERM received) and log what is left."""
         bound = None if self._fit is None else within_grace(None)
-        done = self._job.finish(bound, leader=trainer.is_global_zero)
+        self._job.finish(bound, leader=trainer.is_global_zero)
         if trainer.is_global_zero:
-            if not done:
-                log.warning(
-                    "the mirror to %s still runs %ss into the grace period of a SIGTERM; "
-                    "not waiting for it", describe(self._taskpoint), bound,
-                )
             self._log_stats(trainer)
 
     def _log_stats(self, trainer: pl.Trainer) -> None:
@@ -177,18 +168,8 @@ class Mirroring:
         root = Path(self.dirpath)
         if self._put_off(trainer, root, final=final, everywhere=parts):
             return
-        if parts:
-            self._job.save_parts(root, step=trainer.global_step)
-            self._mirrored()
-            return
-        started = time.monotonic()
-        self._uploads.save(root, step=trainer.global_step)
+        self._job.save(root, step=trainer.global_step, leader=trainer.is_global_zero)
         self._mirrored()
-        log.info(
-            "%s %s to %s at step %d in %.2fs",
-            "mirrored" if self._uploads.blocking else "started mirroring", root,
-            describe(self._taskpoint), trainer.global_step, time.monotonic() - started,
-        )
 
     def _put_off(self, trainer: pl.Trainer, root: Path, *, final: bool, everywhere: bool) -> bool:
         """Whether ``root`` holds files not fully written, so its mirror waits for the next
@@ -202,7 +183,7 @@ class Mirroring:
         if everywhere:
             problems = self._job.everywhere(lambda: problems, "check its checkpoint files")[0]
         if problems and trainer.is_global_zero:
-            message = f"not mirroring {root} to {describe(self._taskpoint)} yet: " + "; ".join(
+            message = f"not mirroring {root} to {self._taskpoint!r} yet: " + "; ".join(
                 problems
             )
             if not final:
@@ -211,8 +192,7 @@ class Mirroring:
                 log.warning(message)
             else:
                 message += " (training has ended: the store keeps the previous mirror)"
-                log.warning(message)
-                warnings.warn(message, TaskpointWarning, stacklevel=3)
+                warn(log, message, stacklevel=3)
         return bool(problems)
 
     def _mirrored(self) -> None:

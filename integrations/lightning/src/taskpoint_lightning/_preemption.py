@@ -49,7 +49,8 @@ class Preemption:
     def __init__(self, active: bool, stop: PreemptionStop) -> None:
         self.active = active
         self.sequence = stop
-        """Core's stop sequence, which the callback's preemption save runs."""
+        """Core's stop sequence: its vote (``requested``), the callback's preemption save
+        (see ``Mirroring._preemption_stop``) and its end (``close``)."""
         self._before: Any = None  # the SIGTERM handler Lightning finds, and restores
 
     @classmethod
@@ -64,11 +65,8 @@ class Preemption:
         if trainer.world_size > 1:
             active = bool(trainer.strategy.broadcast(active, src=0))  # rank zero's rule
         self = cls(active, PreemptionStop(timeout=timeout))
-        if active and not self.sequence.begin():
-            log.warning(
-                "rank %d: not in the main thread, so SIGTERM cannot be handled here; it "
-                "stops training when another rank receives it", trainer.global_rank,
-            )
+        if active:
+            self.sequence.begin()  # a collective: every rank
         if _main_thread():
             self._before = signal.getsignal(signal.SIGTERM)
         return self
@@ -81,15 +79,6 @@ class Preemption:
         if signal.getsignal(signal.SIGTERM) is not self._before:
             signal.signal(signal.SIGTERM, self._before)
             log.debug("SIGTERM: Lightning's handler set aside while taskpoint saves on it")
-
-    def requested(self) -> bool:
-        """Whether to stop here: a collective vote of every rank (call at the same step
-        boundaries on all of them); ``False`` when not active or already stopped.
-
-        Raises:
-            taskpoint.CheckpointCoordinationError: a rank did not vote within the timeout.
-        """
-        return self.sequence.requested()
 
     def raised(self, exception: BaseException) -> bool:
         """Whether ``exception`` is this stop's :class:`taskpoint.Preempted`."""
@@ -108,7 +97,3 @@ class Preemption:
         install()
         with deferred():
             yield
-
-    def close(self) -> None:
-        """End the deferral and the vote (each rank on its own); idempotent."""
-        self.sequence.close()

@@ -6,14 +6,12 @@ as tensors, lists, numbers and strings, which ``torch.load(weights_only=True)`` 
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from taskpoint import TaskpointWarning
-from taskpoint.integration import all_gather_object
+from taskpoint.integration import all_gather_object, warn
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -145,8 +143,7 @@ def load_from_checkpoint(
                 "was saved by another callback or with save_weights_only=True, so the "
                 "resumed run's random draws will differ from an uninterrupted run's"
             )
-            log.warning(message)
-            warnings.warn(message, TaskpointWarning, stacklevel=3)
+            warn(log, message, stacklevel=3)
         return None
     if stored.get("format") != RNG_FORMAT:
         raise ValueError(

@@ -24,11 +24,13 @@ from taskpoint.integration import (
     JobMirror,
     check_checkpoint_like,
     check_timeout,
+    check_wait,
+    wait_on_preemption,
     within_grace,
 )
 
 from taskpoint_lightning._interval import TimedSaves, check_time_interval
-from taskpoint_lightning._mirroring import Fit, Mirroring, describe
+from taskpoint_lightning._mirroring import Fit, Mirroring
 from taskpoint_lightning._on_exception import ExceptionFiles
 from taskpoint_lightning._preemption import Preemption
 from taskpoint_lightning._rng import (
@@ -69,13 +71,9 @@ class _TaskpointMirror(Mirroring):
         self._taskpoint = check_checkpoint_like(checkpoint, type(self).__name__)
         try:
             self._timeout = check_timeout(timeout)
+            preempt_timeout = check_wait(preempt_timeout, "preempt_timeout")
         except ValueError as exc:
             raise ValueError(f"{type(self).__name__}: {exc}") from None
-        if preempt_timeout is not None and not preempt_timeout >= 0:
-            raise ValueError(
-                f"{type(self).__name__}: preempt_timeout must be a number of seconds >= 0 or "
-                f"None; got {preempt_timeout!r}"
-            )
         timed = check_time_interval(
             kwargs.pop("train_time_interval", None), type(self).__name__, kwargs
         )
@@ -148,17 +146,15 @@ class _TaskpointMirror(Mirroring):
                 f"dirpath={self.dirpath!r} is remote; give it a local dirpath (the store "
                 "holds the durable copy)"
             )
-        context = taskpoint.ctx()
-        if trainer.is_global_zero and context is not None:
-            # SIGTERM outside training waits for the mirror in flight (inside, with
-            # save_on_preemption, the stop does); once per context: core ignores a repeat
-            context.on_preempt(self._on_preempt)
+        # SIGTERM outside training waits for the mirror in flight (inside, with
+        # save_on_preemption, the stop does)
+        wait_on_preemption(self._job, self._preempt_timeout, leader=trainer.is_global_zero)
         if self.dirpath is not None:
             self._job.join(Path(self.dirpath))
         if stage == "fit":
             self._timed.start(self._taskpoint)
             if self._fit is not None:
-                self._fit.stop.close()
+                self._fit.stop.sequence.close()
             files = ExceptionFiles.find(trainer, self, os.fspath(self.dirpath or "."))
             stop = Preemption.start(trainer, self._save_on_preemption, self._timeout)
             self._fit = Fit(stop, files if self.dirpath is not None else ExceptionFiles([]))
@@ -176,7 +172,7 @@ class _TaskpointMirror(Mirroring):
                 self._save_on_time(trainer)
             self._mirror(trainer)
         fit = self._fit
-        if fit is not None and _at_step_boundary(trainer) and fit.stop.requested():
+        if fit is not None and _at_step_boundary(trainer) and fit.stop.sequence.requested():
             where = f"after batch {batch_idx} of epoch {trainer.current_epoch}"
             self._preemption_stop(trainer, where=where)
 
@@ -213,16 +209,12 @@ class _TaskpointMirror(Mirroring):
 
     def _mirrored(self) -> None:
         super()._mirrored()
-        # A background upload through the checkpoint (one writer) ends at its commit, which
-        # the save interval hears of; a part of several writers' runs in the mirror's thread.
-        self._timed.mirror_started(
-            background=self._nodes is None and not self._uploads.blocking
-        )
+        self._timed.mirror_started(background=self._job.background)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)  # type: ignore[misc]
         self._mirror(trainer)
-        if self._fit is not None and self._fit.stop.requested():
+        if self._fit is not None and self._fit.stop.sequence.requested():
             self._preemption_stop(trainer, where="at the end of training")
         self._finish(trainer)
 
@@ -240,12 +232,12 @@ class _TaskpointMirror(Mirroring):
                 self._settle(trainer, exception)
         except Exception as exc:  # never hide the exception that stopped training
             log.warning(
-                "could not mirror %s to %s while handling %s: %s: %s", self.dirpath,
-                describe(self._taskpoint), type(exception).__name__, type(exc).__name__, exc,
+                "could not mirror %s to %r while handling %s: %s: %s", self.dirpath,
+                self._taskpoint, type(exception).__name__, type(exc).__name__, exc,
             )
         finally:
             if fit is not None:
-                fit.stop.close()
+                fit.stop.sequence.close()
 
     def _settle(self, trainer: pl.Trainer, exception: BaseException) -> None:
         """Mirror what the failure saved (``save_on_exception``, an ``OnExceptionCheckpoint``
@@ -273,14 +265,8 @@ class _TaskpointMirror(Mirroring):
             self._mirror(trainer, final=True)
             self._finish(trainer)
             if fit is not None:
-                fit.stop.close()
-            # The fit is over: let go of the upload process (it ends once no open
-            # checkpoint uses it); the checkpoint stays open for a later fit.
-            if isinstance(self._taskpoint, taskpoint.Checkpoint):
-                self._taskpoint.release()
-
-    def _on_preempt(self) -> None:
-        self._job.wait_on_signal(within_grace(self._preempt_timeout))
+                fit.stop.sequence.close()
+            self._job.release()  # the fit is over; the checkpoint stays open for a later fit
 
     # -- random state ------------------------------------------------------------------
 

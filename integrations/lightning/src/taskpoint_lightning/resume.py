@@ -164,22 +164,19 @@ def _resume_everywhere(
         path = _resume(checkpoint, folder)
         return None if path is None else Path(path).relative_to(folder).as_posix()
 
-    url = getattr(checkpoint, "url", None)  # another system's checkpoint may have none
-    name = restore_to_every_disk(
-        coordinator, folder, restore, location=None if url is None else str(url),
-        world_size=coordinator.world_size,
-    )
-    if name is None:
-        return None
-    found = folder / str(name)
-
-    def check() -> None:
-        if not found.exists():
+    def check(name: str | None) -> None:
+        if name is None:
+            return
+        if not (folder / name).exists():
             raise FileNotFoundError(
-                f"the restored {found} is missing: was dirpath changed or removed while the "
-                "checkpoint was restored?"
+                f"the restored {folder / name} is missing: was dirpath changed or removed "
+                "while the checkpoint was restored?"
             )
         _filled.add(os.path.realpath(folder))
 
-    run_everywhere(coordinator, check, "see the restored checkpoint")
-    return os.fspath(found)
+    url = getattr(checkpoint, "url", None)  # another system's checkpoint may have none
+    name = restore_to_every_disk(
+        coordinator, folder, restore, location=None if url is None else str(url),
+        world_size=coordinator.world_size, check=check,
+    )
+    return None if name is None else os.fspath(folder / str(name))
