@@ -97,4 +97,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    import taskpoint_hf_testkit as kit
+
+    kit.end_process_group()
+    sys.exit(code)

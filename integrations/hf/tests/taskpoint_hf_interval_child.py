@@ -84,6 +84,7 @@ def main() -> None:
         out, callbacks=callbacks, save_strategy="no", save_total_limit=None, max_steps=12
     )
     trainer.train()
+    kit.end_process_group()
 
 
 if __name__ == "__main__":

@@ -112,4 +112,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    import taskpoint_hf_testkit as kit
+
+    kit.end_process_group()
+    sys.exit(code)

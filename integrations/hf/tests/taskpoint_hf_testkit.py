@@ -172,6 +172,14 @@ class Pause(TrainerCallback):
             time.sleep(self.seconds)
 
 
+def end_process_group() -> None:
+    """Destroy the process group torchrun's ranks trained in, before the interpreter exits:
+    left to exit, gloo's teardown sometimes aborts a rank that finished cleanly ("terminate
+    called without an active exception", exit -6)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def attempts(url: str) -> list[AttemptRecord]:
     """The attempt records of the checkpoint at ``url``, ascending."""
     return read_attempts(Store(url))
