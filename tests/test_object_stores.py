@@ -306,6 +306,7 @@ def test_large_objects_upload_in_parts_and_round_trip(
     assert (restored / "shards" / "a.bin").read_bytes() == (tree / "shards" / "a.bin").read_bytes()
 
 
+@pytest.mark.parametrize("store_kind", [k for k in SERVER_KINDS if k in ("s3", "seaweedfs")])
 @pytest.mark.parametrize(
     ("config", "extra", "header"),
     [
@@ -323,8 +324,6 @@ def test_uploads_carry_the_checksum_the_client_is_configured_for(
     """Every part and single PUT carries exactly the checksum botocore's settings call for
     (SeaweedFS checks it, so a wrong CRC32 fails the save); never one a client configured
     not to send checksums did not ask for, and never two."""
-    if kind != "s3":
-        pytest.skip("S3's checksum headers")
     monkeypatch.setenv("TASKPOINT_PART_SIZE", str(5 * MiB))
     big = tmp_path / "weights.bin"
     big.write_bytes(os.urandom(11 * MiB))
