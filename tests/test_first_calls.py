@@ -135,3 +135,50 @@ def test_telling_a_store_from_memory_opens_nothing(url: str) -> None:
     assert store.is_memory is False
     assert store._at._fs is None
     assert Store("memory://run").is_memory is True
+
+
+def test_the_upload_process_opens_a_destinations_store_ahead_of_its_saves(
+    s3_server: Any,
+) -> None:
+    """What a loading job has the upload process do before its first background save:
+    open the store that save goes to, client built, so that the save's own store (made
+    per request, on another thread) finds the filesystem ready."""
+    from s3fs import S3FileSystem
+    from taskpoint.checkpoint import _upload_child
+
+    ckpt = taskpoint.Checkpoint.at(s3_server.url("taskpoint-tests", f"open-{uuid.uuid4().hex}"))
+    destination = ckpt._saves._destination
+    S3FileSystem.clear_instance_cache()  # as in a fresh upload process
+
+    assert _upload_child.handle(destination) is None
+
+    opened = Store(destination.url, destination.storage_options, destination.retry).fs
+    assert getattr(opened, "_s3", None) is not None
+    ckpt.close()
+
+
+def test_a_load_has_the_upload_process_open_the_store_once(
+    s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``load_sync`` starts the upload process and asks it, once per checkpoint, to open
+    the checkpoint's store; the first background save then commits through it."""
+    from taskpoint.checkpoint import _uploader
+
+    asked: list[str] = []
+    real = _uploader.Worker.open_store
+
+    def open_store(self: _uploader.Worker, destination: _uploader.Destination) -> None:
+        asked.append(destination.url)
+        real(self, destination)
+
+    monkeypatch.setattr(_uploader.Worker, "open_store", open_store)
+    url = s3_server.url("taskpoint-tests", f"open-{uuid.uuid4().hex}")
+    ckpt = taskpoint.Checkpoint.at(url)
+    assert ckpt.load_sync() is None
+    assert ckpt.load_sync() is None
+    assert asked == [ckpt._saves._destination.url]
+    ckpt.save_sync(b"step 1", background=True)
+    ckpt.wait()
+    assert ckpt.load_sync() is not None and ckpt.load_sync().read_bytes() == b"step 1"
+    assert len(asked) == 1
+    ckpt.close()

@@ -444,6 +444,7 @@ class Saves:
         self._catalog = catalog
         self._attempt = attempt
         self._destination = destination
+        self._store_opened = False  # whether prepare() had the upload process open the store
         self._background_upload = background_upload
         self.process_uploads = 0
         """How many saves were sent to the upload process."""
@@ -498,10 +499,15 @@ class Saves:
     def prepare(self) -> None:
         """Start the upload process now if background saves would use it (a job loads its
         checkpoint before it trains), so that the first background saves find it ready:
-        one committed from a thread while it starts dies with a killed training process."""
+        one committed from a thread while it starts dies with a killed training process,
+        and has it open this checkpoint's store there (its client is a first save's cost)."""
         if self._upload_in_process and not self._closed:
             self._released = False
-            _uploader.shared().start(self._protocols, user=self)  # never waits
+            worker = _uploader.shared()
+            worker.start(self._protocols, user=self)  # never waits
+            if not self._store_opened:
+                self._store_opened = True
+                worker.open_store(self._destination)
 
     def queue(self, source: Source, ticket: int) -> None:
         """Commit ``source`` (a private snapshot) on the upload thread.

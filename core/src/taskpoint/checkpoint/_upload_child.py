@@ -25,7 +25,7 @@ from taskpoint.format._catalog import Catalog
 from taskpoint.format.history import SaveStats
 from taskpoint.store.store import Store
 
-__all__ = ["commit", "run", "warm_up"]
+__all__ = ["commit", "handle", "open_store", "run", "warm_up"]
 
 
 def warm_up(protocols: list[str]) -> None:
@@ -37,6 +37,25 @@ def warm_up(protocols: list[str]) -> None:
     for protocol in protocols:
         with contextlib.suppress(Exception):
             fsspec.get_filesystem_class(protocol)
+
+
+def open_store(destination: _uploader.Destination) -> None:
+    """Open ``destination``'s store and its client now, ahead of its first save (see
+    :meth:`taskpoint.store.store.Store.warm`): the saves' stores share the filesystem
+    instance fsspec keeps for the same URL and options. Never fails; a failure is the first
+    save's to report."""
+    thread = Store(destination.url, destination.storage_options, destination.retry).warm()
+    if thread is not None:
+        thread.join()
+
+
+def handle(message: _uploader.Request | _uploader.Destination) -> object:
+    """Answer one message of the parent's: commit a save (:func:`commit`), or open a
+    destination's store ahead of its saves (:func:`open_store`, answered with ``None``)."""
+    if isinstance(message, _uploader.Destination):
+        open_store(message)
+        return None
+    return commit(message)
 
 
 def commit(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
@@ -68,4 +87,4 @@ def run() -> int:
     import fsspec.asyn
 
     fsspec.asyn.get_loop()  # its thread starts here, at the parent's priority
-    return _uploader.main(commit)
+    return _uploader.main(handle)

@@ -413,7 +413,7 @@ class _Child:
             f"the background upload process died ({self._why}); the save did not commit"
         )
 
-    def run(self, request: Request) -> Any:
+    def run(self, request: Request | Destination) -> Any:
         """Send ``request`` to the ready child and wait for its answer (see :meth:`Worker.run`)."""
         reply = _Reply()
         with self._lock:
@@ -594,8 +594,9 @@ class Worker:
         child.started.wait(timeout)
         return self.ready
 
-    def run(self, request: Request) -> Any:
-        """Have the child commit ``request``; what it returned, or raise what it raised.
+    def run(self, request: Request | Destination) -> Any:
+        """Have the child commit ``request`` (or open a :class:`Destination`'s store); what
+        it returned, or raise what it raised.
 
         Starts the child first if none runs, and waits for it. Requests from several
         threads run in the child at once.
@@ -616,6 +617,19 @@ class Worker:
         finally:
             with self._lock:
                 self._requests -= 1
+
+    def open_store(self, destination: Destination) -> None:
+        """Have the child open ``destination``'s store and client ahead of its first save
+        (its import and service model: a tenth of a second or more), from a daemon thread;
+        never waits, never fails (a save reports what fails)."""
+
+        def send() -> None:
+            try:
+                self.run(destination)
+            except Exception as exc:
+                log.debug("opening %s in the upload process failed: %s", destination.url, exc)
+
+        threading.Thread(target=send, name="taskpoint-upload-open", daemon=True).start()
 
     def close(self, timeout: float | None = CLOSE_WAIT_S) -> bool:
         """Let the child finish its requests and exit, waiting for that up to ``timeout``
@@ -662,13 +676,14 @@ os.register_at_fork(after_in_child=_after_fork)
 atexit.register(close_shared)
 
 
-def main(handle: Callable[[Request], Any]) -> int:
+def main(handle: Callable[[Request | Destination], Any]) -> int:
     """The child's loop: ``handle`` each request in a thread of its own, answer
     ``(ok, value)``; exit at end of input once every request is answered.
 
     Args:
-        handle: commits one request and returns what the parent's :meth:`Worker.run`
-            returns (:func:`taskpoint.checkpoint._upload_child.commit`).
+        handle: answers one request (commits a save, or opens a destination's store) and
+            returns what the parent's :meth:`Worker.run` returns
+            (:func:`taskpoint.checkpoint._upload_child.handle`).
     """
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints go to standard error, never into a reply
@@ -698,7 +713,7 @@ def main(handle: Callable[[Request], Any]) -> int:
 
 
 def _answer(
-    handle: Callable[[Request], Any], number: int, blob: bytes, replies: IO[bytes],
+    handle: Callable[[Request | Destination], Any], number: int, blob: bytes, replies: IO[bytes],
     lock: threading.Lock,
 ) -> None:
     """Commit one request in the child and send its answer; a parent gone is no error."""
