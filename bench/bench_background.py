@@ -1,6 +1,6 @@
 """A background save's time from call to commit, against a plain upload (issue #33, section 3).
 
-Run: uv run python bench/bench_background.py [--size-mb 200] [--repeat 3] [--busy 0,3]
+Run: uv run python bench/bench_background.py [--size-mb 200] [--repeat 6] [--busy 0,3]
 
 Each figure is a fresh Python process (as a restarted job's first saves are), holding
 SIZE MB of fp32 state in a torch tensor, writing to one SeaweedFS S3 server on loopback:
@@ -96,7 +96,7 @@ def _run(mode: str, size_mb: int, url: str, options: dict[str, Any]) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=200)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=6)
     parser.add_argument("--busy", default="0,3", help="busy processes per round, comma-separated")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,7 +116,9 @@ def main() -> None:
             try:
                 figures: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
                 for round_ in range(args.repeat):
-                    for mode in MODES:  # interleaved, so drift hits every mode alike
+                    # interleaved, and each round starts one mode further on, so that
+                    # neither drift nor a place in the round (after another's upload) favours one
+                    for mode in MODES[round_ % 3:] + MODES[:round_ % 3]:
                         url = f"s3://bench/bg-{busy}-{round_}-{mode}"
                         figures[mode].append(_run(mode, args.size_mb, url, server.options))
             finally:
