@@ -28,12 +28,11 @@ from torch import nn
 
 from taskpoint_pytorch._bundle import BundleState, MapLocation
 from taskpoint_pytorch._components import Components
-from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION, STATE_FILE
 
 if TYPE_CHECKING:
     from taskpoint_pytorch._sharded import ShardedState
 
-__all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
+__all__ = ["ResumePoint", "Stateful", "TaskpointState"]
 
 log = logging.getLogger(__name__)
 
