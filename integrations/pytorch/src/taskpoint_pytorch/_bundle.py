@@ -247,11 +247,6 @@ class BundleState:
         if bundle is None:
             return None
         self._components.load(bundle, rank, world)
-        if rank == 0:
-            log.info(
-                "restored state bundle saved by %d rank(s): epoch=%d step=%d",
-                bundle["world_size"], bundle["epoch"], bundle["step"],
-            )
         return bundle
 
 

@@ -221,9 +221,4 @@ class ShardedState:
         where = f"{checkpoint.url} (sharded state)"
         check_layout(rest, where, self._components.by_kind(), self._components.rng)
         self._components.load(rest, rank, world, tensors=False)
-        if rank == 0:
-            log.info(
-                "restored sharded state saved by %d rank(s) on %d: epoch=%d step=%d",
-                rest["world_size"], world, rest["epoch"], rest["step"],
-            )
         return rest
