@@ -126,8 +126,7 @@ class Components:
         self.rng = bool(rng)  # whether the global RNGs are saved and restored
 
     def by_kind(self) -> dict[str, Mapping[str, Any]]:
-        """Every kind's objects by name (what ``_layout`` checks against): the attribute of
-        each name in ``_layout.KINDS``."""
+        """Every kind's objects by name (what ``_layout`` checks against)."""
         return {kind: getattr(self, kind) for kind in KINDS}
 
     def device(self) -> torch.device:
