@@ -68,14 +68,8 @@ from taskpoint_pytorch._errors import (  # noqa: E402
     StateLayoutError,
     StateMismatchError,
 )
-from taskpoint_pytorch.state import (  # noqa: E402
-    LAYOUT,
-    LAYOUT_VERSION,
-    STATE_FILE,
-    ResumePoint,
-    Stateful,
-    TaskpointState,
-)
+from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION, STATE_FILE  # noqa: E402
+from taskpoint_pytorch.state import ResumePoint, Stateful, TaskpointState  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -247,11 +247,6 @@ class BundleState:
         if bundle is None:
             return None
         self._components.load(bundle, rank, world)
-        if rank == 0:
-            log.info(
-                "restored state bundle saved by %d rank(s): epoch=%d step=%d",
-                bundle["world_size"], bundle["epoch"], bundle["step"],
-            )
         return bundle
 
 
@@ -288,10 +283,8 @@ def cpu_copy(value: Any, into: Sequence[torch.Tensor] = ()) -> tuple[Any, list[t
         elif on_cuda:
             out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             out.copy_(tensor, non_blocking=True)
-        elif tensor.device.type == "cpu":
-            out = tensor.clone()
         else:
-            out = tensor.to("cpu")
+            out = tensor.to("cpu", copy=True)
         if on_cuda:
             devices.add(tensor.device)
         copies.append(out)

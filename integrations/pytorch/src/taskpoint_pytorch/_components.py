@@ -93,13 +93,9 @@ def _named(
 
 
 class Components:
-    """The named objects of one state, checked at construction, and ``rng``: whether the
-    global RNGs are saved too (see ``TaskpointState``'s arguments of the same names).
-
-    Raises:
-        TypeError: an object of the wrong kind.
-        ValueError: an empty or non-string name in a mapping.
-    """
+    """The named objects of one state, checked at construction (raising ``TaskpointState``'s
+    ``TypeError`` or ``ValueError``: :func:`_named`), and ``rng``: whether the global RNGs
+    are saved too (see ``TaskpointState``'s arguments of the same names)."""
 
     def __init__(
         self,
@@ -130,8 +126,7 @@ class Components:
         self.rng = bool(rng)  # whether the global RNGs are saved and restored
 
     def by_kind(self) -> dict[str, Mapping[str, Any]]:
-        """Every kind's objects by name (what ``_layout`` checks against): the attribute of
-        each name in ``_layout.KINDS``."""
+        """Every kind's objects by name (what ``_layout`` checks against)."""
         return {kind: getattr(self, kind) for kind in KINDS}
 
     def device(self) -> torch.device:

@@ -109,8 +109,7 @@ class _AtCheckpoint:
     def _drop_folder(self) -> None:
         """Release the folder (and what its cleanup holds) now."""
         if self._cleanup is not None:
-            self._cleanup()
-            self._cleanup = None
+            self._cleanup()  # a finalizer runs once: calling it again does nothing
         self._folder = None
 
 

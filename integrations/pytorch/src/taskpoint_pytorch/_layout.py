@@ -22,11 +22,9 @@ __all__ = [
     "KINDS",
     "LAYOUT",
     "LAYOUT_VERSION",
-    "REQUIRED",
     "STATE_FILE",
     "check_fit",
     "check_layout",
-    "listed",
 ]
 
 log = logging.getLogger(__name__)

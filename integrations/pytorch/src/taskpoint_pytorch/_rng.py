@@ -22,13 +22,11 @@ log = logging.getLogger(__name__)
 
 
 def _to_plain(value: Any) -> Any:
-    """NumPy values inside a bit generator's state as lists, ints, floats and strings."""
+    """A bit generator's state with its arrays as lists (its other values are plain)."""
     if isinstance(value, np.ndarray):
         return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
     if isinstance(value, dict):
         return {str(k): _to_plain(v) for k, v in value.items()}
-    if isinstance(value, np.generic):
-        return value.item()
     return value
 
 

@@ -53,7 +53,6 @@ def check_weights_only(value: Any, where: str) -> None:
     Raises:
         TypeError: naming the first offending entry's path and type.
     """
-    user_types: set[type] | None = None
     stack: list[tuple[str, Any]] = [(where, value)]
     while stack:
         path, item = stack.pop()
@@ -72,9 +71,7 @@ def check_weights_only(value: Any, where: str) -> None:
         if kind in _SEQUENCES:
             stack.extend((f"{path}[{index}]", child) for index, child in enumerate(item))
             continue
-        if user_types is None:
-            user_types = _user_safe_types()
-        if kind in user_types:
+        if kind in _user_safe_types():  # looked up only for a value of no builtin type
             continue
         hint = ""
         if kind.__module__ == "numpy":

@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -212,22 +211,14 @@ class ShardedState:
             dcp_load(state, storage_reader=reader, planner=_SafeLoadPlanner())
         except CheckpointException as exc:
             raise _translate(exc, "restore the sharded state") from None
-        options = StateDictOptions(strict=True)
-        for name, module in models.items():
-            set_model_state_dict(module, state["models"][name], options=options)
+        for name, module in models.items():  # strictly (the default options)
+            set_model_state_dict(module, state["models"][name])
         for name, optimizer in optimizers.items():
-            set_optimizer_state_dict(
-                owner_of(optimizer, models), optimizer, state["optimizers"][name], options=options
-            )
+            set_optimizer_state_dict(owner_of(optimizer, models), optimizer, state["optimizers"][name])
         if not isinstance(state[REST], bytes):
             raise StateError(f"the checkpoint's {REST!r} entry is not a state bundle")
         rest: dict[str, Any] = torch.load(io.BytesIO(state[REST]), weights_only=True)
         where = f"{checkpoint.url} (sharded state)"
         check_layout(rest, where, self._components.by_kind(), self._components.rng)
         self._components.load(rest, rank, world, tensors=False)
-        if rank == 0:
-            log.info(
-                "restored sharded state saved by %d rank(s) on %d: epoch=%d step=%d",
-                rest["world_size"], world, rest["epoch"], rest["step"],
-            )
         return rest

@@ -28,12 +28,11 @@ from torch import nn
 
 from taskpoint_pytorch._bundle import BundleState, MapLocation
 from taskpoint_pytorch._components import Components
-from taskpoint_pytorch._layout import LAYOUT, LAYOUT_VERSION, STATE_FILE
 
 if TYPE_CHECKING:
     from taskpoint_pytorch._sharded import ShardedState
 
-__all__ = ["LAYOUT", "LAYOUT_VERSION", "STATE_FILE", "ResumePoint", "Stateful", "TaskpointState"]
+__all__ = ["ResumePoint", "Stateful", "TaskpointState"]
 
 log = logging.getLogger(__name__)
 
@@ -292,12 +291,18 @@ class TaskpointState:
         return self._resumed(await self._state.restore(checkpoint, map_location))
 
     def _resumed(self, bundle: dict[str, Any] | None) -> ResumePoint | None:
-        """Training resumes from ``bundle`` (every rank; ``None``: from scratch): begin the
-        step boundaries there; where the loop resumes."""
+        """Training resumes from ``bundle`` (every rank; ``None``: from scratch): log it
+        (rank 0), begin the step boundaries there; where the loop resumes."""
+        rank, world = rank_and_size()
         if bundle is None:
-            if rank_and_size()[0] == 0:
+            if rank == 0:
                 log.info("no state committed yet: starting from scratch")
             self._preemption.begin(0)
             return None
+        if rank == 0:
+            log.info(
+                "restored state saved by %d rank(s) on %d: epoch=%d step=%d",
+                bundle["world_size"], world, bundle["epoch"], bundle["step"],
+            )
         self._preemption.begin(bundle["step"] or bundle["epoch"])
         return ResumePoint(epoch=bundle["epoch"], step=bundle["step"], extra=dict(bundle["extra"]))
