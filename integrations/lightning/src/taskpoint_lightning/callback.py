@@ -139,7 +139,7 @@ class _TaskpointMirror(Mirroring):
                 # resume_ckpt_path(..., dirpath=...) filled the folder on purpose.
                 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* not empty")
             super().setup(trainer, pl_module, stage)  # type: ignore[misc]
-        if self.dirpath is not None and not _is_local_file_protocol(self.dirpath):
+        if not _is_local_file_protocol(self.dirpath):
             raise ValueError(
                 f"{type(self).__name__} mirrors a local folder to the store, but "
                 f"dirpath={self.dirpath!r} is remote; give it a local dirpath (the store "
@@ -148,15 +148,14 @@ class _TaskpointMirror(Mirroring):
         # SIGTERM outside training waits for the mirror in flight (inside, with
         # save_on_preemption, the stop does)
         wait_on_preemption(self._job, self._preempt_timeout, leader=trainer.is_global_zero)
-        if self.dirpath is not None:
-            self._job.join(Path(self.dirpath))
+        self._job.join(Path(self.dirpath))
         if stage == "fit":
             self._timed.start(self._taskpoint)
             if self._fit is not None:
                 self._fit.stop.sequence.close()
-            files = ExceptionFiles.find(trainer, self, os.fspath(self.dirpath or "."))
+            files = ExceptionFiles.find(trainer, self, os.fspath(self.dirpath))
             stop = Preemption.start(trainer, self._save_on_preemption, self._timeout)
-            self._fit = Fit(stop, files if self.dirpath is not None else ExceptionFiles([]))
+            self._fit = Fit(stop, files)
 
     # -- the hooks that save: mirror once each has written and pruned --------------------
 
