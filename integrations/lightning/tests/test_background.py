@@ -201,7 +201,7 @@ def test_an_upload_to_a_stopped_server_is_raised_at_the_next_mirror(
             mc.wait()  # step 2's mirror is committed
             proxy.down()
 
-        at = At(batch_end_3=stop_server, batch_start_5=lambda: mc._uploads.uploading)
+        at = At(batch_end_3=stop_server, batch_start_5=lambda: mc._job.uploads.uploading)
         with pytest.raises(taskpoint.CheckpointStoreError):
             fit(mc, tmp_path, at, max_steps=6)
         assert at.seen["batch_start_5"]  # step 4's mirror had started; step 6's raised it

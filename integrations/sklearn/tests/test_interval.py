@@ -28,7 +28,7 @@ def _train(
     calling ``save_sync`` after each; the chunks whose call saved."""
     clock = clock or FakeClock()
     ckpt = TaskpointSklearnCheckpoint(taskpoint.Checkpoint(tmp_path.as_uri()))
-    ckpt._schedule.clock = clock  # the test's clock
+    ckpt._saves.schedule.clock = clock  # the test's clock
     bundle: PartialFitBundle = ckpt.resume_sync(
         SGDClassifier(random_state=0), rng=np.random.default_rng(0)
     )

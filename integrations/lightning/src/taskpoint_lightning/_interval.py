@@ -80,8 +80,6 @@ class TimedSaves(_TimedSaves):
             return NotImplemented
         return self.__getstate__() == other.__getstate__()
 
-    __hash__ = None  # type: ignore[assignment]
-
     def key(self) -> timedelta | str | None:
         """What the callback's ``state_key`` names the setting by: the ``timedelta``, or
         ``"auto"`` / ``"SaveInterval"`` (stable while the chosen interval changes)."""

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from taskpoint import CheckpointLike
 from taskpoint.integration import (
-    FolderMirror,
     JobMirror,
     Nodes,
     requested,
@@ -80,10 +79,6 @@ class Mirroring:
         return self._job_mirror
 
     @property
-    def _uploads(self) -> FolderMirror:
-        return self._job.uploads
-
-    @property
     def _nodes(self) -> Nodes | None:
         """Every rank's part of the mirror, once setup found several processes."""
         return None if self._job_mirror is None else self._job_mirror.nodes
@@ -146,7 +141,7 @@ class Mirroring:
 
     def _log_stats(self, trainer: pl.Trainer) -> None:
         """Log the figures of the mirrors committed since the last call (global rank 0)."""
-        for stats in self._uploads.take_stats():
+        for stats in self._job.uploads.take_stats():
             metrics = stats.metrics()
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)

@@ -84,5 +84,4 @@ class ExceptionFiles:
 
     def mirrored(self) -> None:
         """Note the files as the mirror just started holds them."""
-        if self.paths:
-            self._seen = self._state()
+        self._seen = self._state()

@@ -80,10 +80,6 @@ class Preemption:
             signal.signal(signal.SIGTERM, self._before)
             log.debug("SIGTERM: Lightning's handler set aside while taskpoint saves on it")
 
-    def raised(self, exception: BaseException) -> bool:
-        """Whether ``exception`` is this stop's :class:`taskpoint.Preempted`."""
-        return self.sequence.stopped is not None and exception is self.sequence.stopped
-
     @contextlib.contextmanager
     def shielded(self) -> Iterator[None]:
         """While inside (the wait for an upload when training fails), a SIGTERM only sets

@@ -16,9 +16,7 @@ from taskpoint.integration import all_gather_object, warn
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = [
-    "RNG_FORMAT", "RNG_STATE_KEY", "load_from_checkpoint", "restore_rng", "stash_in_checkpoint"
-]
+__all__ = ["RNG_FORMAT", "RNG_STATE_KEY", "load_from_checkpoint", "stash_in_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +81,6 @@ def _native(stored: dict[str, Any]) -> dict[str, Any]:
                 len(cuda), available,
             )
     return out
-
-
-def restore_rng(states: dict[str, Any]) -> None:
-    """Set this process's global generators (Python, NumPy, torch, CUDA) to ``states``."""
-    _set_rng_states(states)
 
 
 def _mid_epoch(trainer: pl.Trainer) -> bool:
@@ -158,5 +151,5 @@ def load_from_checkpoint(
             "random draws will differ from an uninterrupted run", len(ranks), rank,
         )
     states = _native(ranks[rank if rank < len(ranks) else 0])
-    restore_rng(states)
+    _set_rng_states(states)
     return states if stored.get("mid_epoch") else None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import taskpoint
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.pytorch.callbacks import ModelCheckpoint
 from taskpoint import CheckpointLike
 from taskpoint.integration import (
@@ -36,7 +37,6 @@ from taskpoint_lightning._preemption import Preemption
 from taskpoint_lightning._rng import (
     RNG_STATE_KEY,
     load_from_checkpoint,
-    restore_rng,
     stash_in_checkpoint,
 )
 from taskpoint_lightning.resume import filled_by_resume
@@ -102,8 +102,7 @@ class _TaskpointMirror(Mirroring):
         Raises:
             taskpoint.CheckpointError: the mirror in flight failed.
         """
-        if self._job_mirror is not None:
-            self._job_mirror.uploads.wait()
+        self.wait()
         state = dict(self.__dict__)
         state.update(_job_mirror=None, _fit=None)
         return state
@@ -140,7 +139,7 @@ class _TaskpointMirror(Mirroring):
                 # resume_ckpt_path(..., dirpath=...) filled the folder on purpose.
                 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* not empty")
             super().setup(trainer, pl_module, stage)  # type: ignore[misc]
-        if self.dirpath is not None and not _is_local_file_protocol(self.dirpath):
+        if not _is_local_file_protocol(self.dirpath):
             raise ValueError(
                 f"{type(self).__name__} mirrors a local folder to the store, but "
                 f"dirpath={self.dirpath!r} is remote; give it a local dirpath (the store "
@@ -149,15 +148,14 @@ class _TaskpointMirror(Mirroring):
         # SIGTERM outside training waits for the mirror in flight (inside, with
         # save_on_preemption, the stop does)
         wait_on_preemption(self._job, self._preempt_timeout, leader=trainer.is_global_zero)
-        if self.dirpath is not None:
-            self._job.join(Path(self.dirpath))
+        self._job.join(Path(self.dirpath))
         if stage == "fit":
             self._timed.start(self._taskpoint)
             if self._fit is not None:
                 self._fit.stop.sequence.close()
-            files = ExceptionFiles.find(trainer, self, os.fspath(self.dirpath or "."))
+            files = ExceptionFiles.find(trainer, self, os.fspath(self.dirpath))
             stop = Preemption.start(trainer, self._save_on_preemption, self._timeout)
-            self._fit = Fit(stop, files if self.dirpath is not None else ExceptionFiles([]))
+            self._fit = Fit(stop, files)
 
     # -- the hooks that save: mirror once each has written and pruned --------------------
 
@@ -222,7 +220,7 @@ class _TaskpointMirror(Mirroring):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         fit = self._fit
-        if fit is not None and fit.stop.raised(exception):
+        if fit is not None and exception is fit.stop.sequence.stopped:
             return  # this callback's own stop: saved and committed (or missed) already
         super().on_exception(trainer, pl_module, exception)  # type: ignore[misc]
         try:
@@ -286,7 +284,7 @@ class _TaskpointMirror(Mirroring):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)  # type: ignore[misc]
         if self._rng_for_train_start is not None:
-            restore_rng(self._rng_for_train_start)
+            _set_rng_states(self._rng_for_train_start)
             self._rng_for_train_start = None
         taskpoint.report_step(trainer.global_step)
         if self._fit is not None:

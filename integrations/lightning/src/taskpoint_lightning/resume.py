@@ -117,8 +117,7 @@ def resume_ckpt_path(
     settle_uploads()
     coordinator = torch_job_coordinator(timeout=timeout)
     if coordinator is None:
-        world = os.environ.get("WORLD_SIZE", "").strip()
-        if world.isdigit() and int(world) > 1:
+        if current_ranks().world_size > 1:
             log.debug("no store the ranks share before the process group: restoring alone")
         into = Path(dirpath) if dirpath is not None and _is_global_zero() else None
         return _resume(checkpoint, into)

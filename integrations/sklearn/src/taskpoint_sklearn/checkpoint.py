@@ -76,7 +76,6 @@ class TaskpointSklearnCheckpoint:
         self._allowed = DEFAULT_TRUSTED_TYPES | type_names(trusted)
         self._filename = filename_for(format, filename)
         self._saves = BoundarySaves(save_on_preemption, ranks=False, unit="chunks")
-        self._schedule = self._saves.schedule  # which chunks save: every N and/or seconds
 
     def __repr__(self) -> str:
         return f"TaskpointSklearnCheckpoint({self._checkpoint!r}, format={self._format!r})"

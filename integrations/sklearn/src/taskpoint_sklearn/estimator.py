@@ -15,7 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from sklearn.exceptions import NotFittedError
@@ -23,8 +22,6 @@ from sklearn.pipeline import Pipeline
 from sklearn.utils.validation import check_is_fitted
 
 __all__ = ["check_partial_fit", "partial_fit", "supports_partial_fit"]
-
-log = logging.getLogger(__name__)
 
 
 def supports_partial_fit(estimator: object) -> bool:
