@@ -1,12 +1,5 @@
-"""Restore the newest complete LoRA checkpoint and check it matches the rebuilt model.
-
-Example::
-
-    model, tokenizer = FastLanguageModel.from_pretrained(MODEL, load_in_4bit=True)
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, ...)
-    resume = restore_lora_checkpoint(taskpoint.ctx().checkpoint, args, model)
-    trainer.train(resume_from_checkpoint=resume)       # None on the first attempt
-"""
+"""Restore the newest complete LoRA checkpoint and check it matches the rebuilt model (the
+package docstring shows how)."""
 
 from __future__ import annotations
 
