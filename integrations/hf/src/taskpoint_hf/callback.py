@@ -124,7 +124,7 @@ class TaskpointTrainerCallback(TrainerCallback):
 
     def __repr__(self) -> str:
         return (
-            f"TaskpointTrainerCallback({self._checkpoint!r}, output_dir={self._output_dir!r}, "
+            f"{type(self).__name__}({self._checkpoint!r}, output_dir={self._output_dir!r}, "
             f"blocking={self._saves.uploads.blocking})"
         )
 

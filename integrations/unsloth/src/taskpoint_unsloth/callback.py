@@ -31,9 +31,6 @@ class TaskpointUnslothCallback(TaskpointTrainerCallback):
         output_dir: the Trainer's ``output_dir``; ``None`` takes ``args.output_dir``.
     """
 
-    def __repr__(self) -> str:
-        return f"TaskpointUnslothCallback({self._checkpoint!r}, output_dir={self.output_dir!r})"
-
     def _record(self, args: TrainingArguments, state: TrainerState, model: Any) -> None:
         if not state.is_world_process_zero or model is None:
             return
