@@ -50,9 +50,8 @@ def restore_lora_checkpoint(
         CheckpointError: as :func:`taskpoint_hf.restore_last_checkpoint`.
         TypeError: ``model`` has no LoRA adapters.
     """
-    ignored = tuple(ignore)
     path = restore_last_checkpoint(checkpoint, output_dir)
     if path is not None:
-        check_lora_config(path, model, ignore=ignored)
+        check_lora_config(path, model, ignore=ignore)
         log.info("LoRA config of %s matches the model", path)
     return path
