@@ -159,9 +159,7 @@ class TaskpointTrainerCallback(TrainerCallback):
     ) -> None:
         """Wrap the Trainer's ``train`` so that an exception out of it waits for the upload
         in flight first."""
-        trainer = _hooks.calling_trainer(self)
-        if trainer is not None:
-            _hooks.guard_train(trainer, self._training_failed)
+        _hooks.guard_train(self, self._training_failed)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -185,8 +183,7 @@ class TaskpointTrainerCallback(TrainerCallback):
             )
         self._report(state)
         handler = self._logs.hook()
-        trainer = _hooks.calling_trainer(self)
-        guarded = trainer is not None and _hooks.guard_train(trainer, self._training_failed)
+        guarded = _hooks.guard_train(self, self._training_failed)
         self._saves.start(folder)
         self._timed.start(self._checkpoint)
         self._preemption.begin(handler, state, guarded=guarded)
