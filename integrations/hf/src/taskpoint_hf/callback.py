@@ -239,7 +239,6 @@ class TaskpointTrainerCallback(TrainerCallback):
     ) -> None:
         """Unshare ``checkpoint-N`` if the Trainer is about to write it again."""
         self._preemption.at_epoch_end(state, control)
-        self._timed.asked(control)
         self._next(args, state, control)
 
     def on_evaluate(
@@ -321,6 +320,7 @@ class TaskpointTrainerCallback(TrainerCallback):
 
     def _next(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> None:
         """The Trainer may write ``checkpoint-N`` next: unshare it, note when."""
+        self._timed.asked(control)
         saving = control.should_save
         self._saves.unshare_next(written_dir(args.output_dir), state.global_step, saving=saving)
         self._saves.asked(control)
