@@ -1,13 +1,6 @@
-"""``TaskpointTrainerCallback``: mirror the Trainer's ``output_dir`` after every save.
-
-Each save's cost reaches the logging callbacks (not ``state.log_history``): at training
-start the callback wraps the ``on_log`` of the ``CallbackHandler`` calling it
-(:mod:`taskpoint_hf._hooks`), which adds the figures before any callback sees the logs.
-The Trainer's last logs wait for the last save's upload; a save later still (a
-just-in-time checkpoint, the end-of-training rotation) is logged by one more ``on_log`` at
-``on_train_end``. Called by anything but a ``CallbackHandler``, the callback adds them to
-the ``logs`` its own ``on_log`` gets. SIGTERM and exceptions: :mod:`taskpoint_hf._preemption`.
-"""
+"""``TaskpointTrainerCallback``: mirror the Trainer's ``output_dir`` after every save. How
+each save's figures reach the logging callbacks: :mod:`taskpoint_hf._hooks`; SIGTERM and
+exceptions: :mod:`taskpoint_hf._preemption`."""
 
 from __future__ import annotations
 
@@ -268,8 +261,9 @@ class TaskpointTrainerCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Upload what no ``on_save`` announced (a just-in-time checkpoint, the Trainer's
-        last rotation), and wait for the upload in flight (after a SIGTERM, within the
-        grace period).
+        last rotation), wait for the upload in flight (after a SIGTERM, within the grace
+        period), and log the figures of a save after the Trainer's last logs with one more
+        ``on_log``.
 
         Raises:
             taskpoint.CheckpointError: an upload failed (on world process zero).
