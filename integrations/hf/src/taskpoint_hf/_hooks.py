@@ -14,7 +14,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
-__all__ = ["FiguresIntoLogs", "LogHook", "calling_trainer", "guard_train"]
+__all__ = ["FiguresIntoLogs", "LogHook", "guard_train"]
 
 _DEPTH = 12
 """How many frames above a hook the handler and the Trainer are looked for."""
@@ -37,17 +37,6 @@ def _holds(handler: object, callback: TrainerCallback) -> bool:
     return isinstance(handler, CallbackHandler) and any(c is callback for c in handler.callbacks)
 
 
-def calling_trainer(callback: TrainerCallback) -> Any:
-    """The ``transformers.Trainer`` (or subclass, such as TRL's) whose handler is calling
-    ``callback``'s hook now, if any."""
-    from transformers import Trainer
-
-    return _caller_self(
-        callback,
-        lambda o: isinstance(o, Trainer) and _holds(getattr(o, "callback_handler", None), callback),
-    )
-
-
 class FiguresIntoLogs:
     """Stands in for a ``CallbackHandler``'s ``on_log``: adds the figures of ``callback``
     (its ``_add_figures(state, control, logs)``) before any callback sees the logs; the
@@ -66,7 +55,7 @@ class FiguresIntoLogs:
         logs: dict[str, float],
         **kwargs: Any,
     ) -> TrainerControl:
-        if logs is not None and any(c is self.callback for c in self.handler.callbacks):
+        if logs is not None and _holds(self.handler, self.callback):
             self.callback._add_figures(state, control, logs)
         return self.original(args, state, control, logs, **kwargs)  # type: ignore[no-any-return]
 
@@ -121,13 +110,23 @@ class _GuardedTrain:
             raise
 
 
-def guard_train(trainer: Any, on_exception: Callable[[BaseException], None]) -> bool:
-    """Make ``trainer.train()`` call ``on_exception(exc)`` (a bound method, held weakly)
-    before an exception leaves it.
+def guard_train(callback: TrainerCallback, on_exception: Callable[[BaseException], None]) -> bool:
+    """Make the ``train()`` of the ``transformers.Trainer`` (or subclass, such as TRL's)
+    whose handler is calling ``callback``'s hook now call ``on_exception(exc)`` (a bound
+    method, held weakly) before an exception leaves it.
 
     Returns:
-        Whether it already did (so a ``train()`` call under way is guarded).
+        Whether it already did (so a ``train()`` call under way is guarded); ``False``
+        where no Trainer is calling.
     """
+    from transformers import Trainer
+
+    trainer = _caller_self(
+        callback,
+        lambda o: isinstance(o, Trainer) and _holds(getattr(o, "callback_handler", None), callback),
+    )
+    if trainer is None:
+        return False
     current = trainer.__dict__.get("train")
     if not isinstance(current, _GuardedTrain):
         current = _GuardedTrain(trainer.train)

@@ -50,7 +50,6 @@ class TimedSaves(_TimedSaves):
         (every rank calls this: one broadcast, with an interval)."""
         if self.due(lambda due: bool(broadcast_from_zero(due))):
             control.should_save = True
-        self.asked(control)
 
     def asked(self, control: TrainerControl) -> None:
         """The Trainer may save next (after logging and evaluating): the wait starts now."""

@@ -232,8 +232,6 @@ class Preemption:
         self.close()
         stop = self.stop
         if stop is None:
-            if error is not None:
-                raise error
             return
         if not stop.saving:
             outcome = f"no save ({stop.reason})"

@@ -1,13 +1,6 @@
-"""``TaskpointTrainerCallback``: mirror the Trainer's ``output_dir`` after every save.
-
-Each save's cost reaches the logging callbacks (not ``state.log_history``): at training
-start the callback wraps the ``on_log`` of the ``CallbackHandler`` calling it
-(:mod:`taskpoint_hf._hooks`), which adds the figures before any callback sees the logs.
-The Trainer's last logs wait for the last save's upload; a save later still (a
-just-in-time checkpoint, the end-of-training rotation) is logged by one more ``on_log`` at
-``on_train_end``. Called by anything but a ``CallbackHandler``, the callback adds them to
-the ``logs`` its own ``on_log`` gets. SIGTERM and exceptions: :mod:`taskpoint_hf._preemption`.
-"""
+"""``TaskpointTrainerCallback``: mirror the Trainer's ``output_dir`` after every save. How
+each save's figures reach the logging callbacks: :mod:`taskpoint_hf._hooks`; SIGTERM and
+exceptions: :mod:`taskpoint_hf._preemption`."""
 
 from __future__ import annotations
 
@@ -124,7 +117,7 @@ class TaskpointTrainerCallback(TrainerCallback):
 
     def __repr__(self) -> str:
         return (
-            f"TaskpointTrainerCallback({self._checkpoint!r}, output_dir={self._output_dir!r}, "
+            f"{type(self).__name__}({self._checkpoint!r}, output_dir={self._output_dir!r}, "
             f"blocking={self._saves.uploads.blocking})"
         )
 
@@ -159,9 +152,7 @@ class TaskpointTrainerCallback(TrainerCallback):
     ) -> None:
         """Wrap the Trainer's ``train`` so that an exception out of it waits for the upload
         in flight first."""
-        trainer = _hooks.calling_trainer(self)
-        if trainer is not None:
-            _hooks.guard_train(trainer, self._training_failed)
+        _hooks.guard_train(self, self._training_failed)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -185,8 +176,7 @@ class TaskpointTrainerCallback(TrainerCallback):
             )
         self._report(state)
         handler = self._logs.hook()
-        trainer = _hooks.calling_trainer(self)
-        guarded = trainer is not None and _hooks.guard_train(trainer, self._training_failed)
+        guarded = _hooks.guard_train(self, self._training_failed)
         self._saves.start(folder)
         self._timed.start(self._checkpoint)
         self._preemption.begin(handler, state, guarded=guarded)
@@ -242,7 +232,6 @@ class TaskpointTrainerCallback(TrainerCallback):
     ) -> None:
         """Unshare ``checkpoint-N`` if the Trainer is about to write it again."""
         self._preemption.at_epoch_end(state, control)
-        self._timed.asked(control)
         self._next(args, state, control)
 
     def on_evaluate(
@@ -272,8 +261,9 @@ class TaskpointTrainerCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Upload what no ``on_save`` announced (a just-in-time checkpoint, the Trainer's
-        last rotation), and wait for the upload in flight (after a SIGTERM, within the
-        grace period).
+        last rotation), wait for the upload in flight (after a SIGTERM, within the grace
+        period), and log the figures of a save after the Trainer's last logs with one more
+        ``on_log``.
 
         Raises:
             taskpoint.CheckpointError: an upload failed (on world process zero).
@@ -324,6 +314,7 @@ class TaskpointTrainerCallback(TrainerCallback):
 
     def _next(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> None:
         """The Trainer may write ``checkpoint-N`` next: unshare it, note when."""
+        self._timed.asked(control)
         saving = control.should_save
         self._saves.unshare_next(written_dir(args.output_dir), state.global_step, saving=saving)
         self._saves.asked(control)

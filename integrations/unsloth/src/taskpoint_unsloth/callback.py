@@ -1,18 +1,5 @@
-"""``TaskpointUnslothCallback``: the Hugging Face callback, plus the LoRA config in each checkpoint.
-
-Example::
-
-    import taskpoint
-    from taskpoint_unsloth import TaskpointUnslothCallback, restore_lora_checkpoint
-
-    ckpt = taskpoint.ctx().checkpoint
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, ...)
-    args = SFTConfig(output_dir="out", save_steps=50, save_total_limit=2)
-    resume = restore_lora_checkpoint(ckpt, args, model)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                         callbacks=[TaskpointUnslothCallback(ckpt, args.output_dir)])
-    trainer.train(resume_from_checkpoint=resume)
-"""
+"""``TaskpointUnslothCallback``: the Hugging Face callback, plus the LoRA config in each
+checkpoint (the package docstring shows how)."""
 
 from __future__ import annotations
 
@@ -43,9 +30,6 @@ class TaskpointUnslothCallback(TaskpointTrainerCallback):
         checkpoint: where to save (any :class:`~taskpoint.CheckpointLike`).
         output_dir: the Trainer's ``output_dir``; ``None`` takes ``args.output_dir``.
     """
-
-    def __repr__(self) -> str:
-        return f"TaskpointUnslothCallback({self._checkpoint!r}, output_dir={self.output_dir!r})"
 
     def _record(self, args: TrainingArguments, state: TrainerState, model: Any) -> None:
         if not state.is_world_process_zero or model is None:

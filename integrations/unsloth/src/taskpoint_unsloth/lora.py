@@ -171,12 +171,6 @@ def _peft_config(model: Any) -> tuple[Any, str]:
     return configs[name], name
 
 
-def _base_config(model: Any) -> Any:
-    getter = getattr(model, "get_base_model", None)
-    base = getter() if callable(getter) else model
-    return getattr(base, "config", None)
-
-
 def base_config_hash(config: Any) -> str | None:
     """A short hash of a transformers config's architecture fields, or ``None`` without one."""
     if config is None or not hasattr(config, "to_dict"):
@@ -204,9 +198,11 @@ def lora_signature(model: Any) -> LoraSignature:
             f"adapter {name!r} of {type(model).__name__} is {config.peft_type}, not LoRA; "
             "taskpoint-unsloth checks LoRA adapters only"
         )
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
     return LoraSignature(
         base_model=getattr(config, "base_model_name_or_path", None),
-        base_config_hash=base_config_hash(_base_config(model)),
+        base_config_hash=base_config_hash(getattr(base, "config", None)),
         r=int(config.r),
         lora_alpha=config.lora_alpha,
         target_modules=_modules(config.target_modules or ()),

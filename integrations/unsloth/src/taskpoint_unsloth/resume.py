@@ -1,12 +1,5 @@
-"""Restore the newest complete LoRA checkpoint and check it matches the rebuilt model.
-
-Example::
-
-    model, tokenizer = FastLanguageModel.from_pretrained(MODEL, load_in_4bit=True)
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, ...)
-    resume = restore_lora_checkpoint(taskpoint.ctx().checkpoint, args, model)
-    trainer.train(resume_from_checkpoint=resume)       # None on the first attempt
-"""
+"""Restore the newest complete LoRA checkpoint and check it matches the rebuilt model (the
+package docstring shows how)."""
 
 from __future__ import annotations
 
@@ -57,9 +50,8 @@ def restore_lora_checkpoint(
         CheckpointError: as :func:`taskpoint_hf.restore_last_checkpoint`.
         TypeError: ``model`` has no LoRA adapters.
     """
-    ignored = tuple(ignore)
     path = restore_last_checkpoint(checkpoint, output_dir)
     if path is not None:
-        check_lora_config(path, model, ignore=ignored)
+        check_lora_config(path, model, ignore=ignore)
         log.info("LoRA config of %s matches the model", path)
     return path
