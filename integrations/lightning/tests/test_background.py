@@ -276,7 +276,13 @@ def test_sigterm_during_an_upload_ends_the_run_after_it(tmp_path: Path) -> None:
     out = tmp_path / "final.pt"
     marker = tmp_path / "uploading"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, str(SCRIPT), store, str(tmp_path), str(out), "--mode", "step"]
+    # 200 steps: training, which no longer waits for an upload, must still be going when the
+    # signal lands (25 steps could end within the stall on a loaded machine, and a SIGTERM
+    # after the last batch lets Lightning finish the fit).
+    command = [
+        sys.executable, str(SCRIPT), store, str(tmp_path), str(out), "--mode", "step",
+        "--max-epochs", "40",
+    ]
     # Mirrors every 3 steps; the second mirror's upload (step 6) stalls for 3 s.
     child = subprocess.Popen(
         [*command, "--slow-upload", f"{marker}:3"], env=env, stdout=subprocess.PIPE,
