@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as L
 import pytest
 import taskpoint
 import taskpoint_lightning_testlib as lib
@@ -79,3 +81,43 @@ def test_a_second_fit_through_the_same_callback_saves_and_resumes(
     assert restored is not None
     state = torch.load(restored / "last.ckpt", weights_only=False)
     assert state["epoch"] == 1 and state["global_step"] == 2 * lib.SAMPLES // lib.BATCH
+
+
+class _BreakStoreAt(L.Callback):
+    """At global step ``step``, once the uploads before it committed, puts a file where
+    the store's folder was: every later upload fails."""
+
+    def __init__(self, mc: TaskpointModelCheckpoint, store: Path, step: int) -> None:
+        self.mc, self.store, self.step = mc, store, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            self.mc.wait()
+            self.store.rename(self.store.with_name("moved"))
+            self.store.write_text("a file where the store's folder was")
+
+
+def test_a_fit_whose_last_upload_fails_raises_and_leaves_nothing_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upload at the end of the fit fails: the fit raises it, and the callback still
+    lets go of the upload process, as after a fit that ended well."""
+    monkeypatch.setattr(_uploader, "_shared", None)  # this test's own upload process
+    threads_before = set(threading.enumerate())
+    processes_before = upload_processes()
+    store = tmp_path / "store"
+    ckpt = taskpoint.Checkpoint(f"file://{store}", keep=2)
+    assert ckpt.load_sync() is None  # what a job does first; it starts the upload process
+    assert _uploader.shared().wait_ready(60)
+    mc = TaskpointModelCheckpoint(
+        ckpt, dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_last=True
+    )
+    trainer = lib.trainer(
+        [_BreakStoreAt(mc, store, 3), mc], max_epochs=1, default_root_dir=tmp_path
+    )
+    with pytest.raises(taskpoint.CheckpointStoreError, match="Not a directory"):
+        trainer.fit(lib.TinyModule(), lib.loader("plain"))
+    assert ckpt._saves.process_uploads > 0 and not ckpt.closed
+    assert_nothing_left(
+        threads_before, processes_before, after="a fit that raised", non_daemon=True
+    )

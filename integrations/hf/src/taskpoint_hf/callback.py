@@ -282,6 +282,7 @@ class TaskpointTrainerCallback(TrainerCallback):
             )
         except Exception as exc:
             if self._preemption.stop is None:
+                self._saves.release()  # as after a train that ended well
                 self._preemption.finish(state, True)
                 raise
             error = exc

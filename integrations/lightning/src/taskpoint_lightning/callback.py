@@ -236,6 +236,8 @@ class _TaskpointMirror(Mirroring):
         finally:
             if fit is not None:
                 fit.stop.sequence.close()
+            # Lightning calls no teardown after a failure (one raised in teardown ends here too)
+            self._job.release()
 
     def _settle(self, trainer: pl.Trainer, exception: BaseException) -> None:
         """Mirror what the failure saved (``save_on_exception``, an ``OnExceptionCheckpoint``
