@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+import taskpoint
 import taskpoint_hf
-from taskpoint_hf import _compat, callback, resume
+from taskpoint_hf import callback, resume
+
+
+def _check(found: str) -> str:
+    wanted = f"transformers{taskpoint_hf.SUPPORTED_TRANSFORMERS}"
+    return taskpoint.require_version(wanted, adapter="taskpoint-hf", found=found)
 
 
 def test_all_lists_every_public_name() -> None:
@@ -16,17 +25,23 @@ def test_all_lists_every_public_name() -> None:
 
 @pytest.mark.parametrize("version", ["4.46.0", "4.57.1", "5.0.0.dev0", "5.24.0"])
 def test_supported_transformers_versions_pass(version: str) -> None:
-    assert _compat.check_transformers_version(version) == version
+    assert _check(version) == version
 
 
 @pytest.mark.parametrize("version", ["4.45.2", "3.5.0", "6.0.0", "nightly"])
 def test_unsupported_transformers_version_names_both(version: str) -> None:
     with pytest.raises(ImportError) as info:
-        _compat.check_transformers_version(version)
+        _check(version)
     assert f"requested transformers>=4.46,<6 but found transformers {version}" in str(info.value)
 
 
-def test_installed_transformers_is_supported() -> None:
-    import transformers
-
-    assert _compat.check_transformers_version() == transformers.__version__
+def test_importing_beside_an_unsupported_transformers_fails_naming_the_range() -> None:
+    code = (
+        "from importlib import metadata\n"
+        "real = metadata.version\n"
+        "metadata.version = lambda name: '4.45.2' if name == 'transformers' else real(name)\n"
+        "import taskpoint_hf\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert "ImportError: taskpoint-hf requested transformers>=4.46,<6 but found transformers 4.45.2" in run.stderr

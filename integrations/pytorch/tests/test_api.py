@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,6 @@ import taskpoint
 import taskpoint_pytorch
 import torch
 from taskpoint_pytorch import STATE_FILE, ResumePoint, TaskpointState, _errors, state
-from taskpoint_pytorch._compat import check_torch_version
 from torch import nn
 
 
@@ -24,19 +25,31 @@ def test_public_names_are_exported() -> None:
 
 @pytest.mark.parametrize("version", ["2.4.0", "2.15.0+cu132", "2.6.0.dev20240901", "2.99.1"])
 def test_supported_torch_versions(version: str) -> None:
-    assert check_torch_version(version) == version
+    assert taskpoint.require_version(
+        taskpoint_pytorch.SUPPORTED_TORCH, adapter="taskpoint-pytorch", found=version
+    ) == version
 
 
 @pytest.mark.parametrize("version", ["2.3.1", "1.13.1", "3.0.0", "nightly"])
 def test_unsupported_torch_versions_say_what_was_requested(version: str) -> None:
     with pytest.raises(ImportError) as info:
-        check_torch_version(version)
+        taskpoint.require_version(
+            taskpoint_pytorch.SUPPORTED_TORCH, adapter="taskpoint-pytorch", found=version
+        )
     assert f"taskpoint-pytorch requested torch>=2.4,<3 but found torch {version}" in str(info.value)
     assert "pip install 'torch>=2.4,<3'" in str(info.value)
 
 
-def test_installed_torch_passes_the_check() -> None:
-    check_torch_version()
+def test_importing_beside_an_unsupported_torch_fails_naming_the_range() -> None:
+    code = (
+        "from importlib import metadata\n"
+        "real = metadata.version\n"
+        "metadata.version = lambda name: '2.3.1' if name == 'torch' else real(name)\n"
+        "import taskpoint_pytorch\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert "ImportError: taskpoint-pytorch requested torch>=2.4,<3 but found torch 2.3.1" in run.stderr
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
@@ -209,19 +210,20 @@ def test_public_names_are_complete() -> None:
         assert hasattr(taskpoint_sklearn, name)
 
 
-def test_version_check_names_requested_and_found(monkeypatch: pytest.MonkeyPatch) -> None:
-    from importlib.metadata import version
+def test_importing_beside_an_unsupported_framework_fails_naming_the_range() -> None:
+    code = (
+        "from importlib import metadata\n"
+        "real = metadata.version\n"
+        "metadata.version = lambda name: '1.3.2' if name == 'scikit-learn' else real(name)\n"
+        "import taskpoint_sklearn\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert ("ImportError: taskpoint-sklearn requested scikit-learn>=1.4,<2.0 but found "
+            "scikit-learn 1.3.2") in run.stderr
 
-    from taskpoint_sklearn import _compat
 
-    _compat.check_versions()
-    monkeypatch.setitem(_compat.SUPPORTED, "scikit-learn", ">=9.0,<10.0")
-    found = version("scikit-learn")
-    with pytest.raises(
-        ImportError, match=re.escape(f"requested scikit-learn>=9.0,<10.0 but found scikit-learn {found}")
-    ):
-        _compat.check_versions()
-    monkeypatch.setitem(_compat.SUPPORTED, "no-such-dist-tp", ">=1.0,<2.0")
-    monkeypatch.delitem(_compat.SUPPORTED, "scikit-learn")
-    with pytest.raises(ImportError, match=r"requested no-such-dist-tp>=1\.0,<2\.0 but found none"):
-        _compat.check_versions()
+def test_every_framework_installed_is_in_its_supported_range() -> None:
+    assert set(taskpoint_sklearn.SUPPORTED_VERSIONS) == {"scikit-learn", "skops", "numpy"}
+    for dist, spec in taskpoint_sklearn.SUPPORTED_VERSIONS.items():
+        taskpoint.require_version(f"{dist}{spec}", adapter="taskpoint-sklearn")

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("unsloth", reason="Unsloth is not installed: run these tests with "
                     "`UV_PROJECT_ENVIRONMENT=.venv-unsloth uv run --only-group unsloth "
                     "pytest integrations/unsloth/tests`")
 
+import taskpoint
 import taskpoint_unsloth
-from taskpoint_unsloth import _compat, callback, lora, resume
+from taskpoint_unsloth import callback, lora, resume
+
+
+def _check(found: str) -> str:
+    wanted = f"unsloth{taskpoint_unsloth.SUPPORTED_UNSLOTH}"
+    return taskpoint.require_version(wanted, adapter="taskpoint-unsloth", found=found)
 
 
 def test_all_lists_every_public_name() -> None:
@@ -22,35 +31,23 @@ def test_all_lists_every_public_name() -> None:
 
 @pytest.mark.parametrize("version", ["2026.10.0", "2026.10.9", "2026.11.1", "2027.1.0"])
 def test_supported_unsloth_versions_pass(version: str) -> None:
-    assert _compat.check_unsloth_version(version) == version
+    assert _check(version) == version
 
 
 @pytest.mark.parametrize("version", ["2026.9.3", "2025.12.1", "nightly"])
 def test_unsupported_unsloth_version_names_both(version: str) -> None:
     with pytest.raises(ImportError) as info:
-        _compat.check_unsloth_version(version)
+        _check(version)
     assert f"requested unsloth>=2026.10 but found unsloth {version}" in str(info.value)
 
 
-def test_installed_unsloth_is_supported() -> None:
-    import unsloth
-
-    assert _compat.check_unsloth_version() == unsloth.__version__
-
-
-def test_mismatch_error_is_a_taskpoint_error() -> None:
-    import taskpoint
-
-    assert issubclass(taskpoint_unsloth.LoraConfigMismatchError, taskpoint.CheckpointError)
-    assert issubclass(taskpoint_unsloth.LoraConfigMismatchError, ValueError)
-
-
-def test_taskpoint_unsloth_extra_pulls_this_adapter() -> None:
-    from importlib.metadata import requires
-
-    from packaging.requirements import Requirement
-
-    extras = [Requirement(r) for r in requires("taskpoint") or []]
-    unsloth = [r for r in extras if r.marker is not None and r.marker.evaluate({"extra": "unsloth"})
-               and not r.marker.evaluate({"extra": ""})]
-    assert [r.name for r in unsloth] == ["taskpoint-unsloth"]
+def test_importing_beside_an_unsupported_unsloth_fails_naming_the_range() -> None:
+    code = (
+        "from importlib import metadata\n"
+        "real = metadata.version\n"
+        "metadata.version = lambda name: '2026.9.3' if name == 'unsloth' else real(name)\n"
+        "import taskpoint_unsloth\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert "ImportError: taskpoint-unsloth requested unsloth>=2026.10 but found unsloth 2026.9.3" in run.stderr

@@ -26,9 +26,13 @@ The same two objects work unchanged with ``trl.SFTTrainer``, PEFT (LoRA) models 
 step boundary, and ``trainer.train()`` raises :class:`taskpoint.Preempted`.
 """
 
-from taskpoint_hf._compat import SUPPORTED_TRANSFORMERS, check_transformers_version
+from taskpoint import require_version
 
-check_transformers_version()
+SUPPORTED_TRANSFORMERS = ">=4.46,<6"
+"""The transformers releases this adapter supports (PEP 440 specifier); importing the
+package raises ``ImportError`` outside them."""
+
+require_version(f"transformers{SUPPORTED_TRANSFORMERS}", adapter="taskpoint-hf")
 
 from taskpoint_hf.callback import TaskpointTrainerCallback  # noqa: E402
 from taskpoint_hf.resume import (  # noqa: E402

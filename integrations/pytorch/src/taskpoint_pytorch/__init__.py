@@ -57,9 +57,13 @@ seeded per epoch) and skip the batches already done.
 
 from typing import TYPE_CHECKING
 
-from taskpoint_pytorch._compat import SUPPORTED_TORCH, check_torch_version
+from taskpoint import require_version
 
-check_torch_version()
+SUPPORTED_TORCH = "torch>=2.4,<3"
+"""The PyTorch releases this adapter supports, as a requirement string (also the install
+hint); importing the package raises ``ImportError`` outside it."""
+
+require_version(SUPPORTED_TORCH, adapter="taskpoint-pytorch")
 
 from taskpoint.integration import TorchCoordinator  # noqa: E402
 

@@ -40,9 +40,18 @@ no code from the store; a bundle naming another type is refused with
 :class:`UntrustedTypesError`. ``format="pickle"`` or ``"joblib"`` is an explicit opt-in.
 """
 
-from taskpoint_sklearn._compat import check_versions
+from taskpoint import require_version
 
-check_versions()
+SUPPORTED_VERSIONS: dict[str, str] = {
+    "scikit-learn": ">=1.4,<2.0",
+    "skops": ">=0.10,<1.0",
+    "numpy": ">=1.26,<3.0",
+}
+"""Distribution name -> the range this adapter supports (PEP 440 specifier); importing
+the package raises ``ImportError`` when one is outside it."""
+
+for _dist, _spec in SUPPORTED_VERSIONS.items():
+    require_version(f"{_dist}{_spec}", adapter="taskpoint-sklearn")
 
 from taskpoint_sklearn.bundle import BIT_GENERATORS, BUNDLE_VERSION, PartialFitBundle  # noqa: E402
 from taskpoint_sklearn.checkpoint import TaskpointSklearnCheckpoint  # noqa: E402
@@ -61,6 +70,7 @@ __all__ = [
     "BUNDLE_VERSION",
     "DEFAULT_TRUSTED_TYPES",
     "FORMATS",
+    "SUPPORTED_VERSIONS",
     "BundleFormatError",
     "Format",
     "PartialFitBundle",

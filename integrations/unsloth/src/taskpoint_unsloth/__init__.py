@@ -29,9 +29,13 @@ the difference, when the rebuilt model's LoRA config or base model differs::
 Importing this package imports Unsloth first, so its patches precede transformers.
 """
 
-from taskpoint_unsloth._compat import SUPPORTED_UNSLOTH, check_unsloth_version
+from taskpoint import require_version
 
-check_unsloth_version()
+SUPPORTED_UNSLOTH = ">=2026.10"
+"""The Unsloth releases this adapter supports (PEP 440 specifier): the first with CPU
+training on. Importing the package raises ``ImportError`` outside them."""
+
+require_version(f"unsloth{SUPPORTED_UNSLOTH}", adapter="taskpoint-unsloth")
 
 import unsloth  # noqa: E402, F401  (before transformers, as Unsloth requires)
 
