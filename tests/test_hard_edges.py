@@ -389,6 +389,44 @@ def test_garbage_records_never_break_history_or_claims(tmp_path: Path) -> None:
     assert [(r.attempt, r.ended) for r in records] == [(0, None), (1, None)]
 
 
+
+def test_a_long_history_is_read_concurrently_and_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run restarted many times has four records per attempt: read one at a time, each
+    cost a round trip (on S3, inside a save that picks its interval from the history)."""
+    attempts = tmp_path / "store" / "attempts"
+    attempts.mkdir(parents=True)
+    for n in range(12):
+        (attempts / f"{n:06d}").write_text(json.dumps({"format": 1, "started": 1000.0 + n}))
+        (attempts / f"{n:06d}.end.json").write_text(
+            json.dumps({"format": 1, "ended": 1000.5 + n, "outcome": "failed", "step": n})
+        )
+    (attempts / "000005.resume.json").mkdir()  # one unreadable record, named as such
+    reading, peak, lock = 0, 0, threading.Lock()
+    read_bytes = Store.read_bytes
+
+    def slow_read(self: Store, name: str) -> bytes:
+        nonlocal reading, peak
+        with lock:
+            reading += 1
+            peak = max(peak, reading)
+        try:
+            time.sleep(0.02)  # an object store's round trip
+            return read_bytes(self, name)
+        finally:
+            with lock:
+                reading -= 1
+
+    monkeypatch.setattr(Store, "read_bytes", slow_read)
+    records = taskpoint.format.history.read_attempts(Store(str(tmp_path / "store")))
+    assert [(r.attempt, r.started, r.ended, r.outcome, r.step) for r in records] == [
+        (n, 1000.0 + n, 1000.5 + n, "failed", n) for n in range(12)
+    ]
+    assert [r.attempt for r in records if r.unreadable] == [5]
+    assert records[5].unreadable[0][0] == "attempts/000005.resume.json"
+    assert peak > 1
+
 # -- 3. retention keeps what a load would return ----------------------------------------------
 
 

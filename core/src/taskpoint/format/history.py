@@ -52,6 +52,7 @@ import re
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -677,6 +678,10 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
     """Every attempt the records name, ascending; garbage or unreadable records read as
     unknown fields (an unreadable one is named in :attr:`AttemptRecord.unreadable`).
 
+    The records are read concurrently (up to the store's transfer concurrency): a run that
+    restarted hundreds of times has four records per attempt, and read one by one they
+    took a round trip each.
+
     Raises:
         CheckpointStoreError: the store failed to list the records.
     """
@@ -686,14 +691,16 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
         stem = name.removesuffix(_RESUME).removesuffix(_END)
         if _CLAIM_RE.match(stem):
             numbers.add(int(stem))
+    suffixes = ("", _RESUME, _END, _INTERVAL)
+    read = _read_all(store, [f"{_claim_key(n)}{end}" for n in numbers for end in suffixes], names)
     records = []
     for attempt in sorted(numbers):
         key = _claim_key(attempt)
-        unreadable: list[tuple[str, str]] = []
-        claim = _read(store, key, names, unreadable)
-        resume = _read(store, f"{key}{_RESUME}", names, unreadable)
-        end = _read(store, f"{key}{_END}", names, unreadable)
-        interval = _read(store, f"{key}{_INTERVAL}", names, unreadable)
+        claim, resume, end, interval = (read[f"{key}{suffix}"][0] for suffix in suffixes)
+        unreadable = [
+            (f"{key}{suffix}", why) for suffix in suffixes
+            if (why := read[f"{key}{suffix}"][1]) is not None
+        ]
         outcome = end.get("outcome")
         records.append(
             AttemptRecord(
@@ -721,6 +728,28 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
             )
         )
     return records
+
+
+def _read_all(
+    store: Store, keys: list[str], names: set[str]
+) -> dict[str, tuple[dict[str, Any], str | None]]:
+    """Each of ``keys`` read as a record: ``(record, None)``, or ``({}, why)`` when the store
+    could not read it; ``({}, None)`` for one not among ``names`` (the listing) or not a
+    JSON object. Reads run on up to the store's transfer concurrency of threads."""
+    present = [key for key in keys if key.rpartition("/")[2] in names]
+    read: dict[str, tuple[dict[str, Any], str | None]] = dict.fromkeys(keys, ({}, None))
+    if not present:
+        return read
+
+    def one(key: str) -> tuple[dict[str, Any], str | None]:
+        unreadable: list[tuple[str, str]] = []
+        record = _read(store, key, names, unreadable)
+        return record, unreadable[0][1] if unreadable else None
+
+    workers = max(1, min(len(present), store.transfer.concurrency))
+    with ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-records") as pool:
+        read.update(zip(present, pool.map(one, present), strict=True))
+    return read
 
 
 def _read(
