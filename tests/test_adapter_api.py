@@ -12,6 +12,8 @@ its ``__all__``: what an adapter needs is documented there, or lives in core beh
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,35 @@ def test_saves_on_preemption_is_the_rule_with_this_process_restarted_or_not(
     monkeypatch.setenv("TASKPOINT_SAVE_ON_PREEMPTION", "maybe")
     with pytest.raises(ValueError, match="TASKPOINT_SAVE_ON_PREEMPTION must be"):
         saves_on_preemption(None)
+
+
+@pytest.mark.parametrize(
+    ("module", "distribution", "found", "message"),
+    [
+        ("taskpoint_pytorch", "torch", "2.3.1",
+         "taskpoint-pytorch requested torch>=2.4,<3 but found torch 2.3.1"),
+        ("taskpoint_hf", "transformers", "4.45.2",
+         "taskpoint-hf requested transformers>=4.46,<6 but found transformers 4.45.2"),
+        ("taskpoint_sklearn", "scikit-learn", "1.3.2",
+         "taskpoint-sklearn requested scikit-learn>=1.4,<2.0 but found scikit-learn 1.3.2"),
+        ("taskpoint_lightning", "lightning", "2.3.3",
+         "taskpoint-lightning requested lightning>=2.4,<3 but found lightning 2.3.3"),
+        ("taskpoint_lightning.pytorch_lightning", "pytorch-lightning", "1.9.5",
+         "taskpoint-lightning requested pytorch-lightning>=2.4,<3 but found "
+         "pytorch-lightning 1.9.5"),
+    ],
+)
+def test_an_adapter_refuses_to_import_beside_an_unsupported_framework(
+    module: str, distribution: str, found: str, message: str
+) -> None:
+    """Each adapter checks its framework's release as it is imported (Unsloth's, in its own
+    environment, is checked by its own tests), before it imports the framework."""
+    code = (
+        "from importlib import metadata\n"
+        "real = metadata.version\n"
+        f"metadata.version = lambda name: {found!r} if name == {distribution!r} else real(name)\n"
+        f"import {module}\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert f"ImportError: {message}; install a supported version" in run.stderr

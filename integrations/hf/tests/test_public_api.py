@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import taskpoint
 import taskpoint_hf
@@ -33,15 +30,3 @@ def test_unsupported_transformers_version_names_both(version: str) -> None:
     with pytest.raises(ImportError) as info:
         _check(version)
     assert f"requested transformers>=4.46,<6 but found transformers {version}" in str(info.value)
-
-
-def test_importing_beside_an_unsupported_transformers_fails_naming_the_range() -> None:
-    code = (
-        "from importlib import metadata\n"
-        "real = metadata.version\n"
-        "metadata.version = lambda name: '4.45.2' if name == 'transformers' else real(name)\n"
-        "import taskpoint_hf\n"
-    )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1, run.stderr
-    assert "ImportError: taskpoint-hf requested transformers>=4.46,<6 but found transformers 4.45.2" in run.stderr

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +36,6 @@ def test_unsupported_torch_versions_say_what_was_requested(version: str) -> None
         )
     assert f"taskpoint-pytorch requested torch>=2.4,<3 but found torch {version}" in str(info.value)
     assert "pip install 'torch>=2.4,<3'" in str(info.value)
-
-
-def test_importing_beside_an_unsupported_torch_fails_naming_the_range() -> None:
-    code = (
-        "from importlib import metadata\n"
-        "real = metadata.version\n"
-        "metadata.version = lambda name: '2.3.1' if name == 'torch' else real(name)\n"
-        "import taskpoint_pytorch\n"
-    )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1, run.stderr
-    assert "ImportError: taskpoint-pytorch requested torch>=2.4,<3 but found torch 2.3.1" in run.stderr
 
 
 @pytest.mark.parametrize(
