@@ -33,6 +33,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,11 +50,12 @@ TRAINED_S = 3.0
 """Seconds between the load and the first save (a job trains some steps first)."""
 
 
-def _child(mode: str, size_mb: int, url: str, options: dict[str, Any]) -> dict[str, float]:
+def _child(
+    mode: str, size_mb: int, url: str, options: dict[str, Any], work: Path
+) -> dict[str, float]:
     import taskpoint
     import torch
 
-    work = Path(tempfile.mkdtemp(prefix="tp-bench-bg-"))
     state = {"weights": torch.rand(size_mb * 2**20 // 4, generator=torch.Generator().manual_seed(1))}
     path = work / "state.pt"
     if mode == "plain":
@@ -110,7 +112,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         mode, size, url, options = args.child
-        print(json.dumps(_child(mode, int(size), url, json.loads(options))))
+        work = Path(tempfile.mkdtemp(prefix="tp-bench-bg-"))
+        try:
+            print(json.dumps(_child(mode, int(size), url, json.loads(options), work)))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # the state and its copy: 400 MB a run
         return
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
           f"({os.cpu_count()} cores)", flush=True)

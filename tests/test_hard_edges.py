@@ -427,6 +427,22 @@ def test_a_long_history_is_read_concurrently_and_whole(
     assert records[5].unreadable[0][0] == "attempts/000005.resume.json"
     assert peak > 1
 
+
+def test_the_history_reads_at_interpreter_exit_where_no_thread_can_start(tmp_path: Path) -> None:
+    """At exit (an ``atexit`` hook, as the records of a life's end are written) no new
+    thread may start; the records are then read on the exiting one."""
+    store = tmp_path / "store"
+    Checkpoint(store).save_sync(b"state")  # claims attempt 0
+    code = textwrap.dedent(f"""
+        import atexit, taskpoint
+        def report():
+            print("attempts at exit:", [r.attempt for r in taskpoint.Checkpoint({str(store)!r}).attempts()])
+        atexit.register(report)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "attempts at exit: [0]" in run.stdout, run.stderr
+
 # -- 3. retention keeps what a load would return ----------------------------------------------
 
 

@@ -735,7 +735,8 @@ def _read_all(
 ) -> dict[str, tuple[dict[str, Any], str | None]]:
     """Each of ``keys`` read as a record: ``(record, None)``, or ``({}, why)`` when the store
     could not read it; ``({}, None)`` for one not among ``names`` (the listing) or not a
-    JSON object. Reads run on up to the store's transfer concurrency of threads."""
+    JSON object. Reads run on up to the store's transfer concurrency of threads, or on this
+    one where no thread can start (at interpreter exit)."""
     present = [key for key in keys if key.rpartition("/")[2] in names]
     read: dict[str, tuple[dict[str, Any], str | None]] = dict.fromkeys(keys, ({}, None))
     if not present:
@@ -748,7 +749,13 @@ def _read_all(
 
     workers = max(1, min(len(present), store.transfer.concurrency))
     with ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-records") as pool:
-        read.update(zip(present, pool.map(one, present), strict=True))
+        futures = {}
+        for key in present:
+            try:
+                futures[key] = pool.submit(one, key)
+            except RuntimeError:  # no new thread: the interpreter is exiting (an end
+                read[key] = one(key)  # record written at exit reads the history), or none starts
+        read.update((key, future.result()) for key, future in futures.items())
     return read
 
 
