@@ -302,8 +302,8 @@ def newest_claim_since(store: Store, since: float, running_at: float) -> int | N
     if not taken:
         return None
     key = _claim_key(taken[-1])
-    started = finite_number(_read(store, key, names, []).get("started"))
-    ended = finite_number(_read(store, f"{key}{_END}", names, []).get("ended"))
+    started = finite_number(_read(store, key, names)[0].get("started"))
+    ended = finite_number(_read(store, f"{key}{_END}", names)[0].get("ended"))
     if started is None or started < since or (ended is not None and ended < running_at):
         return None
     return taken[-1]
@@ -408,7 +408,7 @@ def note_unended(store: Store, by: int, names: set[str] | None = None) -> list[i
     )
     noted = []
     for attempt in unended:
-        claim = _read(store, _claim_key(attempt), names, [])
+        claim = _read(store, _claim_key(attempt), names)[0]
         if _alive_here(claim):
             continue
         record = _record(
@@ -733,45 +733,36 @@ def read_attempts(store: Store) -> list[AttemptRecord]:
 def _read_all(
     store: Store, keys: list[str], names: set[str]
 ) -> dict[str, tuple[dict[str, Any], str | None]]:
-    """Each of ``keys`` read as a record: ``(record, None)``, or ``({}, why)`` when the store
-    could not read it; ``({}, None)`` for one not among ``names`` (the listing) or not a
-    JSON object. Reads run on up to the store's transfer concurrency of threads, or on this
-    one where no thread can start (at interpreter exit)."""
+    """Each of ``keys`` read as :func:`_read` reads it, on up to the store's transfer
+    concurrency of threads, or on this one where no thread can start (at interpreter exit)."""
     present = [key for key in keys if key.rpartition("/")[2] in names]
     read: dict[str, tuple[dict[str, Any], str | None]] = dict.fromkeys(keys, ({}, None))
     if not present:
         return read
-
-    def one(key: str) -> tuple[dict[str, Any], str | None]:
-        unreadable: list[tuple[str, str]] = []
-        record = _read(store, key, names, unreadable)
-        return record, unreadable[0][1] if unreadable else None
-
-    workers = max(1, min(len(present), store.transfer.concurrency))
+    workers = min(len(present), store.transfer.concurrency)  # both at least 1
     with ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-records") as pool:
         futures = {}
         for key in present:
             try:
-                futures[key] = pool.submit(one, key)
+                futures[key] = pool.submit(_read, store, key, names)
             except RuntimeError:  # no new thread: the interpreter is exiting (an end
-                read[key] = one(key)  # record written at exit reads the history), or none starts
+                read[key] = _read(store, key, names)  # record at exit), or none starts
         read.update((key, future.result()) for key, future in futures.items())
     return read
 
 
-def _read(
-    store: Store, key: str, names: set[str], unreadable: list[tuple[str, str]]
-) -> dict[str, Any]:
+def _read(store: Store, key: str, names: set[str]) -> tuple[dict[str, Any], str | None]:
+    """The record ``key``: ``(record, None)``, or ``({}, why)`` when the store could not
+    read it; ``({}, None)`` for one not among ``names`` (the listing) or not a JSON object."""
     if key.rpartition("/")[2] not in names:
-        return {}
+        return {}, None
     try:
         raw = loads_record(store.read_bytes(key))
     except (FileNotFoundError, ValueError):
-        return {}
+        return {}, None
     except CheckpointStoreError as exc:  # one unreadable record (a folder, say), not the rest
-        unreadable.append((key, str(exc)))
-        return {}
-    return raw if isinstance(raw, dict) else {}
+        return {}, str(exc)
+    return (raw if isinstance(raw, dict) else {}), None
 
 
 def finite_number(value: object) -> float | None:
