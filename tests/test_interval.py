@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 from taskpoint import Checkpoint
-from taskpoint.format.history import AttemptRecord, claim_attempt, read_attempts, record_end
+from taskpoint.format import history as history_module
+from taskpoint.format.history import (
+    AttemptRecord,
+    claim_attempt,
+    read_attempts,
+    record_end,
+    record_interval,
+)
 from taskpoint.runtime.interval import (
     MTBF_PRIOR_S,
     IntervalChoice,
@@ -526,3 +533,84 @@ def test_a_save_queued_behind_an_upload_counts_from_the_commit_before_it(tmp_pat
     gate[1].set()  # the second, 2 s after the first's commit
     assert checkpoint.wait(30)
     assert interval.choice.upload_s == pytest.approx(0.8 * 4.0 + 0.2 * 2.0)
+
+
+def test_a_resumed_run_starts_from_the_save_cost_its_last_attempt_recorded(
+    tmp_path: Path,
+) -> None:
+    """A run's first automatic save is due at once, to measure its cost; a resumed run's is
+    not: it takes the cost and upload time the attempt before it recorded, so it does not
+    upload again the state it has just restored."""
+    first = Checkpoint(tmp_path.as_uri(), attempt=0)
+    first.mark_started()
+    clock = FakeClock()
+    interval = SaveInterval.for_checkpoint(first, "auto", mtbf_prior_s=3600.0, clock=clock)
+    assert interval.choice.rule == "first-save" and interval.due()
+    first.save_sync(b"first")
+    interval.saved(blocked_s=2.0)
+    first.save_sync(b"second")  # the commit records the choice: every 120 s on a 2 s save
+    first.mark_ended("crashed")
+
+    resumed = Checkpoint(tmp_path.as_uri(), attempt=1)
+    resumed.mark_started()
+    assert resumed.load_sync() is not None
+    later = SaveInterval.for_checkpoint(resumed, "auto", mtbf_prior_s=3600.0, clock=clock)
+    choice = later.choice
+    assert choice.rule == "young-daly", "a resumed run measured nothing yet, but its run did"
+    assert choice.save_cost_s == pytest.approx(2.0)
+    assert choice.failures == 1
+    assert choice.interval_s == pytest.approx(young_daly(2.0, choice.mtbf_s or 0.0))
+    assert not later.due(), "due at once: the restored state would be uploaded again"
+    _train(later, clock, 1, choice.interval_s)
+    assert later.due()
+    later.saved(blocked_s=1.0)  # its own saves blend in
+    assert later.save_cost_s == pytest.approx(0.8 * 2.0 + 0.2 * 1.0)
+
+
+def test_an_unusable_recorded_cost_leaves_the_first_save_to_measure_it(tmp_path: Path) -> None:
+    """A negative or missing save cost in the record before (garbage, a fixed interval's
+    record) is not taken: the resumed run measures its own, as a new run does."""
+    store = Store(tmp_path.as_uri())
+    for number, record in enumerate(
+        [
+            {"every": "auto", "interval_s": 10.0, "rule": "young-daly", "save_cost_s": -1.0},
+            {"every": 60.0, "interval_s": 60.0, "rule": "fixed", "save_cost_s": None},
+        ]
+    ):
+        claim_attempt(store, number)
+        record_interval(store, number, record)
+        record_end(store, number, "crashed")
+    history = read_attempts(store)
+    assert [r.interval is not None for r in history] == [True, True]
+    interval = SaveInterval("auto", history=history, mtbf_prior_s=3600.0, clock=FakeClock())
+    interval.failures_seen(history, current=None)
+    assert interval.choice.rule == "first-save" and interval.due()
+
+
+def test_a_load_reads_the_run_history_once_beside_its_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The resume line and the save interval share one read of the attempt records, made on
+    a thread while the checkpoint downloads, not inside the first save call training waits
+    on."""
+    first = Checkpoint(tmp_path.as_uri(), attempt=0)
+    first.mark_started()
+    first.save_sync(b"state")
+    reads: list[str] = []
+    real = history_module.read_attempts
+
+    def counted(store: Store) -> list[AttemptRecord]:
+        reads.append(threading.current_thread().name)
+        return real(store)
+
+    monkeypatch.setattr(history_module, "read_attempts", counted)
+    resumed = Checkpoint(tmp_path.as_uri(), attempt=1)
+    resumed.mark_started()
+    with caplog.at_level("INFO", logger="taskpoint"):
+        assert resumed.load_sync() is not None
+    assert any("resuming at" in r.getMessage() for r in caplog.records)
+    interval = SaveInterval.for_checkpoint(resumed, "auto", clock=FakeClock())
+    assert interval.choice.failures == 1, "attempt 0 left no end record: it died"
+    assert reads == ["taskpoint-history"]
+    assert [r.attempt for r in resumed.attempts()] == [0, 1], "attempts() reads afresh"
+    assert len(reads) == 2

@@ -52,7 +52,7 @@ import re
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -508,6 +508,7 @@ class Attempt:
         self._saves = 0
         self._claiming = threading.Lock()  # one claim at a time (see claim_soon)
         self._pid = os.getpid()  # a fork's child makes its own lock: a claim may hold this
+        self._history: Future[list[AttemptRecord]] | None = None  # see read_history_soon
 
     def claim(self) -> int:
         """The attempt number, claimed from the store first if it has none yet.
@@ -548,6 +549,35 @@ class Attempt:
                 log.debug("%s: claiming the attempt early failed: %s", self.store.url, exc)
 
         threading.Thread(target=run, name="taskpoint-claim", daemon=True).start()
+
+    def read_history_soon(self) -> None:
+        """Start reading the run's attempt records (:func:`read_attempts`) on a thread, for
+        :meth:`history`. A load does this beside its download: the resume line and an
+        automatic save interval then find the records read, where each read them again,
+        the interval inside the first save call that training waits on."""
+        future: Future[list[AttemptRecord]] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(read_attempts(self.store))
+            except BaseException as exc:  # history() raises it
+                future.set_exception(exc)
+
+        try:
+            threading.Thread(target=run, name="taskpoint-history", daemon=True).start()
+        except RuntimeError:  # no new thread at interpreter exit: history() reads itself
+            return
+        self._history = future
+
+    def history(self) -> list[AttemptRecord]:
+        """The run's attempt records as :meth:`read_history_soon` read them (waiting for
+        the read to finish), or read now where it was not called.
+
+        Raises:
+            CheckpointStoreError: the store failed to list the records.
+        """
+        future = self._history
+        return read_attempts(self.store) if future is None else list(future.result())
 
     def _check_marker(self, attempt: int) -> None:
         """Refuse to add an attempt to an action a newer taskpoint has written to."""
@@ -663,15 +693,16 @@ def resume_line(
     return line
 
 
-def log_resume(store: Store, manifest: Manifest, attempt: int | None) -> None:
-    """Log :func:`resume_line` for a load of ``manifest`` at INFO; best effort."""
+def log_resume(attempt: Attempt, manifest: Manifest) -> None:
+    """Log :func:`resume_line` for ``attempt``'s load of ``manifest`` at INFO, from the
+    records :meth:`Attempt.history` gives; best effort."""
     if not log.isEnabledFor(logging.INFO):
         return
     try:
-        earlier = read_attempts(store)
+        earlier = attempt.history()
     except CheckpointError:
         earlier = []
-    log.info("%s: %s", store.url, resume_line(manifest, attempt, earlier))
+    log.info("%s: %s", attempt.store.url, resume_line(manifest, attempt.number, earlier))
 
 
 def read_attempts(store: Store) -> list[AttemptRecord]:

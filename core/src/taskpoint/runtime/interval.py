@@ -27,6 +27,10 @@ its commit (measured from the checkpoint's commits): a save asked for while the 
 still uploads only replaces the one queued behind it, so saving more often than uploads
 commit adds snapshots and upload work but commits no sooner.
 
+A run's first save is due at once, to measure what a save costs. A resumed run starts from
+the cost its newest earlier attempt recorded (its interval record), so it does not upload
+again the state it has just restored; its own saves' costs take over from there.
+
 Each new measurement (a committed save's cost, a failure in the history) recomputes the
 interval; :attr:`SaveInterval.choice` says what was chosen and from what, and every change
 is logged at INFO. A failure that a preemption save covered (a SIGTERM with its grace
@@ -240,7 +244,8 @@ class IntervalChoice:
         rule: ``"fixed"``, ``"young-daly"``, ``"overhead"`` (raised to keep saves within
             ``max_overhead`` while the run has not failed), ``"upload"`` (raised to the
             time a background save takes to commit), ``"max-interval"`` (capped) or
-            ``"first-save"`` (no save cost measured yet: the first save is due at once).
+            ``"first-save"`` (no save cost measured yet, nor recorded by an earlier
+            attempt of the run: the first save is due at once).
         save_cost_s: the measured cost of one save as training sees it (``None``: none
             measured yet).
         mtbf_s: the mean time between failures used (``None`` for a fixed interval).
@@ -438,7 +443,8 @@ class SaveInterval:
         if isinstance(checkpoint, Checkpoint):
             if interval._auto:
                 try:
-                    interval.failures_seen(checkpoint.attempts(), checkpoint.attempt)
+                    # as its load read them, beside the download (else read now)
+                    interval.failures_seen(checkpoint._attempt.history(), checkpoint.attempt)
                 except CheckpointError as exc:
                     log.warning(
                         "cannot read the run history at %s (%s); the save interval uses the "
@@ -500,7 +506,8 @@ class SaveInterval:
 
     def due(self, agree: Callable[[bool], bool] | None = None) -> bool:
         """Whether a save is due now: the interval has passed since the last save (or the
-        start). The first automatic save, whose cost is not known yet, is due at once.
+        start). The first automatic save of a run, whose cost is not known yet, is due at
+        once.
 
         Args:
             agree: under several ranks, the adapter's collective that hands global rank 0's
@@ -576,9 +583,17 @@ class SaveInterval:
             recorder.note(choice)
 
     def failures_seen(self, history: Sequence[AttemptRecord], current: int | None = None) -> None:
-        """The run's history changed (a new attempt began): recompute the interval."""
+        """The run's history changed (a new attempt began): recompute the interval. Until
+        this interval has measured a save of its own, it takes the save cost (and upload
+        time) the newest earlier attempt recorded for its automatic interval: a resumed
+        run then saves when Young/Daly says, not at once, which would upload again the
+        state it has just restored."""
         with self._lock:
             self._history, self._current = tuple(history), current
+            if self._auto and self._cost is None and self._blocked is None:
+                self._cost, upload = _recorded_costs(history, current)
+                if self._upload_s is None:
+                    self._upload_s = upload
             self._update()
 
     def _finish_cost(self) -> None:
@@ -761,6 +776,22 @@ class TimedSaves:
         """A save was made: restart the interval (see :meth:`SaveInterval.saved`)."""
         if self.interval is not None:
             self.interval.saved(blocked_s=max(0.0, blocked_s), background=background)
+
+
+def _recorded_costs(
+    history: Sequence[AttemptRecord], current: int | None
+) -> tuple[float | None, float | None]:
+    """``(save_cost_s, upload_s)`` of the newest automatic interval recorded by an attempt
+    of ``history`` other than ``current`` that measured a save; ``(None, None)`` if none."""
+    for record in sorted(history, key=lambda r: r.attempt, reverse=True):
+        choice = None if record.attempt == current or record.interval is None else (
+            IntervalChoice.from_record(record.interval)
+        )
+        cost = None if choice is None or choice.rule == "fixed" else choice.save_cost_s
+        if cost is not None and cost >= 0:
+            upload = choice.upload_s if choice is not None else None
+            return cost, upload if upload is not None and upload >= 0 else None
+    return None, None
 
 
 def _mix(old: float, new: float) -> float:
