@@ -4,7 +4,7 @@ saved at fixed intervals from very short to very long, at the frameworks' defaul
 
 Run: uv run python bench/bench_interval.py [--scale 0.015] [--failures 3] [--step-s 0.025]
         [--size-mb 8] [--intervals 1,3,10,30,100,300] [--mtbfs 30,120,600]
-        [--autos default,schedule] [--seed 0] [--json PATH] [--svg PATH]
+        [--autos default,schedule] [--seed 0] [--repeats 1] [--json PATH] [--svg PATH]
      uv run python bench/bench_interval.py --replot PATH.json [--svg PATH] [--note TEXT]
 
 The driver is :mod:`bench_goodput`'s, imported: each run is its taskpoint side (the job
@@ -57,6 +57,13 @@ The variants of each schedule:
 Auto's other bounds stay the library's: its longest interval (an hour) is longer than any
 run here either way, and its overhead bound (2% of training time) is a share, which scaling
 leaves alone. Auto's interval on the plot is its mean over the run (steps over saves).
+
+A run's goodput moves by several percent from one run to the next under the same failures
+(the restarts: process starts on a shared machine). ``--repeats K`` runs every variant K
+times, round robin (each pass runs every variant once, so a drift in the machine's load
+meets them all alike), each on a run of its own, and reports each figure's median; the
+best fixed interval in hindsight is then picked from medians, which a single lucky run
+cannot win.
 
 Reported per schedule: goodput (the uninterrupted run's time over the run's wall time) of
 every variant, the best fixed interval in hindsight (fixed and defaults), each auto's goodput
@@ -447,6 +454,31 @@ def _row(variant: Variant, figures: dict[str, Any], steps: int, step_s: float,
     }
 
 
+def median_row(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's figures over its repeated runs: each figure's median (goodput, net
+    goodput, wall time, saves, each cause of badput, the interval), the runs' goodputs in
+    ``goodputs``, its auto choices from every run; a run that failed makes the row failed,
+    and the final weights must be the same in every run (else ``sha256`` is ``None``)."""
+    failed = [r for r in runs if "error" in r]
+    if failed or not runs:
+        return failed[0] if failed else {"error": "no run"}
+    first = runs[0]
+    if len(runs) == 1:
+        return {**first, "goodputs": [first["goodput"]]}
+    row = {**first}
+    for key in ("goodput", "net_goodput", "wall_s", "interval_s"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["saves"] = round(statistics.median(r["saves"] for r in runs))
+    row["badput_s"] = {cause: statistics.median(r["badput_s"][cause] for r in runs)
+                       for cause in first["badput_s"]}
+    row["goodputs"] = [r["goodput"] for r in runs]
+    row["sha256"] = first["sha256"] if len({r["sha256"] for r in runs}) == 1 else None
+    if any("auto_choices" in r for r in runs):
+        row["auto_choices"] = [{**c, "repeat": i} for i, r in enumerate(runs)
+                               for c in r.get("auto_choices", [])]
+    return row
+
+
 def _print_row(r: dict[str, Any], exact: bool) -> None:
     if "error" in r:
         note(f"{r['label']:<26} FAILED: {r['error']}")
@@ -457,7 +489,9 @@ def _print_row(r: dict[str, Any], exact: bool) -> None:
          f"blocked {b['blocked']:5.1f}  recomputed {b['recomputed']:5.1f}  restart+restore "
          f"{b['restart'] + b['restore']:5.1f}  other {b['other']:+5.1f}"
          + ("" if exact else "  NOT EXACT")
-         + (f"  (the run of {r['same_run_as']})" if r.get("same_run_as") else ""))
+         + (f"  (the run of {r['same_run_as']})" if r.get("same_run_as") else "")
+         + (f"  (medians; goodputs {', '.join(f'{g:.3f}' for g in r['goodputs'])})"
+            if len(r.get("goodputs", ())) > 1 else ""))
     for c in r.get("auto_choices", []):  # scaled seconds, as the library saw them
         note(f"{'':<28}attempt {c.get('attempt')} chose every {_num(c.get('interval_s'))} s "
              f"({c.get('rule')}): save cost {_num(c.get('save_cost_s'))} s, upload "
@@ -513,8 +547,39 @@ def run_schedule(mtbf_s: float, args: argparse.Namespace, base: dict[str, str],
     autos = args.autos if auto_ok else []
     print(f"  uninterrupted run {ref.end - ref.spawn:.1f} s, {start:.1f} s of it the start; "
           f"at that, this schedule takes about "
-          f"{estimate_s([mtbf_s], args.intervals, autos, args.failures, args.scale, args.step_s, start) / 60:.1f} min",
+          f"{args.repeats * estimate_s([mtbf_s], args.intervals, autos, args.failures, args.scale, args.step_s, start) / 60:.1f} min",
           flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {}  # per distinct run, one row per repeat
+    distinct: dict[str, Variant] = {}  # a default past the run's end is a fixed interval's run
+    for variant in variants(args.intervals, args.autos, mtbf_scaled, args.scale):
+        if variant.group != "auto" or auto_ok:
+            distinct.setdefault(variant.key(steps), variant)
+    for repeat in range(args.repeats):  # round robin: a drift in the machine hits all alike
+        if args.repeats > 1:
+            print(f"  repeat {repeat + 1} of {args.repeats}", flush=True)
+        for key, variant in distinct.items():
+            root = f"s3://bench/{prefix}/{mtbf_s:g}/{key}/{repeat}"
+            env = {**base, "BENCH_STEPS": str(steps), "TASKPOINT_ROOT": root,
+                   "TASKPOINT_ACTION": "train", "TASKPOINT_RUN_ID": "interval",
+                   "TASKPOINT_GRACE_PERIOD": f"{args.grace:g}"}
+            if variant.every_s is not None:
+                env["BENCH_EVERY_S"] = variant.every_s
+            if variant.prior_s is not None:
+                env["TASKPOINT_MTBF_PRIOR_S"] = f"{variant.prior_s:g}"
+            try:
+                run = run_side(Side("taskpoint", variant.every or 1), env,
+                               folder / key / str(repeat), failures, args.grace,
+                               args.restart_delay, limit)
+                row = _row(variant, account(run, ref), steps, args.step_s, args.scale)
+                if variant.group == "auto":
+                    row["auto_choices"] = _auto_choices(f"{root}/train/interval", options)
+            except RuntimeError as exc:
+                row = {"label": variant.label, "group": variant.group, "error": str(exc)}
+            runs.setdefault(key, []).append(row)
+            if args.repeats > 1:
+                _print_row(row, row.get("sha256") == ref.sha256)
+    if args.repeats > 1:
+        print("  medians:", flush=True)
     rows: list[dict[str, Any]] = []
     done: dict[str, dict[str, Any]] = {}
     for variant in variants(args.intervals, args.autos, mtbf_scaled, args.scale):
@@ -522,32 +587,15 @@ def run_schedule(mtbf_s: float, args: argparse.Namespace, base: dict[str, str],
         if variant.group == "auto" and not auto_ok:
             rows.append({"label": variant.label, "group": variant.group,
                          "error": "the adapter's save_sync takes no every_s yet"})
-            _print_row(rows[-1], True)
-            continue
-        if key in done:
+        elif key in done:
             rows.append({**done[key], "label": variant.label, "group": variant.group,
                          "every_steps": variant.every, "same_run_as": done[key]["label"]})
-            _print_row(rows[-1], rows[-1].get("sha256") == ref.sha256)
-            continue
-        root = f"s3://bench/{prefix}/{mtbf_s:g}/{key}"
-        env = {**base, "BENCH_STEPS": str(steps), "TASKPOINT_ROOT": root,
-               "TASKPOINT_ACTION": "train", "TASKPOINT_RUN_ID": "interval",
-               "TASKPOINT_GRACE_PERIOD": f"{args.grace:g}"}
-        if variant.every_s is not None:
-            env["BENCH_EVERY_S"] = variant.every_s
-        if variant.prior_s is not None:
-            env["TASKPOINT_MTBF_PRIOR_S"] = f"{variant.prior_s:g}"
-        try:
-            run = run_side(Side("taskpoint", variant.every or 1), env, folder / key, failures,
-                           args.grace, args.restart_delay, limit)
-            row = _row(variant, account(run, ref), steps, args.step_s, args.scale)
-            if variant.group == "auto":
-                row["auto_choices"] = _auto_choices(f"{root}/train/interval", options)
-        except RuntimeError as exc:
-            row = {"label": variant.label, "group": variant.group, "error": str(exc)}
-        rows.append(row)
-        done[key] = row
-        _print_row(row, row.get("sha256") == ref.sha256)
+        else:
+            row = median_row(runs[key])
+            row.update(label=variant.label, group=variant.group)
+            rows.append(row)
+            done[key] = row
+        _print_row(rows[-1], rows[-1].get("sha256") == ref.sha256)
     sched = {"mtbf_s": mtbf_s, "mtbf_scaled_s": mtbf_scaled, "steps": steps, "title": title,
              "schedule": [asdict(f) for f in failures],
              "uninterrupted_s": ref.end - ref.spawn, "reference_sha256": ref.sha256,
@@ -599,6 +647,8 @@ def main() -> None:
     parser.add_argument("--autos", type=_names, default=["default", "schedule"],
                         help="auto's priors: default (the library's, scaled), schedule")
     parser.add_argument("--seed", type=int, default=0, help="seeds the schedules and the job")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each variant, round robin; medians are reported")
     parser.add_argument("--grace", type=float, default=30.0, help="SIGTERM's grace period (s)")
     parser.add_argument("--restart-delay", type=float, default=0.0, help="seconds")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -617,8 +667,9 @@ def main() -> None:
         return
     if not set(args.kinds) <= {"sigkill", "exception", "sigterm"}:
         parser.error("--kinds takes sigkill, exception and/or sigterm")
-    if not (0 < args.scale <= 1) or args.step_s <= 0 or args.failures < 0:
-        parser.error("--scale must be in (0, 1], --step-s positive, --failures 0 or more")
+    if not (0 < args.scale <= 1) or args.step_s <= 0 or args.failures < 0 or args.repeats < 1:
+        parser.error("--scale must be in (0, 1], --step-s positive, --failures 0 or more, "
+                     "--repeats 1 or more")
     signal.signal(signal.SIGTERM, _stop)
     load_start = os.getloadavg()
     print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} "
@@ -631,7 +682,7 @@ def main() -> None:
           f"({LIGHTNING_EPOCH_STEPS * args.step_s / args.scale / 60:.0f} min at real scale), "
           f"Trainer's default {TRAINER_SAVE_STEPS} steps "
           f"({TRAINER_SAVE_STEPS * args.step_s / args.scale / 60:.0f} min)", flush=True)
-    guess = estimate_s(args.mtbfs, args.intervals, args.autos if auto_ok else [],
+    guess = args.repeats * estimate_s(args.mtbfs, args.intervals, args.autos if auto_ok else [],
                        args.failures, args.scale, args.step_s, 4.0)
     print(f"expect about {guess / 60:.0f} min if a life starts in 4 s (each schedule's "
           "reference run tells)", flush=True)

@@ -139,3 +139,21 @@ def test_the_tables_are_ready_for_the_guide(sweep: ModuleType) -> None:
     assert lines[3].startswith("| 10 min (9 s) |")
     assert lines[5].startswith("| MTBF | 1 | 10 | 100 | 500 (Trainer) | epoch (Lightning) |")
     assert lines[7] == ("| 30 s | 0.500 | 0.600 | 0.400 | 0.400 | 0.400 | 0.580 | 0.550 |")
+
+
+def test_repeated_runs_report_medians(sweep: ModuleType) -> None:
+    def run(goodput: float, blocked: float, sha: str = "same") -> dict[str, object]:
+        return {"label": "every 3", "group": "fixed", "goodput": goodput,
+                "net_goodput": goodput * 2, "wall_s": 10 / goodput, "interval_s": 5.0,
+                "saves": 40, "badput_s": {"blocked": blocked, "restart": 1.0},
+                "sha256": sha}
+
+    row = sweep.median_row([run(0.20, 0.5), run(0.17, 0.1), run(0.19, 0.9)])
+    assert row["goodput"] == pytest.approx(0.19)
+    assert row["goodputs"] == [0.20, 0.17, 0.19]
+    assert row["badput_s"] == {"blocked": pytest.approx(0.5), "restart": 1.0}
+    assert row["sha256"] == "same"
+    assert sweep.median_row([run(0.2, 0.1), run(0.2, 0.1, "other")])["sha256"] is None
+    failed = {"label": "every 3", "group": "fixed", "error": "boom"}
+    assert sweep.median_row([run(0.2, 0.1), failed]) == failed
+    assert sweep.median_row([run(0.2, 0.1)])["goodputs"] == [0.2]
