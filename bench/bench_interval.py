@@ -60,8 +60,8 @@ leaves alone. Auto's interval on the plot is its mean over the run (steps over s
 
 A run's goodput moves by several percent from one run to the next under the same failures
 (the restarts: process starts on a shared machine). ``--repeats K`` runs every variant K
-times, round robin (each pass runs every variant once, so a drift in the machine's load
-meets them all alike), each on a run of its own, and reports each figure's median; the
+times, round robin (each pass runs every variant once, in an order shuffled per pass, so
+a drift in the machine's load meets them all alike), each on a run of its own, and reports each figure's median; the
 best fixed interval in hindsight is then picked from medians, which a single lucky run
 cannot win.
 
@@ -555,9 +555,11 @@ def run_schedule(mtbf_s: float, args: argparse.Namespace, base: dict[str, str],
         if variant.group != "auto" or auto_ok:
             distinct.setdefault(variant.key(steps), variant)
     for repeat in range(args.repeats):  # round robin: a drift in the machine hits all alike
-        if args.repeats > 1:
+        order = list(distinct.items())
+        if args.repeats > 1:  # and a pass's order is shuffled, seeded: no variant always last
+            random.Random(f"{args.seed}:{mtbf_s:g}:{repeat}").shuffle(order)
             print(f"  repeat {repeat + 1} of {args.repeats}", flush=True)
-        for key, variant in distinct.items():
+        for key, variant in order:
             root = f"s3://bench/{prefix}/{mtbf_s:g}/{key}/{repeat}"
             env = {**base, "BENCH_STEPS": str(steps), "TASKPOINT_ROOT": root,
                    "TASKPOINT_ACTION": "train", "TASKPOINT_RUN_ID": "interval",

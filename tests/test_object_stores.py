@@ -21,6 +21,7 @@ import _servers
 import pytest
 from taskpoint import Checkpoint, CheckpointStoreError, RetryPolicy
 from taskpoint.format import _tree_save
+from taskpoint.store import _s3sign, transfer
 
 BUCKET = "taskpoint-tests"
 MiB = 2**20
@@ -337,6 +338,55 @@ def test_uploads_carry_the_checksum_the_client_is_configured_for(
         sent = sorted(name for name in headers if name.startswith("x-amz-checksum-"))
         assert sent == ([header] if header else []), headers
     assert read(direct(proxy.server, url).load_sync()) == b"one small PUT"
+
+
+@pytest.mark.parametrize("store_kind", [k for k in SERVER_KINDS if k in ("s3", "seaweedfs")])
+def test_an_upload_signs_its_payload_hash_without_reading_the_body_twice(
+    proxy: _servers.FaultProxy, kind: str, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over http botocore signs every body's SHA-256. taskpoint computes it on the worker
+    thread that computes the part's CRC32, not the event loop: the body is read once, to be
+    sent, where botocore read it a second time on the loop to hash it. SeaweedFS checks
+    the hash against the bytes, so a wrong one fails the save."""
+    monkeypatch.setenv("TASKPOINT_PART_SIZE", str(5 * MiB))
+    read = [0]  # bytes read from request bodies
+    real_read, real_readinto = transfer._Body.read, transfer._Body.readinto
+
+    def counted_read(self: Any, size: int | None = -1) -> bytes:
+        out = real_read(self, size)
+        read[0] += len(out)
+        return out
+
+    def counted_readinto(self: Any, buffer: Any) -> int:
+        count = real_readinto(self, buffer)
+        read[0] += count or 0
+        return count
+
+    monkeypatch.setattr(transfer._Body, "read", counted_read)
+    monkeypatch.setattr(transfer._Body, "readinto", counted_readinto)
+    data = os.urandom(11 * MiB)
+    ckpt = Checkpoint(url, storage_options=proxy.storage_options(), retry=FAST, store_format=1)
+    ckpt.save_sync(data)
+    puts = [h for m, _t, h in proxy.headers if m == "PUT"]
+    assert len(puts) >= 3, proxy.requests  # the parts, the manifest
+    for headers in puts:
+        assert len(headers["x-amz-content-sha256"]) == 64, headers  # hex: the payload signed
+    sent = sum(int(h["content-length"]) for h in puts)  # the records' PUTs among them
+    assert len(data) <= read[0] <= sent, "a body read again to hash it on the event loop"
+    assert read(direct(proxy.server, url).load_sync()) == data
+
+    if kind == "seaweedfs":  # it checks the signed hash against the body
+        wrong, real_digests = "0" * 64, _s3sign.digests
+        monkeypatch.setattr(
+            _s3sign, "digests",
+            lambda data, *, crc32, sha256: (
+                real_digests(data, crc32=crc32, sha256=False)[0], wrong if sha256 else None
+            ),
+        )
+        with pytest.raises(CheckpointStoreError):
+            Checkpoint(url, storage_options=proxy.storage_options(), retry=FAST).save_sync(
+                b"signed with a hash of other bytes"
+            )
 
 
 def orphans(server: _servers.ObjectServer, url: str) -> list[str]:

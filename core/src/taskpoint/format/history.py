@@ -508,7 +508,7 @@ class Attempt:
         self._saves = 0
         self._claiming = threading.Lock()  # one claim at a time (see claim_soon)
         self._pid = os.getpid()  # a fork's child makes its own lock: a claim may hold this
-        self._history: Future[list[AttemptRecord]] | None = None  # see read_history_soon
+        self._history: tuple[int, Future[list[AttemptRecord]]] | None = None  # (pid, read)
 
     def claim(self) -> int:
         """The attempt number, claimed from the store first if it has none yet.
@@ -552,9 +552,9 @@ class Attempt:
 
     def read_history_soon(self) -> None:
         """Start reading the run's attempt records (:func:`read_attempts`) on a thread, for
-        :meth:`history`. A load does this beside its download: the resume line and an
-        automatic save interval then find the records read, where each read them again,
-        the interval inside the first save call that training waits on."""
+        :meth:`history`. A load does this beside its download, so that the resume line and
+        an automatic save interval find the records read rather than each reading them
+        again, the interval inside a save call that training waits on."""
         future: Future[list[AttemptRecord]] = Future()
 
         def run() -> None:
@@ -567,17 +567,20 @@ class Attempt:
             threading.Thread(target=run, name="taskpoint-history", daemon=True).start()
         except RuntimeError:  # no new thread at interpreter exit: history() reads itself
             return
-        self._history = future
+        self._history = (os.getpid(), future)
 
     def history(self) -> list[AttemptRecord]:
         """The run's attempt records as :meth:`read_history_soon` read them (waiting for
-        the read to finish), or read now where it was not called.
+        the read to finish); read now where it was not called, and in a forked child, which
+        the reading thread did not follow.
 
         Raises:
             CheckpointStoreError: the store failed to list the records.
         """
-        future = self._history
-        return read_attempts(self.store) if future is None else list(future.result())
+        held = self._history
+        if held is None or held[0] != os.getpid():
+            return read_attempts(self.store)
+        return list(held[1].result())
 
     def _check_marker(self, attempt: int) -> None:
         """Refuse to add an attempt to an action a newer taskpoint has written to."""

@@ -24,14 +24,12 @@ which stay in :mod:`taskpoint.store.store`:
 from __future__ import annotations
 
 import asyncio
-import base64
 import builtins
 import contextlib
 import io
 import logging
 import os
 import tempfile
-import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -452,12 +450,14 @@ class _Ticking(Callback):  # type: ignore[misc]
 class _Body(io.RawIOBase):
     """A request body over ``data`` whose every read ticks ``progress``: the HTTP client
     reads it a chunk at a time as the socket takes the bytes, so reads stop when the
-    network stops taking them."""
+    network stops taking them. ``sha256`` is the hex SHA-256 of ``data`` where it was
+    computed for signing (:mod:`taskpoint.store._s3sign`), else ``None``."""
 
-    def __init__(self, data: bytes, progress: Progress) -> None:
+    def __init__(self, data: bytes, progress: Progress, sha256: str | None = None) -> None:
         super().__init__()
         self._data = io.BytesIO(data)
         self._progress = progress
+        self.sha256 = sha256
 
     def readable(self) -> bool:
         return True
@@ -490,17 +490,29 @@ async def _s3_send(fs: Any, method: str, data: bytes, progress: Progress, **kwar
     """
     from s3fs.errors import translate_boto_error  # type: ignore[import-untyped]
 
+    from taskpoint.store import _s3sign
+
     await fs.set_session()
     client = await fs.get_s3(kwargs.get("Bucket"))
+    _s3sign.prepare(client)
     call = getattr(client, method)
     merge = getattr(fs, "_get_s3_method_kwargs", None)  # options such as SSE, RequestPayer
     options = merge(call, **kwargs) if merge is not None else kwargs
-    if _default_checksum(client, options):
-        # The CRC32 botocore would add, computed on a worker thread: botocore computes it
-        # on the event loop's one thread, which every transfer of the process shares.
-        options["ChecksumCRC32"] = await asyncio.to_thread(_crc32, data)
+    # The CRC32 botocore would add, and the SHA-256 its signature covers, computed on a
+    # worker thread: botocore computes both on the event loop's one thread, which every
+    # transfer of the process shares.
+    crc32 = _default_checksum(client, options)
+    checksummed = crc32 or any(key.startswith("Checksum") or key == "ContentMD5" for key in options)
+    sha256 = _s3sign.payload_signed(client, checksummed)
+    crc, digest = (
+        await asyncio.to_thread(_s3sign.digests, data, crc32=crc32, sha256=sha256)
+        if crc32 or sha256
+        else (None, None)
+    )
+    if crc is not None:
+        options["ChecksumCRC32"] = crc
     try:
-        return await bounded(call(**options, Body=_Body(data, progress)), progress)
+        return await bounded(call(**options, Body=_Body(data, progress, digest)), progress)
     except Exception as exc:
         translated = translate_boto_error(exc)
         if translated is exc:
@@ -516,11 +528,6 @@ def _default_checksum(client: Any, options: dict[str, Any]) -> bool:
     if getattr(config, "request_checksum_calculation", None) != "when_supported":
         return False
     return not any(key.startswith("Checksum") for key in options)
-
-
-def _crc32(data: bytes) -> str:
-    """``data``'s CRC32 as S3's ``x-amz-checksum-crc32`` carries it (base64, big-endian)."""
-    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
 
 
 def _read_part(local: str, start: int, size: int) -> bytes:
