@@ -349,17 +349,17 @@ def test_an_upload_signs_its_payload_hash_without_reading_the_body_twice(
     sent, where botocore read it a second time on the loop to hash it. SeaweedFS checks
     the hash against the bytes, so a wrong one fails the save."""
     monkeypatch.setenv("TASKPOINT_PART_SIZE", str(5 * MiB))
-    read = [0]  # bytes read from request bodies
+    taken = [0]  # bytes read from request bodies
     real_read, real_readinto = transfer._Body.read, transfer._Body.readinto
 
     def counted_read(self: Any, size: int | None = -1) -> bytes:
         out = real_read(self, size)
-        read[0] += len(out)
+        taken[0] += len(out)
         return out
 
     def counted_readinto(self: Any, buffer: Any) -> int:
         count = real_readinto(self, buffer)
-        read[0] += count or 0
+        taken[0] += count or 0
         return count
 
     monkeypatch.setattr(transfer._Body, "read", counted_read)
@@ -372,7 +372,7 @@ def test_an_upload_signs_its_payload_hash_without_reading_the_body_twice(
     for headers in puts:
         assert len(headers["x-amz-content-sha256"]) == 64, headers  # hex: the payload signed
     sent = sum(int(h["content-length"]) for h in puts)  # the records' PUTs among them
-    assert len(data) <= read[0] <= sent, "a body read again to hash it on the event loop"
+    assert len(data) <= taken[0] <= sent, "a body read again to hash it on the event loop"
     assert read(direct(proxy.server, url).load_sync()) == data
 
     if kind == "seaweedfs":  # it checks the signed hash against the body

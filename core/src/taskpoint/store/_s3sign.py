@@ -25,10 +25,10 @@ import hashlib
 import zlib
 from typing import Any
 
-import botocore.auth
+import botocore.auth  # type: ignore[import-untyped]
 
 try:
-    from botocore.handlers import set_operation_specific_signer
+    from botocore.handlers import set_operation_specific_signer  # type: ignore[import-untyped]
 except ImportError:  # a botocore without it: its own signer hashes, as before
     set_operation_specific_signer = None
 
@@ -40,7 +40,7 @@ _OPERATIONS = ("PutObject", "UploadPart")
 _HANDLER_ID = "taskpoint-prehashed-payload"
 
 
-class _Prehashed(botocore.auth.S3SigV4Auth):
+class _Prehashed(botocore.auth.S3SigV4Auth):  # type: ignore[misc]
     """botocore's S3 SigV4 signer, taking the body's SHA-256 from its ``sha256`` attribute
     (hex) where it has one, rather than reading and hashing the body itself.
 
