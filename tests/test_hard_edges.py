@@ -12,7 +12,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import tarfile
@@ -427,39 +426,6 @@ def test_a_long_history_is_read_concurrently_and_whole(
     assert [r.attempt for r in records if r.unreadable] == [5]
     assert records[5].unreadable[0][0] == "attempts/000005.resume.json"
     assert peak > 1
-
-
-def test_a_child_forked_while_the_history_is_read_reads_it_itself(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A load reads the run's records on a thread; a child forked meanwhile (a data loader
-    worker, say) has no such thread, and reads them itself rather than wait for ever."""
-    store = tmp_path / "store"
-    Checkpoint(store).save_sync(b"state")  # claims attempt 0
-    read_bytes = Store.read_bytes
-
-    def slow_read(self: Store, name: str) -> bytes:
-        time.sleep(0.5)  # the parent's read is still in flight at the fork
-        return read_bytes(self, name)
-
-    monkeypatch.setattr(Store, "read_bytes", slow_read)
-    attempt = taskpoint.format.history.Attempt(Store(str(store)))
-    attempt.read_history_soon()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os._exit(0 if [r.attempt for r in attempt.history()] == [0] else 2)
-        except BaseException:
-            os._exit(3)
-    deadline = time.monotonic() + 20
-    while (answer := os.waitpid(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the child waited on a reading thread only its parent has")
-        time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(answer[1]) == 0
-    assert [r.attempt for r in attempt.history()] == [0]
 
 
 def test_the_history_reads_at_interpreter_exit_where_no_thread_can_start(tmp_path: Path) -> None:

@@ -351,7 +351,6 @@ class Loading:
         # An earlier attempt's upload process may be about to commit a newer checkpoint.
         _inflight.wait(self._store.url, _inflight.wait_bound())
         self._saves.prepare()  # a job loads before it trains: its saves follow
-        self._attempt.read_history_soon()  # for the resume line and the save interval
         found = self._loader.load(None if into is None else Path(os.fspath(into)), part, wanted)
         if found is None:
             return None

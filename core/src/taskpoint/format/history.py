@@ -52,7 +52,7 @@ import re
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -508,7 +508,7 @@ class Attempt:
         self._saves = 0
         self._claiming = threading.Lock()  # one claim at a time (see claim_soon)
         self._pid = os.getpid()  # a fork's child makes its own lock: a claim may hold this
-        self._history: tuple[int, Future[list[AttemptRecord]]] | None = None  # (pid, read)
+        self._history: tuple[int, list[AttemptRecord]] | None = None  # (pid, the first read)
 
     def claim(self) -> int:
         """The attempt number, claimed from the store first if it has none yet.
@@ -550,37 +550,19 @@ class Attempt:
 
         threading.Thread(target=run, name="taskpoint-claim", daemon=True).start()
 
-    def read_history_soon(self) -> None:
-        """Start reading the run's attempt records (:func:`read_attempts`) on a thread, for
-        :meth:`history`. A load does this beside its download, so that the resume line and
-        an automatic save interval find the records read rather than each reading them
-        again, the interval inside a save call that training waits on."""
-        future: Future[list[AttemptRecord]] = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(read_attempts(self.store))
-            except BaseException as exc:  # history() raises it
-                future.set_exception(exc)
-
-        try:
-            threading.Thread(target=run, name="taskpoint-history", daemon=True).start()
-        except RuntimeError:  # no new thread at interpreter exit: history() reads itself
-            return
-        self._history = (os.getpid(), future)
-
     def history(self) -> list[AttemptRecord]:
-        """The run's attempt records as :meth:`read_history_soon` read them (waiting for
-        the read to finish); read now where it was not called, and in a forked child, which
-        the reading thread did not follow.
+        """The run's attempt records as this process first read them through this attempt
+        (:func:`read_attempts`), read now the first time: the resume line and an automatic
+        save interval share one read. Never on a thread of its own: a store client may draw
+        on Python's global random numbers, which a restore is about to set.
 
         Raises:
             CheckpointStoreError: the store failed to list the records.
         """
         held = self._history
         if held is None or held[0] != os.getpid():
-            return read_attempts(self.store)
-        return list(held[1].result())
+            held = self._history = (os.getpid(), read_attempts(self.store))
+        return list(held[1])
 
     def _check_marker(self, attempt: int) -> None:
         """Refuse to add an attempt to an action a newer taskpoint has written to."""

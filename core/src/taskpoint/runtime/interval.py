@@ -443,7 +443,7 @@ class SaveInterval:
         if isinstance(checkpoint, Checkpoint):
             if interval._auto:
                 try:
-                    # as its load read them, beside the download (else read now)
+                    # as its load's resume line read them (else read now)
                     interval.failures_seen(checkpoint._attempt.history(), checkpoint.attempt)
                 except CheckpointError as exc:
                     log.warning(
