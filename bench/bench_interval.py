@@ -463,8 +463,6 @@ def median_row(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if failed or not runs:
         return failed[0] if failed else {"error": "no run"}
     first = runs[0]
-    if len(runs) == 1:
-        return {**first, "goodputs": [first["goodput"]]}
     row = {**first}
     for key in ("goodput", "net_goodput", "wall_s", "interval_s"):
         row[key] = statistics.median(r[key] for r in runs)

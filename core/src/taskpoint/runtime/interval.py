@@ -784,12 +784,14 @@ def _recorded_costs(
     """``(save_cost_s, upload_s)`` of the newest automatic interval recorded by an attempt
     of ``history`` other than ``current`` that measured a save; ``(None, None)`` if none."""
     for record in sorted(history, key=lambda r: r.attempt, reverse=True):
-        choice = None if record.attempt == current or record.interval is None else (
-            IntervalChoice.from_record(record.interval)
+        choice = (
+            None if record.attempt == current or record.interval is None
+            else IntervalChoice.from_record(record.interval)
         )
-        cost = None if choice is None or choice.rule == "fixed" else choice.save_cost_s
+        if choice is None or choice.rule == "fixed":
+            continue
+        cost, upload = choice.save_cost_s, choice.upload_s
         if cost is not None and cost >= 0:
-            upload = choice.upload_s if choice is not None else None
             return cost, upload if upload is not None and upload >= 0 else None
     return None, None
 
