@@ -18,7 +18,6 @@ checkpoint (:func:`taskpoint.format._payload.is_local_write_error`).
 from __future__ import annotations
 
 import asyncio
-import atexit
 import functools
 import itertools
 import logging
@@ -29,7 +28,7 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
-from taskpoint.checkpoint import _inflight
+from taskpoint.checkpoint import _inflight, _scratch
 from taskpoint.checkpoint._save import Saves
 from taskpoint.errors import (
     CheckpointCoordinationError,
@@ -55,15 +54,6 @@ log = logging.getLogger(__name__)
 
 BYTES_NAME = "checkpoint.bin"
 """The file name a restored bytes payload gets."""
-
-_workdirs: list[str] = []
-
-
-@atexit.register
-def _remove_workdirs() -> None:
-    for path in _workdirs:
-        shutil.rmtree(path, ignore_errors=True)
-
 
 class Loader:
     """Restores checkpoints of one location.
@@ -198,8 +188,7 @@ class Loader:
     def _restore_dir(self, manifest: Manifest) -> Path:
         try:
             if self._workdir is None:
-                self._workdir = Path(tempfile.mkdtemp(prefix="taskpoint-restore-"))
-                _workdirs.append(str(self._workdir))
+                self._workdir = _scratch.restore_folder()
             self._workdir.mkdir(parents=True, exist_ok=True)
             while True:  # an earlier process may have restored here under the same name
                 target = self._workdir / f"{manifest.attempt:06d}-{manifest.seq:09d}-{next(self._loads)}"

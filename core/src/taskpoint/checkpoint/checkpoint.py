@@ -87,8 +87,10 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
         keep: how many committed checkpoints to keep (newest first); at least 1.
         codec: how directories are compressed: ``"gzip"``, ``"zstd"`` or ``"none"``.
         storage_options: passed to the fsspec filesystem (credentials, endpoints).
-        workdir: local folder that ``load`` restores into; a temporary folder, removed at
-            interpreter exit, by default.
+        workdir: local folder that ``load`` restores into; by default a
+            ``taskpoint-restore-*`` folder of the temporary directory, removed at interpreter
+            exit, or by a later load of any process once this one has died without exiting
+            (SIGKILL).
         retry: how store calls retry transient failures.
         progress: called with the number of payload bytes moved, as saves and loads stream.
         background_upload: where background saves upload: ``"process"`` (a separate
