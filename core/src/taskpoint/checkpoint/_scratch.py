@@ -8,8 +8,9 @@ exit handler and leaves a whole checkpoint behind, once per life: retries on one
 So each folder holds an ``.owner`` file its process keeps locked (``flock``) while it
 lives; the kernel releases the lock when the process dies, however it dies, and the next
 :func:`restore_folder` of any process removes the folders whose lock it can take. A forked
-child shares its parent's lock and leaves its parent's folders in place at its exit. A folder without an ``.owner`` file (one being made, or made
-by an older taskpoint) is left alone. Without ``fcntl`` (Windows) nothing is swept.
+child shares its parent's lock and leaves its parent's folders in place at its exit. A
+folder without an ``.owner`` file (one being made, or made by an older taskpoint) is left
+alone. Without ``fcntl`` (Windows) nothing is swept.
 """
 
 from __future__ import annotations
@@ -56,27 +57,29 @@ def restore_folder() -> Path:
     parent = tempfile.gettempdir()
     if parent not in _swept:
         _swept.add(parent)
-        sweep(parent)
+        _sweep(parent)
     folder = tempfile.mkdtemp(prefix=PREFIX, dir=parent)
-    _held[folder] = (os.getpid(), _take_ownership(folder))
+    try:
+        _held[folder] = (os.getpid(), _take_ownership(folder))
+    except BaseException:  # no owner file: no sweep would ever remove it
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return Path(folder)
 
 
-def sweep(parent: str) -> list[str]:
-    """Remove the restore folders in ``parent`` whose owning process has died; return them.
+def _sweep(parent: str) -> None:
+    """Remove the restore folders in ``parent`` whose owning process has died.
 
     A folder whose owner lock cannot be taken (its process, or a process forked from it,
     lives: this one's own too, since a lock taken anew conflicts with the one it holds) or
-    that has no owner file is kept; one that cannot be removed is logged and
-    kept.
+    that has no owner file is kept; one that cannot be removed is logged and kept.
     """
     if fcntl is None:
-        return []
-    removed: list[str] = []
+        return
     try:
         names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
     except OSError:
-        return removed
+        return
     for name in names:
         folder = os.path.join(parent, name)
         if not _dead(os.path.join(folder, _OWNER)):
@@ -86,8 +89,6 @@ def sweep(parent: str) -> list[str]:
             log.warning("could not remove %s, left by a process that died", folder)
         else:
             log.info("removed %s, left by a process that died", folder)
-            removed.append(folder)
-    return removed
 
 
 def _take_ownership(folder: str) -> int:

@@ -784,10 +784,9 @@ def _recorded_costs(
     """``(save_cost_s, upload_s)`` of the newest automatic interval recorded by an attempt
     of ``history`` other than ``current`` that measured a save; ``(None, None)`` if none."""
     for record in sorted(history, key=lambda r: r.attempt, reverse=True):
-        choice = (
-            None if record.attempt == current or record.interval is None
-            else IntervalChoice.from_record(record.interval)
-        )
+        if record.attempt == current or record.interval is None:
+            continue
+        choice = IntervalChoice.from_record(record.interval)
         if choice is None or choice.rule == "fixed":
             continue
         cost, upload = choice.save_cost_s, choice.upload_s

@@ -13,7 +13,8 @@ the very bytes sent. The signer is botocore's own ``S3SigV4Auth`` in every other
 a body without a hash, a request botocore would not sign the payload of (HTTPS with a
 checksum), a streaming upload, a presigned URL, and every other operation are signed as
 botocore signs them. :func:`prepare` chooses it for a client's ``PutObject`` and
-``UploadPart`` requests, once per client.
+``UploadPart`` requests; the transfer calls it before each request, and after a client's
+first it finds the handlers registered (by their ids) and changes nothing.
 
 This module imports botocore: the store imports it only for S3 transfers (``taskpoint[s3]``).
 """
