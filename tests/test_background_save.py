@@ -76,7 +76,7 @@ def test_snapshot_is_taken_before_returning(
     single.write_bytes(b"file-v2")
     ckpt.wait()
     assert Checkpoint(slow_url).load_sync().read_bytes() == b"file-v1"  # type: ignore[union-attr]
-    assert not list(private_tmp.glob("taskpoint-snapshot-*")), "snapshots are removed"
+    assert not list(private_tmp.glob(".taskpoint-snapshot-*")), "snapshots are removed"
 
 
 def test_newer_save_supersedes_a_queued_one(slow_url: str) -> None:

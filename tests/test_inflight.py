@@ -1,6 +1,7 @@
 """A retry on the same machine waits for the dead attempt's upload still in flight.
 
-The upload process outlives a killed training process and commits its save. A new process
+The upload process outlives a killed training process, commits its save and removes its
+snapshot. A new process
 restoring the same location first waits for that upload (at most the grace period), so it
 restores the save its predecessor was committing; an upload process that dies mid-upload,
 or one that hangs, never holds it past that bound."""
@@ -18,45 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _slow_store import slow_env as _env
 
-SLOW_FS = textwrap.dedent(
-    """
-    import os, time
-    from fsspec.implementations.local import LocalFileSystem
-
-    class SlowFileSystem(LocalFileSystem):
-        \"\"\"The local disk, where, in a process whose $SLOW_S is set, every file written
-        first takes $SLOW_S seconds: a store far away. The first slow write writes this
-        process's id to $SLOW_MARK.\"\"\"
-
-        protocol = ("slow",)
-
-        def _open(self, path, mode="rb", *args, **kwargs):
-            if "w" in mode:
-                _slow()
-            return super()._open(path, mode, *args, **kwargs)
-
-        def put_file(self, *args, **kwargs):
-            _slow()
-            return super().put_file(*args, **kwargs)
-
-    def _slow():
-        seconds = os.environ.get("SLOW_S")
-        if seconds:
-            mark = os.environ["SLOW_MARK"]
-            if not os.path.exists(mark):
-                with open(mark + ".tmp", "w") as f:
-                    f.write(str(os.getpid()))
-                os.replace(mark + ".tmp", mark)
-            time.sleep(float(seconds))
-    """
-)
-SLOW_SITE = textwrap.dedent(
-    """
-    import fsspec
-    fsspec.register_implementation("slow", "slowfs.SlowFileSystem", clobber=True)
-    """
-)
 TRAIN = textwrap.dedent(
     """
     import os, sys, time
@@ -90,17 +54,9 @@ RETRY = textwrap.dedent(
 )
 
 
-def _env(tmp_path: Path, **variables: str) -> dict[str, str]:
-    site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
-    (site / "slowfs.py").write_text(SLOW_FS)
-    (site / "sitecustomize.py").write_text(SLOW_SITE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TASKPOINT_", "SLOW_"))}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-        SLOW_MARK=str(tmp_path / "uploading"), **variables,
-    )
-    return env
+def _snapshots(tmp_path: Path) -> list[str]:
+    """The background saves' snapshots in the machine's temporary folder."""
+    return sorted(p.name for p in (tmp_path / "tmp").glob(".taskpoint-snapshot-*"))
 
 
 @contextlib.contextmanager
@@ -174,6 +130,10 @@ def test_a_retry_restores_the_save_the_killed_attempts_upload_process_commits(
     assert content == "step 8", log
     assert "waiting up to 300.0 s for 1 upload(s)" in log, log
     assert elapsed < 200, log  # it waited for the commit, not to the bound
+    deadline = time.monotonic() + 60
+    while _snapshots(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _snapshots(tmp_path) == [], "the upload process left the dead attempt's snapshot"
 
 
 @pytest.mark.slow
@@ -190,6 +150,7 @@ def test_an_upload_process_killed_mid_upload_ends_the_wait_at_once(tmp_path: Pat
     assert content == "step 4", log
     assert ended - killed < 60, log  # far below the 300 s bound
     assert "still in flight after" not in log, log
+    assert _snapshots(tmp_path) == [], "the retry's load left the dead processes' snapshot"
 
 
 @pytest.mark.slow
@@ -202,6 +163,7 @@ def test_a_hung_upload_holds_the_retry_no_longer_than_the_grace_period(tmp_path:
     assert content == "step 4", log
     assert "still in flight after 4.0 s" in log, log
     assert grace <= elapsed < grace + 60, log
+    assert len(_snapshots(tmp_path)) == 1, "the retry's load removed a live upload's snapshot"
 
 
 def test_a_marker_left_unlocked_is_removed_and_not_waited_for(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ callback (called as payload bytes stream) holds them while a gate is closed.
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -362,3 +363,27 @@ def test_background_saves_resume_bitwise_equal(
     result = train()
     assert starts == [0] + [(step - 1) // lib.STEPS_PER_EPOCH for step in failures]
     assert lib.bitwise_differences(result, reference) == []
+
+
+def test_the_serialised_bundle_goes_once_its_snapshot_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a background save uploads, the temporary directory holds its snapshot only,
+    not a second copy of the state as serialised: a process killed during the upload (the
+    OOM killer) leaves nothing there that its upload process or the next load does not
+    remove."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    gate = Gate()
+    checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", progress=gate)
+    state = TaskpointState(*_trained(), blocking=False)
+    gate.close()
+    state.save_sync(checkpoint, epoch=1)
+    assert gate.held.wait(timeout=30)  # its upload is in flight, held
+    left = sorted(p.name for p in scratch.iterdir() if "taskpoint-" in p.name)
+    gate.open()
+    assert state.wait()
+    assert [n for n in left if n.startswith("taskpoint-pytorch-")] == [], left
+    assert [n for n in left if "snapshot" in n], left
+    assert sorted(p.name for p in scratch.iterdir() if "taskpoint-" in p.name) == []

@@ -23,7 +23,6 @@ import os
 import pickle
 import shutil
 import stat
-import tempfile
 import threading
 import time
 import uuid
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from taskpoint import preemption
-from taskpoint.checkpoint import _settle, _uploader
+from taskpoint.checkpoint import _scratch, _settle, _uploader
 from taskpoint.checkpoint._upload_thread import UploadThread, run_niced
 from taskpoint.checkpoint._uploader import DEFAULT_UPLOAD_NICE, UPLOAD_NICE_ENV, upload_nice
 from taskpoint.distributed import _parts
@@ -362,11 +361,11 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
     """
     if source.path is None:
         return dataclasses.replace(source, blocked_s=time.monotonic() - source.called)
-    near = str(source.path.parent) if how == "link" else None
     try:
-        folder = Path(tempfile.mkdtemp(prefix=".taskpoint-snapshot-", dir=near))
+        near = str(source.path.parent) if how == "link" else None
+        folder = _scratch.owned_folder(_scratch.SNAPSHOT_PREFIX, near)
     except OSError:  # a read-only parent: a copy in the temporary folder instead
-        folder, how = Path(tempfile.mkdtemp(prefix="taskpoint-snapshot-")), "copy"
+        folder, how = _scratch.owned_folder(_scratch.SNAPSHOT_PREFIX), "copy"
     target = folder / source.path.name
     linked: dict[str, ContentKey] = {}
 
@@ -386,7 +385,7 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
         else:
             copy(str(source.path), str(target))
     except OSError as exc:  # shutil.Error, which gathers a tree's failures, is one too
-        shutil.rmtree(folder, ignore_errors=True)
+        _scratch.remove(folder)
         raise CheckpointSaveError(
             f"could not snapshot {source.path} for a background save ({type(exc).__name__}: "
             f"{exc}); nothing was queued",
@@ -402,7 +401,7 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
 def discard(source: Source) -> None:
     """Remove ``source``'s private snapshot, if it has one."""
     if source.snapshot is not None:
-        shutil.rmtree(source.snapshot, ignore_errors=True)
+        _scratch.remove(source.snapshot)
 
 
 class Saves:

@@ -1,16 +1,25 @@
-"""Restore folders in the system's temporary directory, and their removal.
+"""Scratch folders on the local disk that outlive no process using them: restores and the
+snapshots of background saves, and their removal.
 
 A load without ``into`` restores under a ``taskpoint-restore-*`` folder of
-``tempfile.gettempdir()`` that its process owns: :func:`restore_folder` makes it, and it is
-removed at interpreter exit. A process killed outright (SIGKILL, the OOM killer) runs no
-exit handler and leaves a whole checkpoint behind, once per life: retries on one machine
+``tempfile.gettempdir()`` (:func:`restore_folder`); a background save snapshots what it
+was given into a ``.taskpoint-snapshot-*`` folder, beside it (links) or in the temporary
+directory (a copy), which the upload process reads while it commits
+(:func:`owned_folder`). Each is removed by the code that is done with it, or at
+interpreter exit. A process killed outright (SIGKILL, the OOM killer) runs neither, and
+leaves a whole checkpoint behind, once per life: retries on one machine
 (``isolation="process"``, a scheduler that requeues on the same node) would fill its disk.
-So each folder holds an ``.owner`` file its process keeps locked (``flock``) while it
-lives; the kernel releases the lock when the process dies, however it dies, and the next
-:func:`restore_folder` of any process removes the folders whose lock it can take. A forked
-child shares its parent's lock and leaves its parent's folders in place at its exit. A
-folder without an ``.owner`` file (one being made, or made by an older taskpoint) is left
-alone. Without ``fcntl`` (Windows) nothing is swept.
+
+So each folder holds an ``.owner`` file that every process using the folder keeps locked
+(a shared ``flock``) while it uses it: its maker, and for a snapshot the upload process
+committing it (:func:`adopt`, then :func:`let_go`). The kernel releases a process's lock
+when the process dies, however it dies. A folder whose owner file no process holds is
+dead: the first :func:`owned_folder` of any process in a parent folder removes the dead
+folders there, and an upload process that lets go of a snapshot its maker no longer
+holds (the training process was killed while the upload ran) removes it. A forked child
+shares its parent's lock and leaves its parent's folders in place at its exit. A folder
+without an ``.owner`` file (one being made, or made by an older taskpoint) is left alone.
+Without ``fcntl`` (Windows) nothing is locked or swept.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 try:
@@ -27,57 +37,132 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["PREFIX", "restore_folder"]
+__all__ = [
+    "PREFIX",
+    "SNAPSHOT_PREFIX",
+    "adopt",
+    "let_go",
+    "owned_folder",
+    "remove",
+    "restore_folder",
+]
 
 log = logging.getLogger(__name__)
 
 PREFIX = "taskpoint-restore-"
 """How the name of a restore folder in the temporary directory starts."""
+SNAPSHOT_PREFIX = ".taskpoint-snapshot-"
+"""How the name of a background save's snapshot starts (hidden: it may lie in the user's
+own folder)."""
+_PREFIXES = (PREFIX, SNAPSHOT_PREFIX)
 
 _OWNER = ".owner"
-_held: dict[str, tuple[int, int]] = {}  # folder -> (its maker's pid, the lock's descriptor)
-_swept: set[str] = set()  # temporary directories this process has swept
+_lock = threading.Lock()
+_held: dict[str, tuple[int, int]] = {}  # folder -> (the holding process's pid, its lock's fd)
+_swept: set[str] = set()  # parent folders this process has swept
 
 
 @atexit.register
-def _remove_own() -> None:
+def _let_go_of_own() -> None:
     pid = os.getpid()
-    for folder, (maker, _fd) in list(_held.items()):
-        if maker == pid:  # not a forked child's exit: the parent still uses them
-            shutil.rmtree(folder, ignore_errors=True)
+    for folder, (holder, _fd) in list(_held.items()):
+        if holder == pid:  # not a forked child's exit: the parent still uses them
+            let_go(folder)
 
 
 def restore_folder() -> Path:
-    """A new restore folder in the temporary directory, owned by this process and removed
-    at its exit, after removing those of processes that died (once per process).
+    """A new restore folder in the temporary directory (see :func:`owned_folder`).
 
     Raises:
         OSError: the temporary directory cannot be written.
     """
-    parent = tempfile.gettempdir()
-    if parent not in _swept:
+    return owned_folder(PREFIX)
+
+
+def owned_folder(prefix: str, parent: str | None = None) -> Path:
+    """A new folder in ``parent`` (default: the temporary directory) whose name starts with
+    ``prefix`` (one of this module's prefixes), held by this process until :func:`remove`
+    or :func:`let_go` (at interpreter exit at the latest); the first call of a process in
+    ``parent`` first removes the folders there of processes that died.
+
+    Raises:
+        OSError: ``parent`` cannot be written; nothing is left behind.
+    """
+    if prefix not in _PREFIXES:
+        raise ValueError(f"a scratch folder's prefix is one of {_PREFIXES}; got {prefix!r}")
+    parent = parent or tempfile.gettempdir()
+    with _lock:
+        first = parent not in _swept
         _swept.add(parent)
+    if first:
         _sweep(parent)
-    folder = tempfile.mkdtemp(prefix=PREFIX, dir=parent)
+    folder = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
-        _held[folder] = (os.getpid(), _take_ownership(folder))
+        fd = _take_ownership(folder)
     except BaseException:  # no owner file: no sweep would ever remove it
         shutil.rmtree(folder, ignore_errors=True)
         raise
+    with _lock:
+        _held[folder] = (os.getpid(), fd)
     return Path(folder)
 
 
-def _sweep(parent: str) -> None:
-    """Remove the restore folders in ``parent`` whose owning process has died.
+def remove(folder: str | os.PathLike[str]) -> None:
+    """Remove ``folder`` and this process's hold on it, whoever else holds it. Never fails;
+    a folder that cannot be removed is left to a later sweep."""
+    key = os.fspath(folder)
+    shutil.rmtree(key, ignore_errors=True)
+    _release(key)
 
-    A folder whose owner lock cannot be taken (its process, or a process forked from it,
-    lives: this one's own too, since a lock taken anew conflicts with the one it holds) or
-    that has no owner file is kept; one that cannot be removed is logged and kept.
+
+def adopt(folder: str | os.PathLike[str]) -> None:
+    """Hold ``folder``, made by another process, until :func:`let_go`: the upload process
+    does, for the snapshot it commits, so that the snapshot outlives its maker's death
+    until the commit ends. A folder without an owner file is not held. Never fails."""
+    key = os.fspath(folder)
+    if fcntl is None:
+        return
+    try:
+        fd = os.open(os.path.join(key, _OWNER), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return
+    with _lock:
+        _held[key] = (os.getpid(), fd)
+
+
+def let_go(folder: str | os.PathLike[str]) -> None:
+    """Drop this process's hold on ``folder`` and remove it if no other process holds it
+    (its maker died, or was done with it). Never fails."""
+    key = os.fspath(folder)
+    _release(key)
+    if fcntl is not None and _dead(os.path.join(key, _OWNER)):
+        shutil.rmtree(key, ignore_errors=True)
+
+
+def _release(folder: str) -> None:
+    with _lock:
+        held = _held.pop(folder, None)
+    if held is not None and held[1] >= 0:
+        os.close(held[1])
+
+
+def _sweep(parent: str) -> None:
+    """Remove the scratch folders in ``parent`` that no live process holds.
+
+    A folder whose owner lock cannot be taken (a process holds it: its maker, a process
+    forked from it, an upload process; this one too, since a lock taken anew conflicts
+    with one it holds) or that has no owner file is kept; one that cannot be removed is
+    logged and kept.
     """
     if fcntl is None:
         return
     try:
-        names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
+        names = [n for n in os.listdir(parent) if n.startswith(_PREFIXES)]
     except OSError:
         return
     for name in names:
@@ -92,19 +177,31 @@ def _sweep(parent: str) -> None:
 
 
 def _take_ownership(folder: str) -> int:
-    """Lock ``folder``'s owner file for this process's life and return its descriptor:
-    locked under another name and then renamed, so that no sweep ever finds it unlocked."""
+    """Lock ``folder``'s owner file (shared) for this process and return the descriptor:
+    locked under another name and then renamed, so that no sweep ever finds it unlocked.
+    On a file system without ``flock`` (some network ones) the folder gets no owner file
+    and ``-1`` is returned: it works, and is never swept."""
     if fcntl is None:
         return -1
     staging = os.path.join(folder, f"{_OWNER}.new")
     fd = os.open(staging, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.replace(staging, os.path.join(folder, _OWNER))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError as exc:
+        log.debug("no owner lock for %s (%s): it is not swept", folder, exc)
+        os.close(fd)
+        os.unlink(staging)
+        return -1
+    try:
+        os.replace(staging, os.path.join(folder, _OWNER))
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
 def _dead(owner: str) -> bool:
-    """Whether the process that locked ``owner`` has died: its lock can be taken."""
+    """Whether no process holds ``owner`` any more: an exclusive lock on it can be taken."""
     assert fcntl is not None
     try:
         fd = os.open(owner, os.O_RDONLY | os.O_CLOEXEC)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 
-from taskpoint.checkpoint import _inflight, _uploader
+from taskpoint.checkpoint import _inflight, _scratch, _uploader
 from taskpoint.checkpoint._save import Saver
 from taskpoint.format import archive
 from taskpoint.format._catalog import Catalog
@@ -62,7 +62,9 @@ def commit(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
     """Commit one background save in the upload process.
 
     Marks the upload as in flight for its location (:func:`taskpoint.checkpoint._inflight.hold`),
-    so a retry on this machine waits for it.
+    so a retry on this machine waits for it, and holds the save's snapshot while it commits
+    (:func:`taskpoint.checkpoint._scratch.adopt`): one whose training process died meanwhile
+    is removed here once the commit ends, since no one else will.
 
     Returns:
         The save's stats and its ``(manifest key, checksum)``, for the parent to record.
@@ -70,15 +72,22 @@ def commit(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
     Raises:
         CheckpointError: what :meth:`taskpoint.checkpoint._save.Saver.commit` raised.
     """
-    where = request.destination
-    catalog = Catalog(Store(where.url, where.storage_options, where.retry))
-    catalog.intact |= request.intact
-    saver = Saver(
-        catalog, codec=archive.check_codec(where.codec), store_format=where.store_format,
-        keep=where.keep,
-    )
-    with _inflight.hold(catalog.store.url):
-        return saver.commit(request.source, request.attempt, request.seq)
+    snapshot = request.source.snapshot
+    if snapshot is not None:
+        _scratch.adopt(snapshot)
+    try:
+        where = request.destination
+        catalog = Catalog(Store(where.url, where.storage_options, where.retry))
+        catalog.intact |= request.intact
+        saver = Saver(
+            catalog, codec=archive.check_codec(where.codec), store_format=where.store_format,
+            keep=where.keep,
+        )
+        with _inflight.hold(catalog.store.url):
+            return saver.commit(request.source, request.attempt, request.seq)
+    finally:
+        if snapshot is not None:
+            _scratch.let_go(snapshot)
 
 
 def run() -> int:

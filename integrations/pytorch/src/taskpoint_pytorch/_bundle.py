@@ -144,11 +144,12 @@ class BundleState:
                     # Its upload process (or thread) sends it, off this process's GIL.
                     target = _upload_target(checkpoint, path)
                     checkpoint.save_sync(target, background=True, snapshot="link")
-                    checkpoint.wait()
                 else:
                     checkpoint.save_sync(path)
-            finally:
-                shutil.rmtree(path.parent, ignore_errors=True)
+            finally:  # the snapshot holds it now: a process killed during the upload
+                shutil.rmtree(path.parent, ignore_errors=True)  # leaves no second copy
+            if isinstance(checkpoint, Checkpoint):
+                checkpoint.wait()
 
         # Behind an upload in flight it waits, replacing (coalescing) one waiting there.
         if self._uploads.start(write, on_drop=lambda: self._free.append(buffers)):

@@ -1,5 +1,9 @@
-"""Restore folders in the temporary directory outlive no process: removed at exit, and
-after a SIGKILL (which runs no exit handler) by the next load of any process.
+"""Scratch folders on the local disk outlive no process using them. A restore folder in the
+temporary directory is removed at exit, and after a SIGKILL (which runs no exit handler)
+by the next load of any process; a background save's snapshot beside what it snapshots,
+left by a training process and its upload process killed together, by the next snapshot
+taken there. (A snapshot whose training process alone was killed is the upload process's
+to remove: ``tests/test_inflight.py``.)
 
 Real processes on one machine, as retries with ``isolation="process"`` or a scheduler that
 requeues on the same node run them: one SIGKILLed after its load, one still alive, one
@@ -112,3 +116,65 @@ def test_a_forked_child_leaves_its_parents_restore_folder_at_its_exit(
     )
     assert run.returncode == 0, run.stderr
     assert not _folder(run.stdout.strip()).exists(), "removed at the parent's exit"
+
+
+KILLED_MID_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import taskpoint
+    ckpt = taskpoint.Checkpoint(sys.argv[1])
+    ckpt.save_sync(Path(sys.argv[2]), background=True, snapshot="link")
+    os.killpg(0, signal.SIGKILL)  # the training process and its upload process, at once
+    """
+)
+
+
+def test_a_killed_jobs_link_snapshot_goes_with_the_next_snapshot_beside_it(
+    tmp_path: Path, scratch: Path
+) -> None:
+    """A job killed with its upload process right after a background save leaves the
+    save's hard-linked snapshot in its own output folder; the next background save from
+    that folder removes it, and keeps a snapshot a live process holds there."""
+    out = tmp_path / "out"
+    out.mkdir()
+    weights = out / "weights.bin"
+    weights.write_bytes(b"w" * (2 << 20))  # large enough to be linked, not copied
+    store = str(tmp_path / "store")
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_SAVE, store, str(weights)], capture_output=True,
+        text=True, timeout=120, start_new_session=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left = list(out.glob(f"{_scratch.SNAPSHOT_PREFIX}*"))
+    assert len(left) == 1, "the killed save's snapshot was not left behind"
+    held = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert held.stdout is not None
+        alive = Path(held.stdout.readline().strip())
+        ckpt = taskpoint.Checkpoint(store)
+        ckpt.save_sync(weights, background=True, snapshot="link")
+        ckpt.wait()
+        assert not left[0].exists(), "the dead job's snapshot was not removed"
+        assert alive.is_dir(), "a live process's snapshot was removed"
+        restored = ckpt.load_sync()
+        assert restored is not None and restored.read_bytes() == weights.read_bytes()
+    finally:
+        held.communicate("", timeout=60)
+    assert held.returncode == 0, "the live process's snapshot went from under it"
+    assert not list(out.glob(f"{_scratch.SNAPSHOT_PREFIX}*")), "removed at their ends"
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    from taskpoint.checkpoint import _scratch
+    folder = _scratch.owned_folder(_scratch.SNAPSHOT_PREFIX, sys.argv[1])
+    print(folder, flush=True)
+    sys.stdin.read()  # until the test closes it
+    assert folder.is_dir()
+    """
+)
