@@ -10,7 +10,8 @@ and habits"); a module imports only from its own layer and the layers below it::
     distributed   several writers of one checkpoint: coordinators, parts, nodes' disks
     format        what a location holds: manifests, archives, trees, retention, history
     store         one location on any fsspec filesystem (the only fsspec importer)
-    base          errors, _types, _env, versions, preemption, progress: they import no layer
+    base          errors, _types, _env, versions, preemption, progress, _scratch: they import
+                  no layer
 
 Every import counts, including those inside functions and under ``TYPE_CHECKING``: a lazy
 import that closes a circle only hides it. So does the code of the upload process, a child
@@ -33,7 +34,7 @@ PACKAGE = Path(taskpoint.__file__).parent
 
 LAYERS: list[tuple[str, ...]] = [
     ("taskpoint.errors", "taskpoint._types", "taskpoint._env", "taskpoint.versions",
-     "taskpoint.preemption", "taskpoint.progress"),
+     "taskpoint.preemption", "taskpoint.progress", "taskpoint._scratch"),
     ("taskpoint.store",),
     ("taskpoint.format",),
     ("taskpoint.distributed",),

@@ -3,7 +3,8 @@ temporary directory is removed at exit, and after a SIGKILL (which runs no exit 
 by the next load of any process; a background save's snapshot beside what it snapshots,
 left by a training process and its upload process killed together, by the next snapshot
 taken there. (A snapshot whose training process alone was killed is the upload process's
-to remove: ``tests/test_inflight.py``.)
+to remove: ``tests/test_inflight.py``.) The same goes for an object an object-store read
+downloaded whole first.
 
 Real processes on one machine, as retries with ``isolation="process"`` or a scheduler that
 requeues on the same node run them: one SIGKILLed after its load, one still alive, one
@@ -18,11 +19,14 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
 import taskpoint
-from taskpoint.checkpoint import _scratch
+from _servers import ObjectServer
+from taskpoint import _scratch
+from taskpoint.store.store import Store
 
 LOADER = textwrap.dedent(
     """
@@ -171,10 +175,43 @@ def test_a_killed_jobs_link_snapshot_goes_with_the_next_snapshot_beside_it(
 HOLDER = textwrap.dedent(
     """
     import sys
-    from taskpoint.checkpoint import _scratch
+    from taskpoint import _scratch
     folder = _scratch.owned_folder(_scratch.SNAPSHOT_PREFIX, sys.argv[1])
     print(folder, flush=True)
     sys.stdin.read()  # until the test closes it
     assert folder.is_dir()
     """
 )
+
+
+DOWNLOADER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from taskpoint.store.store import Store
+    with Store(sys.argv[1]).open_read("blob") as blob:  # downloaded whole first
+        assert blob.read() == b"downloaded"
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_killed_readers_download_goes_with_the_next_load(
+    tmp_path: Path, scratch: Path, s3_server: ObjectServer
+) -> None:
+    """An object read from an object store is downloaded whole into a folder of the
+    temporary directory first; a reader killed while it reads leaves that folder, and the
+    next load of any process removes it."""
+    url = s3_server.url("taskpoint-tests", uuid.uuid4().hex)
+    Store(url).write_atomic("blob", b"downloaded")
+    taskpoint.Checkpoint(url).save_sync(b"weights")
+    killed = subprocess.run(
+        [sys.executable, "-c", DOWNLOADER, url], capture_output=True, text=True, timeout=120
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left = list(scratch.glob(f"{_scratch.DOWNLOAD_PREFIX}*"))
+    assert len(left) == 1, "the killed reader's download was not left behind"
+    later = subprocess.run(
+        [sys.executable, "-c", LOADER, url, "exit"], capture_output=True, text=True, timeout=120
+    )
+    assert later.returncode == 0, later.stderr
+    assert not left[0].exists(), "the killed reader's download outlived the next load"

@@ -28,7 +28,8 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
-from taskpoint.checkpoint import _inflight, _scratch
+from taskpoint import _scratch
+from taskpoint.checkpoint import _inflight
 from taskpoint.checkpoint._save import Saves
 from taskpoint.errors import (
     CheckpointCoordinationError,

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from taskpoint import preemption
-from taskpoint.checkpoint import _scratch, _settle, _uploader
+from taskpoint import _scratch, preemption
+from taskpoint.checkpoint import _settle, _uploader
 from taskpoint.checkpoint._upload_thread import UploadThread, run_niced
 from taskpoint.checkpoint._uploader import DEFAULT_UPLOAD_NICE, UPLOAD_NICE_ENV, upload_nice
 from taskpoint.distributed import _parts

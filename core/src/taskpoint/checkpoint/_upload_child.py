@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 
-from taskpoint.checkpoint import _inflight, _scratch, _uploader
+from taskpoint import _scratch
+from taskpoint.checkpoint import _inflight, _uploader
 from taskpoint.checkpoint._save import Saver
 from taskpoint.format import archive
 from taskpoint.format._catalog import Catalog
@@ -63,7 +64,7 @@ def commit(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
 
     Marks the upload as in flight for its location (:func:`taskpoint.checkpoint._inflight.hold`),
     so a retry on this machine waits for it, and holds the save's snapshot while it commits
-    (:func:`taskpoint.checkpoint._scratch.adopt`): one whose training process died meanwhile
+    (:func:`taskpoint._scratch.adopt`): one whose training process died meanwhile
     is removed here once the commit ends, since no one else will.
 
     Returns:

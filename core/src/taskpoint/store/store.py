@@ -37,14 +37,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 
+from taskpoint import _scratch
 from taskpoint.errors import CheckpointStoreError
 from taskpoint.store import _exclusive, _local_files, _payloads, _retry
 from taskpoint.store import transfer as _transfer
@@ -312,14 +311,14 @@ class Store:
         can tell a store fault from bad content.
         """
         if self.is_object_store:
-            folder = tempfile.mkdtemp(prefix="taskpoint-download-")
+            folder = _scratch.owned_folder(_scratch.DOWNLOAD_PREFIX)  # swept if killed
             local = os.path.join(folder, "payload")
             try:
                 self._call("download", name, lambda: _payloads.download(self._at, name, local))
                 with open(local, "rb") as downloaded:
                     yield _GuardedReader(downloaded, self.url_of(name))  # type: ignore[misc]
             finally:
-                shutil.rmtree(folder, ignore_errors=True)
+                _scratch.remove(folder)
             return
         fh: Any
         if self.is_memory:

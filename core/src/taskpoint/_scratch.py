@@ -38,6 +38,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
+    "DOWNLOAD_PREFIX",
     "PREFIX",
     "SNAPSHOT_PREFIX",
     "adopt",
@@ -54,7 +55,9 @@ PREFIX = "taskpoint-restore-"
 SNAPSHOT_PREFIX = ".taskpoint-snapshot-"
 """How the name of a background save's snapshot starts (hidden: it may lie in the user's
 own folder)."""
-_PREFIXES = (PREFIX, SNAPSHOT_PREFIX)
+DOWNLOAD_PREFIX = "taskpoint-download-"
+"""How the name of a folder holding an object downloaded whole to be read starts."""
+_PREFIXES = (PREFIX, SNAPSHOT_PREFIX, DOWNLOAD_PREFIX)
 
 _OWNER = ".owner"
 _lock = threading.Lock()
