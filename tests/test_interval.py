@@ -555,6 +555,7 @@ def test_a_resumed_run_starts_from_the_save_cost_its_last_attempt_recorded(
     resumed.mark_started()
     assert resumed.load_sync() is not None
     later = SaveInterval.for_checkpoint(resumed, "auto", mtbf_prior_s=3600.0, clock=clock)
+    assert later.history_ready(30), "a resumed life reads the run's records on a thread"
     choice = later.choice
     assert choice.rule == "young-daly", "a resumed run measured nothing yet, but its run did"
     assert choice.save_cost_s == pytest.approx(2.0)
@@ -613,3 +614,54 @@ def test_the_resume_line_and_the_interval_share_one_read_of_the_history(
     assert reads == [threading.current_thread().name], "read once, by the load itself"
     assert [r.attempt for r in resumed.attempts()] == [0, 1], "attempts() reads afresh"
     assert len(reads) == 2
+
+
+def test_a_resumed_lifes_first_save_call_does_not_wait_for_the_runs_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resumed life's automatic interval reads the run's attempt records (a request per
+    record, more with every restart) on a thread: the save call that makes the interval
+    returns while the read is held, no timed save is due until the records are in, and
+    then the choice rests on them."""
+    first = Checkpoint(tmp_path.as_uri(), attempt=0)
+    first.mark_started()
+    clock = FakeClock()
+    interval = SaveInterval.for_checkpoint(first, "auto", mtbf_prior_s=3600.0, clock=clock)
+    first.save_sync(b"first")
+    interval.saved(blocked_s=2.0)
+    first.save_sync(b"second")  # records the choice: a 2 s save
+    first.mark_ended("crashed")
+
+    release = threading.Event()
+    real = history_module.read_attempts
+
+    def held(store: Store) -> list[AttemptRecord]:
+        assert release.wait(30), "the test never released the read"
+        return real(store)
+
+    monkeypatch.setattr(history_module, "read_attempts", held)
+    resumed = Checkpoint(tmp_path.as_uri(), attempt=1)
+    resumed.mark_started()
+    assert resumed.load_sync() is not None  # at WARNING: no resume line reads the records
+    made: list[SaveInterval] = []
+    maker = threading.Thread(
+        target=lambda: made.append(
+            SaveInterval.for_checkpoint(resumed, "auto", mtbf_prior_s=3600.0, clock=clock)
+        )
+    )
+    maker.start()
+    maker.join(10)
+    try:
+        assert made, "making the interval waited for the run's records"
+        later = made[0]
+        assert not later.history_ready(0)
+        _train(later, clock, 1, 100_000.0)
+        assert not later.due(), "a save came due before the run's records were in"
+    finally:
+        release.set()
+        maker.join(30)
+    assert later.history_ready(30)
+    choice = later.choice
+    assert (choice.rule, choice.failures) == ("young-daly", 1)
+    assert choice.save_cost_s == pytest.approx(2.0)
+    assert later.due(), "the interval has long passed"

@@ -553,8 +553,10 @@ class Attempt:
     def history(self) -> list[AttemptRecord]:
         """The run's attempt records as this process first read them through this attempt
         (:func:`read_attempts`), read now the first time: the resume line and an automatic
-        save interval share one read. Never on a thread of its own: a store client may draw
-        on Python's global random numbers, which a restore is about to set.
+        save interval share one read. Never on a thread of its own while a restore may
+        still set the random states (a store client may draw on Python's global random
+        numbers): an automatic interval reads it on one at its first save, after the
+        restore.
 
         Raises:
             CheckpointStoreError: the store failed to list the records.
@@ -563,6 +565,12 @@ class Attempt:
         if held is None or held[0] != os.getpid():
             held = self._history = (os.getpid(), read_attempts(self.store))
         return list(held[1])
+
+    def history_read(self) -> bool:
+        """Whether :meth:`history` answers without reading the store (this process read
+        the records already)."""
+        held = self._history
+        return held is not None and held[0] == os.getpid()
 
     def _check_marker(self, attempt: int) -> None:
         """Refuse to add an attempt to an action a newer taskpoint has written to."""
