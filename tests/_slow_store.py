@@ -3,9 +3,11 @@
 seconds) registered in every Python process started with :func:`slow_env`'s environment.
 
 Set ``SLOW_S`` in a process before it starts its upload process, and that process's
-uploads are slow; its first slow write records its process id in ``$SLOW_MARK``, so a
-test knows an upload is in flight, and from which process. Each environment also gives
-its processes one temporary folder (``<tmp_path>/tmp``), shared as on one machine.
+uploads are slow; or set it from the start with ``SLOW_FLAG``, and every process's writes
+turn slow once that file exists. The first slow write records its process's id in
+``$SLOW_MARK``, so a test knows an upload is in flight, and from which process. Each
+environment also gives its processes one temporary folder (``<tmp_path>/tmp``), shared as
+on one machine.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ SLOW_FS = textwrap.dedent(
     from fsspec.implementations.local import LocalFileSystem
 
     class SlowFileSystem(LocalFileSystem):
-        \"\"\"The local disk, where, in a process whose $SLOW_S is set, every file written
-        first takes $SLOW_S seconds: a store far away. The first slow write writes this
-        process's id to $SLOW_MARK.\"\"\"
+        \"\"\"The local disk, where, in a process whose $SLOW_S is set (and once the file
+        $SLOW_FLAG names exists, where it names one), every file written first takes
+        $SLOW_S seconds: a store far away. The first slow write writes this process's id
+        to $SLOW_MARK.\"\"\"
 
         protocol = ("slow",)
 
@@ -38,14 +41,15 @@ SLOW_FS = textwrap.dedent(
             return super().put_file(*args, **kwargs)
 
     def _slow():
-        seconds = os.environ.get("SLOW_S")
-        if seconds:
-            mark = os.environ["SLOW_MARK"]
-            if not os.path.exists(mark):
-                with open(mark + ".tmp", "w") as f:
-                    f.write(str(os.getpid()))
-                os.replace(mark + ".tmp", mark)
-            time.sleep(float(seconds))
+        seconds, flag = os.environ.get("SLOW_S"), os.environ.get("SLOW_FLAG")
+        if not seconds or (flag and not os.path.exists(flag)):
+            return
+        mark = os.environ.get("SLOW_MARK")
+        if mark and not os.path.exists(mark):
+            with open(mark + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(mark + ".tmp", mark)
+        time.sleep(float(seconds))
     """
 )
 SLOW_SITE = textwrap.dedent(

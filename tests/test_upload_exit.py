@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _slow_store import slow_env
 from taskpoint import Checkpoint
 
 SLOW_START = textwrap.dedent(
@@ -273,40 +274,6 @@ def test_a_hung_upload_is_given_up_at_its_bound_and_the_checkpoint_before_it_sta
     assert record.preemption_save == ("missed" if how == "sigterm" else None)
 
 
-SLOW_FS = textwrap.dedent(
-    """
-    import os, time
-    from fsspec.implementations.local import LocalFileSystem
-
-    class SlowFileSystem(LocalFileSystem):
-        \"\"\"The local disk, where every file written once $SLOW_FLAG exists first takes
-        $SLOW_S seconds: a store far away.\"\"\"
-
-        protocol = ("slow",)
-
-        def _open(self, path, mode="rb", *args, **kwargs):
-            if "w" in mode:
-                _slow()
-            return super()._open(path, mode, *args, **kwargs)
-
-        def put_file(self, *args, **kwargs):
-            _slow()
-            return super().put_file(*args, **kwargs)
-
-    def _slow():
-        if os.path.exists(os.environ.get("SLOW_FLAG", "")):
-            time.sleep(float(os.environ["SLOW_S"]))
-    """
-)
-SLOW_SITE = textwrap.dedent(
-    """
-    import os
-    if os.environ.get("SLOW_FLAG"):  # the training process and its upload process
-        import fsspec
-        fsspec.register_implementation("slow", "slowfs.SlowFileSystem", clobber=True)
-    """
-)
-
 TERMINATED_WHILE_UPLOADING = textwrap.dedent(
     """
     import os, signal, sys, time
@@ -378,9 +345,9 @@ def _terminate_while_uploading(
 ) -> tuple[subprocess.Popen[bytes], float, str]:
     """Run :data:`TERMINATED_WHILE_UPLOADING`, send it SIGTERM once its save uploads; the
     process, seconds from the signal to its end, and its output."""
-    env = _site_env(
-        tmp_path, {"sitecustomize.py": SLOW_SITE, "slowfs.py": SLOW_FS},
-        SLOW_FLAG=str(tmp_path / "slow"), SLOW_S=str(slow_s), TASKPOINT_GRACE_PERIOD=str(grace),
+    env = slow_env(
+        tmp_path, SLOW_FLAG=str(tmp_path / "slow"), SLOW_S=str(slow_s),
+        TASKPOINT_GRACE_PERIOD=str(grace),
     )
     work = tmp_path / "work"
     work.mkdir()

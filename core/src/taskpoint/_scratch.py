@@ -1,11 +1,12 @@
-"""Scratch folders on the local disk that outlive no process using them: restores and the
-snapshots of background saves, and their removal.
+"""Scratch folders on the local disk that outlive no process using them: restores, the
+snapshots of background saves and whole-object downloads, and their removal.
 
 A load without ``into`` restores under a ``taskpoint-restore-*`` folder of
 ``tempfile.gettempdir()`` (:func:`restore_folder`); a background save snapshots what it
 was given into a ``.taskpoint-snapshot-*`` folder, beside it (links) or in the temporary
 directory (a copy), which the upload process reads while it commits
-(:func:`owned_folder`). Each is removed by the code that is done with it, or at
+(:func:`owned_folder`); a read from an object store downloads the object whole into a
+``taskpoint-download-*`` folder first. Each is removed by the code that is done with it, or at
 interpreter exit. A process killed outright (SIGKILL, the OOM killer) runs neither, and
 leaves a whole checkpoint behind, once per life: retries on one machine
 (``isolation="process"``, a scheduler that requeues on the same node) would fill its disk.
@@ -90,6 +91,7 @@ def owned_folder(prefix: str, parent: str | None = None) -> Path:
 
     Raises:
         OSError: ``parent`` cannot be written; nothing is left behind.
+        ValueError: ``prefix`` is not one of this module's.
     """
     if prefix not in _PREFIXES:
         raise ValueError(f"a scratch folder's prefix is one of {_PREFIXES}; got {prefix!r}")
