@@ -257,9 +257,14 @@ class Moto:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing is bound to, outside the range outgoing connections take
+    theirs from: the test suite's ``_servers.free_port``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    try:
+        import _servers
+    finally:
+        sys.path.pop(0)
+    return _servers.free_port()
 
 
 def _wait_http(url: str, process: subprocess.Popen[bytes], what: str, timeout: float = 60) -> None:

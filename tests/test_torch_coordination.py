@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _servers
 import pytest
 
 GATHERER = Path(__file__).with_name("tp_torchrun_gatherer.py")
@@ -73,9 +73,7 @@ def test_an_unreachable_torchrun_store_fails_within_the_timeout(
     from taskpoint.distributed.torch_coordination import torch_job_coordinator
 
     assert torch.distributed.is_available()
-    with socket.socket() as sock:  # a port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _servers.free_port()  # a port nothing listens on
     for name, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port), "RANK": "1", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _servers
 import pytest
 import taskpoint
 import taskpoint_hf_testkit as kit
@@ -20,19 +20,13 @@ CHILD = Path(__file__).with_name("taskpoint_hf_nodes_child.py")
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _nodes(
     root: Path, stores: tuple[str, str], *extra: str, timeout: float = 400, gpus: bool = False
 ) -> list[subprocess.CompletedProcess[str]]:
     """Both nodes' torchrun, each in ``root/node<K>``; their completed processes.
 
     ``gpus``: node K sees only CUDA device K."""
-    port = _free_port()
+    port = _servers.free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     launched = []
     for node, store in enumerate(stores):

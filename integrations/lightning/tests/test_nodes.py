@@ -7,12 +7,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _servers
 import pytest
 import taskpoint
 import taskpoint_lightning_testlib as lib
@@ -22,12 +22,6 @@ from taskpoint.store.store import Store
 
 SCRIPT = Path(__file__).with_name("nodes_script.py")
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _own_disks_supported() -> bool:
@@ -57,7 +51,7 @@ def _nodes(
     disk.) Without, node K just runs in ``root/node<K>``. ``gpus``: node K sees only CUDA
     device K.
     """
-    port = _free_port()
+    port = _servers.free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     disk = root / "disk"
     disk.mkdir(parents=True, exist_ok=True)  # where each node's own disk is mounted
