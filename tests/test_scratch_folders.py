@@ -122,6 +122,47 @@ def test_a_forked_child_leaves_its_parents_restore_folder_at_its_exit(
     assert not _folder(run.stdout.strip()).exists(), "removed at the parent's exit"
 
 
+OUTLIVED = textwrap.dedent(
+    """
+    import os, sys
+    import taskpoint
+    path = taskpoint.Checkpoint(sys.argv[1]).load_sync()
+    if os.fork() == 0:
+        sys.stdin.read()  # until the test closes it, after the parent has exited
+        print("child read", path.read_bytes() == b"weights", flush=True)
+        sys.exit(0)
+    print(path, flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_restore_folder_outlives_its_parent_while_a_forked_child_reads_it(
+    tmp_path: Path, scratch: Path
+) -> None:
+    """The parent exits first (a data-loader worker outliving it, say): its exit leaves the
+    folder to the child, whose exit leaves it in turn (it is not the child's); the next
+    load on the machine removes it."""
+    store = str(tmp_path / "store")
+    taskpoint.Checkpoint(store).save_sync(b"weights")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", OUTLIVED, store],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert parent.stdin is not None and parent.stdout is not None
+    folder = _folder(parent.stdout.readline().strip())
+    assert parent.wait(timeout=120) == 0
+    assert folder.is_dir(), "removed at the parent's exit under a child still using it"
+    parent.stdin.close()
+    assert parent.stdout.read().strip() == "child read True"  # the pipe ends as the child does
+    assert folder.is_dir()
+    later = subprocess.run(
+        [sys.executable, "-c", LOADER, store, "exit"], capture_output=True, text=True, timeout=120
+    )
+    assert later.returncode == 0, later.stderr
+    assert not folder.exists(), "the next load did not remove a folder nobody holds"
+
+
 KILLED_MID_SAVE = textwrap.dedent(
     """
     import os, signal, sys

@@ -561,8 +561,8 @@ class Attempt:
         Raises:
             CheckpointStoreError: the store failed to list the records.
         """
-        held = self._history
-        if held is None or held[0] != os.getpid():
+        held = self._history if self.history_read() else None
+        if held is None:
             held = self._history = (os.getpid(), read_attempts(self.store))
         return list(held[1])
 

@@ -453,10 +453,10 @@ class SaveInterval:
     def _learn_history(self, checkpoint: Checkpoint) -> None:
         """Take the run's attempt records into the choice: at once where this process has
         read them already (its load's resume line) or the run has no earlier attempt, else
-        on a thread. A resumed life's first save call would otherwise wait on a read that
-        grows with the run's restarts (a request per record: 15-65 ms a life measured over
-        seven lives on loopback S3), in the training loop. No timed save is due until the
-        records are in (:meth:`due`); a failed read is logged and leaves the prior."""
+        on a thread: a resumed life's first save call would otherwise wait in the training
+        loop on a read that grows with the run's restarts (a request per record). No timed
+        save is due until the records are in (:meth:`due`); a failed read is logged and
+        leaves the prior."""
         attempt = checkpoint._attempt
         if attempt.number in (None, 0) or attempt.history_read():
             self._take_history(checkpoint)
