@@ -27,14 +27,15 @@ from typing import Any
 from taskpoint import Checkpoint, CheckpointCoordinationError, CheckpointLike
 from taskpoint.integration import Manifest
 
-__all__ = ["DCP_METADATA", "Selection", "load", "select"]
+__all__ = ["CHECKPOINT_NAME", "DCP_METADATA", "Selection", "load", "select"]
 
 log = logging.getLogger(__name__)
 
 DCP_METADATA = ".metadata"
 """The file naming a ``torch.distributed.checkpoint`` folder (it describes every shard)."""
 
-_CHECKPOINT_RE = re.compile(r"^checkpoint-\d+$")
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+"""The name of a Trainer checkpoint folder, ``checkpoint-N``; its group is the step."""
 _RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 _SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
@@ -110,7 +111,7 @@ def select(
     if set(manifest.parts) != {str(r) for r in range(world_size)}:
         return None  # another job size wrote it: resharding needs everything
     files = [e.path for e in manifest.entries if e.type != "dir"]
-    inside = [p for p in files if "/" in p and _CHECKPOINT_RE.match(p.split("/", 1)[0])]
+    inside = [p for p in files if "/" in p and CHECKPOINT_NAME.match(p.split("/", 1)[0])]
     rng = _rng_files(inside, world_size)
     if rng is None:
         return None

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -49,15 +48,13 @@ INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
 STAGING_PREFIX = ".taskpoint-restore-"
 """Prefix of the staging folder a restore uses inside ``output_dir`` (removed afterwards)."""
 
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-
 OutputDir = Union[str, "os.PathLike[str]", "TrainingArguments"]
 """Where the Trainer writes: its ``output_dir``, or its ``TrainingArguments``."""
 
 
 def checkpoint_step(path: str | os.PathLike[str]) -> int | None:
     """The step ``N`` of a directory named ``checkpoint-N``, or ``None`` for any other name."""
-    match = _CHECKPOINT_RE.match(Path(os.fspath(path)).name)
+    match = _selection.CHECKPOINT_NAME.match(Path(os.fspath(path)).name)
     return int(match[1]) if match else None
 
 
