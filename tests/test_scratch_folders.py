@@ -256,3 +256,39 @@ def test_a_killed_readers_download_goes_with_the_next_load(
     )
     assert later.returncode == 0, later.stderr
     assert not left[0].exists(), "the killed reader's download outlived the next load"
+
+
+SPOOLER = textwrap.dedent(
+    """
+    import os, signal
+    from taskpoint.store.transfer import Spool
+    spool = Spool(4)  # past 4 bytes, on the disk
+    spool.write(b"0123456789")
+    spool.finish()
+    print(spool.path, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_killed_writers_spool_goes_with_the_next_scratch_folder_made_beside_it(
+    scratch: Path,
+) -> None:
+    """A streamed write to an object store spools past its first part to the disk (a
+    whole format-1 checkpoint); a writer killed then leaves it only until the next scratch
+    folder any process makes in that directory."""
+    killed = subprocess.run(
+        [sys.executable, "-c", SPOOLER], capture_output=True, text=True, timeout=120
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    spool = Path(killed.stdout.strip())
+    assert spool.read_bytes() == b"0123456789"
+    assert spool.parent.parent == scratch
+    assert spool.parent.name.startswith(_scratch.UPLOAD_PREFIX)
+    mine = _scratch.scratch_folder()
+    try:
+        assert not spool.parent.exists(), "a dead writer's spool was kept"
+        assert mine.parent == scratch and mine.name.startswith(_scratch.SCRATCH_PREFIX)
+    finally:
+        _scratch.remove(mine)
+    assert not mine.exists()

@@ -6,7 +6,10 @@ A load without ``into`` restores under a ``taskpoint-restore-*`` folder of
 was given into a ``.taskpoint-snapshot-*`` folder, beside it (links) or in the temporary
 directory (a copy), which the upload process reads while it commits
 (:func:`owned_folder`); a read from an object store downloads the object whole into a
-``taskpoint-download-*`` folder first. Each is removed by the code that is done with it, or at
+``taskpoint-download-*`` folder first, and a streamed write to one spools past its first
+part into a ``taskpoint-upload-*`` folder; a framework adapter writes what it is about to
+save (a serialised state, a sharded save's staged files) into a ``taskpoint-scratch-*``
+folder (:func:`scratch_folder`). Each is removed by the code that is done with it, or at
 interpreter exit. A process killed outright (SIGKILL, the OOM killer) runs neither, and
 leaves a whole checkpoint behind, once per life: retries on one machine
 (``isolation="process"``, a scheduler that requeues on the same node) would fill its disk.
@@ -41,12 +44,16 @@ except ImportError:  # pragma: no cover - Windows
 __all__ = [
     "DOWNLOAD_PREFIX",
     "PREFIX",
+    "SCRATCH_PREFIX",
     "SNAPSHOT_PREFIX",
+    "UPLOAD_PREFIX",
     "adopt",
     "let_go",
     "owned_folder",
     "remove",
     "restore_folder",
+    "scratch_folder",
+    "snapshot_parent",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,7 +65,11 @@ SNAPSHOT_PREFIX = ".taskpoint-snapshot-"
 own folder)."""
 DOWNLOAD_PREFIX = "taskpoint-download-"
 """How the name of a folder holding an object downloaded whole to be read starts."""
-_PREFIXES = (PREFIX, SNAPSHOT_PREFIX, DOWNLOAD_PREFIX)
+UPLOAD_PREFIX = "taskpoint-upload-"
+"""How the name of a folder holding a streamed write's spool starts."""
+SCRATCH_PREFIX = "taskpoint-scratch-"
+"""How the name of a framework adapter's folder of files on their way to a save starts."""
+_PREFIXES = (PREFIX, SNAPSHOT_PREFIX, DOWNLOAD_PREFIX, UPLOAD_PREFIX, SCRATCH_PREFIX)
 
 _OWNER = ".owner"
 _lock = threading.Lock()
@@ -81,6 +92,30 @@ def restore_folder() -> Path:
         OSError: the temporary directory cannot be written.
     """
     return owned_folder(PREFIX)
+
+
+def scratch_folder(parent: str | os.PathLike[str] | None = None) -> Path:
+    """A new folder for files a framework adapter writes to save them (a serialised state,
+    a sharded save's staged files), in ``parent`` (default: the temporary directory),
+    held by this process until :func:`remove` (at interpreter exit at the latest): a
+    process killed while it saves leaves it to the next process's sweep, not on the disk
+    for good. See :func:`owned_folder`.
+
+    Raises:
+        OSError: ``parent`` cannot be written; nothing is left behind.
+    """
+    return owned_folder(SCRATCH_PREFIX, None if parent is None else os.fspath(parent))
+
+
+def snapshot_parent(path: Path) -> str:
+    """The folder a linked snapshot of ``path`` goes in: beside it, on its file system; or,
+    where ``path`` lies in a scratch folder, beside that folder, since its maker removes
+    it with all it holds as soon as the snapshot is taken (the PyTorch adapter's serialised
+    state)."""
+    parent = path.parent
+    if parent.name.startswith(_PREFIXES) and (parent / _OWNER).exists():
+        return str(parent.parent)
+    return str(parent)
 
 
 def owned_folder(prefix: str, parent: str | None = None) -> Path:

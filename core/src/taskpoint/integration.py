@@ -16,6 +16,8 @@ are documented there. The names are grouped by the job they do:
 - what a checkpoint holds: :class:`Manifest` (:meth:`taskpoint.Checkpoint.committed`'s
   items), :func:`stores_by_content`;
 - the checkpoint an adapter is given: :func:`check_checkpoint_like`;
+- local files on their way to a save, which a process killed mid-save leaves to the next
+  process to remove: :func:`scratch_folder`, :func:`remove_scratch_folder`;
 - a warning both logged and issued as a :class:`taskpoint.TaskpointWarning`: :func:`warn`;
 - when to save: :class:`BoundarySaves` and its :class:`Turn` (a plain loop's save call),
   :class:`SaveSchedule`, :class:`TimedSaves`, :func:`check_every`, :class:`StepBoundary`,
@@ -44,6 +46,8 @@ This module is a face of core, like ``taskpoint`` itself: it sits above every la
 (``tests/test_layers.py``) and holds no logic of its own.
 """
 
+from taskpoint._scratch import remove as remove_scratch_folder
+from taskpoint._scratch import scratch_folder
 from taskpoint._types import check_checkpoint_like
 from taskpoint.checkpoint._settle import settle_uploads, track
 from taskpoint.checkpoint._upload_thread import UploadThread
@@ -128,10 +132,12 @@ __all__ = [
     "note_coalesced",
     "raise_first_failure",
     "rank_and_size",
+    "remove_scratch_folder",
     "requested",
     "restore_to_every_disk",
     "run_everywhere",
     "saves_on_preemption",
+    "scratch_folder",
     "settle_uploads",
     "stores_by_content",
     "torch_job_coordinator",

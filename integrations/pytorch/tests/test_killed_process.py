@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import ModuleType
 
@@ -51,3 +53,62 @@ def test_killed_processes_resume_to_the_uninterrupted_result(
     assert lib.bitwise_differences(result, reference) == []
     manifests = taskpoint.Checkpoint(url).committed()
     assert [m.attempt for m in manifests][:1] == [3], "the last run committed the final state"
+
+
+SAVER = textwrap.dedent(
+    """
+    import sys, time, torch, taskpoint
+    from taskpoint_pytorch import TaskpointState
+
+    def held(moved):  # an upload that never ends: a far, slow store
+        print("uploading", flush=True)
+        time.sleep(600)
+
+    url, step = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    state = TaskpointState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    state.save_sync(taskpoint.Checkpoint(url, progress=held if step == 1 else None), step=step)
+    """
+)
+
+
+def _ours(scratch: Path) -> list[Path]:
+    return sorted(p for p in scratch.iterdir() if "taskpoint-" in p.name)
+
+
+@pytest.mark.slow
+def test_the_state_a_killed_save_serialised_goes_with_the_next_processs_save(
+    tmp_path: Path,
+) -> None:
+    """A blocking save SIGKILLed while it uploads (the OOM killer, a node's reclaim) has
+    its serialised state on the local disk: it stays there only until the next process on
+    the machine saves, not until the disk fills with one state per kill."""
+    url = f"file://{tmp_path / 'store'}"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    killed = subprocess.Popen(
+        [sys.executable, "-c", SAVER, url, "1"], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        assert killed.stdout is not None
+        assert killed.stdout.readline().strip() == "uploading", killed.communicate()[0]
+        serialised = [p for p in _ours(scratch) if any(p.rglob("state.pt"))]
+        assert len(serialised) == 1, _ours(scratch)
+    finally:
+        killed.kill()
+        killed.communicate(timeout=60)
+    assert serialised[0].is_dir(), "a SIGKILL runs no clean-up: the state is left"
+
+    later = subprocess.run(
+        [sys.executable, "-c", SAVER, url, "2"], env=env,
+        capture_output=True, text=True, timeout=120,
+    )
+    assert later.returncode == 0, later.stderr
+    assert _ours(scratch) == [], "the next save left its own or the killed one's state"
+    committed = taskpoint.Checkpoint(url).committed()
+    assert [m.step for m in committed] == [2]
+    entries = committed[0].entries or []
+    assert [e.path for e in entries if e.type != "dir"] == ["state.pt"], "only the bundle"

@@ -351,7 +351,7 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
 
     ``how="link"`` hard-links files of :data:`LINK_MIN` bytes or more and copies smaller
     ones (see :meth:`taskpoint.Checkpoint.save_sync`); it is placed beside the original,
-    on its file system, so links are possible. Each linked file's content key
+    on its file system, so links are possible (:func:`taskpoint._scratch.snapshot_parent`). Each linked file's content key
     is recorded (``pinned``): a file rewritten in place through the original's name before
     the snapshot is committed fails that commit rather than storing content that is not the
     snapshot's (perhaps half written).
@@ -362,7 +362,7 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
     if source.path is None:
         return dataclasses.replace(source, blocked_s=time.monotonic() - source.called)
     try:
-        near = str(source.path.parent) if how == "link" else None
+        near = _scratch.snapshot_parent(source.path) if how == "link" else None
         folder = _scratch.owned_folder(_scratch.SNAPSHOT_PREFIX, near)
     except OSError:  # a read-only parent: a copy in the temporary folder instead
         folder, how = _scratch.owned_folder(_scratch.SNAPSHOT_PREFIX), "copy"

@@ -29,13 +29,14 @@ import contextlib
 import io
 import logging
 import os
-import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from fsspec.callbacks import Callback
 
+from taskpoint import _scratch
 from taskpoint.store._streams import WriteView
 from taskpoint.store._watchdog import Progress, Stalled, bounded
 
@@ -384,13 +385,15 @@ class Spool(WriteView):
 
     Args:
         limit: the most bytes held in memory, in bytes; beyond it everything moves to a
-            temporary file, whose name is :attr:`path`.
+            temporary file, whose name is :attr:`path`, in a ``taskpoint-upload-*`` scratch
+            folder of its own (``taskpoint._scratch``).
     """
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._memory: io.BytesIO | None = io.BytesIO()
         self._file: BinaryIO | None = None
+        self._folder: Path | None = None
         self.path: str | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
@@ -398,8 +401,10 @@ class Spool(WriteView):
         if self._memory is not None:
             if self._memory.tell() + len(data) <= self._limit:
                 return self._memory.write(data)
-            fd, self.path = tempfile.mkstemp(prefix="taskpoint-upload-")
-            self._file = os.fdopen(fd, "wb")
+            # An owned folder: a process killed mid-write leaves it to the next sweep.
+            self._folder = _scratch.owned_folder(_scratch.UPLOAD_PREFIX)
+            self.path = str(self._folder / "spool")
+            self._file = open(self.path, "wb")  # noqa: SIM115 - closed by finish/discard
             self._file.write(self._memory.getbuffer())
             self._memory = None
         assert self._file is not None
@@ -417,13 +422,12 @@ class Spool(WriteView):
             self._file.close()
 
     def discard(self) -> None:
-        """Close and delete the temporary file, if any."""
+        """Close and delete the temporary file and its folder, if any."""
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()
-        if self.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        if self._folder is not None:
+            _scratch.remove(self._folder)
 
     def flush(self) -> None:
         """Nothing to do: :meth:`Store.write_stream` finishes the spool."""

@@ -20,8 +20,6 @@ import collections
 import contextlib
 import copy
 import logging
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -37,6 +35,8 @@ from taskpoint.integration import (
     gather_or_raise,
     note_coalesced,
     rank_and_size,
+    remove_scratch_folder,
+    scratch_folder,
     stores_by_content,
 )
 
@@ -126,7 +126,7 @@ class BundleState:
                 )
         finally:
             if path is not None:
-                shutil.rmtree(path.parent, ignore_errors=True)
+                _discard(path)
 
     def _queue(
         self, checkpoint: CheckpointLike, bundle: dict[str, Any], buffers: list[torch.Tensor]
@@ -147,7 +147,7 @@ class BundleState:
                 else:
                     checkpoint.save_sync(path)
             finally:  # the snapshot holds it now: a process killed during the upload
-                shutil.rmtree(path.parent, ignore_errors=True)  # leaves no second copy
+                _discard(path)  # leaves no second copy
             if isinstance(checkpoint, Checkpoint):
                 checkpoint.wait()
 
@@ -314,14 +314,23 @@ def _upload_target(checkpoint: object, path: Path) -> Path:
 
 
 def _serialise(bundle: dict[str, Any]) -> Path:
-    """``bundle`` written to :data:`STATE_FILE` in a new temporary folder (the caller
-    removes the folder); the folder is removed here if writing fails."""
-    folder = Path(tempfile.mkdtemp(prefix="taskpoint-pytorch-"))
+    """``bundle`` written to :data:`STATE_FILE` in a ``bundle`` folder of a new scratch
+    folder, which the caller removes (:func:`_discard`; a process killed first leaves it to
+    the next process's sweep); removed here if writing fails. The folder saved is the
+    ``bundle`` folder, which holds nothing else: the scratch folder's own ``.owner`` file
+    stays out of the checkpoint."""
+    folder = scratch_folder() / "bundle"
     try:
+        folder.mkdir()
         torch.save(bundle, folder / STATE_FILE)
     except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_scratch_folder(folder.parent)
         raise
     log.debug("serialised state bundle (epoch=%d, step=%d, %d bytes) in %s", bundle["epoch"],
               bundle["step"], (folder / STATE_FILE).stat().st_size, threading.current_thread().name)
     return folder / STATE_FILE
+
+
+def _discard(path: Path) -> None:
+    """Remove the scratch folder :func:`_serialise` wrote ``path`` into. Never fails."""
+    remove_scratch_folder(path.parent.parent)

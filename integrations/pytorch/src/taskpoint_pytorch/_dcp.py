@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
-import tempfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -28,7 +26,12 @@ from typing import Any
 
 import taskpoint
 from taskpoint import CheckpointCoordinationError
-from taskpoint.integration import check_agreement, rank_and_size
+from taskpoint.integration import (
+    check_agreement,
+    rank_and_size,
+    remove_scratch_folder,
+    scratch_folder,
+)
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
@@ -95,13 +98,14 @@ class _AtCheckpoint:
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never picked for a bare checkpoint_id: pass the writer or reader
 
-    def _new_folder(self, prefix: str) -> Path:
-        """A fresh local folder for this save's or load's files (under ``staging``), now
+    def _new_folder(self) -> Path:
+        """A fresh scratch folder for this save's or load's files (under ``staging``), now
         :attr:`_folder`: :meth:`_drop_folder` (or garbage collection) removes it and aborts
-        the leases then in :attr:`_held`."""
+        the leases then in :attr:`_held`; a process killed first leaves it to the next
+        process's sweep (:func:`taskpoint.integration.scratch_folder`)."""
         if self._staging is not None:
             self._staging.mkdir(parents=True, exist_ok=True)
-        self._folder = Path(tempfile.mkdtemp(prefix=prefix, dir=self._staging))
+        self._folder = scratch_folder(self._staging)
         self._held = []
         self._cleanup = weakref.finalize(self, _release, self._folder, self._held)
         return self._folder
@@ -163,7 +167,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
         ``checkpoint_id`` is ignored: the checkpoint's URL is where it goes.
         """
         self.close()
-        staged = self._new_folder("taskpoint-dcp-") / DCP_FOLDER
+        staged = self._new_folder() / DCP_FOLDER
         staged.mkdir()
         self._inner: _StagingWriter | None = _StagingWriter(
             staged, self.checkpoint_id, thread_count=self._thread_count
@@ -266,7 +270,7 @@ class TaskpointStorageWriter(_AtCheckpoint, StorageWriter):
 def _release(folder: Path, commits: list[taskpoint.PartsCommit]) -> None:
     for commit in commits:
         commit.abort()
-    shutil.rmtree(folder, ignore_errors=True)
+    remove_scratch_folder(folder)
 
 
 class TaskpointStorageReader(_AtCheckpoint, StorageReader):
@@ -317,7 +321,7 @@ class TaskpointStorageReader(_AtCheckpoint, StorageReader):
             CheckpointCoordinationError: the newest checkpoint holds none of some of them;
                 the message says that it ``lacking`` (what that means), and which.
         """
-        folder = self._folder or self._new_folder("taskpoint-dcp-load-")
+        folder = self._folder or self._new_folder()
         try:  # into the same folder each time: a .metadata there and unchanged is kept
             path = self._checkpoint.load_sync(into=folder / DCP_FOLDER, paths=paths)
         except CheckpointCoordinationError as exc:

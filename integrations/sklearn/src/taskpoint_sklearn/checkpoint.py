@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -14,7 +13,13 @@ from typing import Any, Literal
 
 import numpy as np
 from taskpoint import CheckpointLike, IntervalChoice
-from taskpoint.integration import BoundarySaves, Turn, check_checkpoint_like
+from taskpoint.integration import (
+    BoundarySaves,
+    Turn,
+    check_checkpoint_like,
+    remove_scratch_folder,
+    scratch_folder,
+)
 
 from taskpoint_sklearn.bundle import PartialFitBundle
 from taskpoint_sklearn.errors import BundleFormatError
@@ -175,13 +180,18 @@ class TaskpointSklearnCheckpoint:
 
     @contextlib.contextmanager
     def _staged(self, bundle: PartialFitBundle) -> Iterator[Path]:
-        """The bundle serialised to a temporary file, for the body to commit."""
+        """The bundle serialised to a file in a scratch folder, for the body to commit; the
+        folder goes when the body ends (or with the next process's sweep, if this process
+        is killed first)."""
         started = time.monotonic()
         data = encode(bundle.to_payload(), self._format, self._allowed)
-        with tempfile.TemporaryDirectory(prefix="taskpoint-sklearn-") as tmp:
-            path = Path(tmp) / self._filename
+        folder = scratch_folder()
+        try:
+            path = folder / self._filename
             path.write_bytes(data)
             yield path
+        finally:
+            remove_scratch_folder(folder)
         log.debug(
             "saved %s bundle of %s at progress %d (%d bytes) in %.2fs", self._format,
             type(bundle.estimator).__name__, bundle.progress, len(data), time.monotonic() - started,
