@@ -350,11 +350,11 @@ def take_snapshot(source: Source, how: Snapshot = "copy") -> Source:
     """A private snapshot of ``source`` that later changes to the original cannot reach.
 
     ``how="link"`` hard-links files of :data:`LINK_MIN` bytes or more and copies smaller
-    ones (see :meth:`taskpoint.Checkpoint.save_sync`); it is placed beside the original,
-    on its file system, so links are possible (:func:`taskpoint._scratch.snapshot_parent`). Each linked file's content key
-    is recorded (``pinned``): a file rewritten in place through the original's name before
-    the snapshot is committed fails that commit rather than storing content that is not the
-    snapshot's (perhaps half written).
+    ones (see :meth:`taskpoint.Checkpoint.save_sync`); it is placed beside the original, on
+    its file system, so links are possible (:func:`taskpoint._scratch.snapshot_parent`).
+    Each linked file's content key is recorded (``pinned``): a file rewritten in place
+    through the original's name before the snapshot is committed fails that commit rather
+    than storing content that is not the snapshot's (perhaps half written).
 
     Raises:
         CheckpointSaveError: a file could not be read or copied; nothing is left behind.
