@@ -9,6 +9,7 @@ process dying as if killed) and both resume through taskpoint_hf.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -175,9 +176,14 @@ class Pause(TrainerCallback):
 def end_process_group() -> None:
     """Destroy the process group torchrun's ranks trained in, before the interpreter exits:
     left to exit, gloo's teardown sometimes aborts a rank that finished cleanly ("terminate
-    called without an active exception", exit -6)."""
+    called without an active exception", exit -6; pytorch/pytorch#179291). Every process
+    that loads this module runs it at exit (below), one that ends by an exception too;
+    scripts call it last as well."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+atexit.register(end_process_group)
 
 
 def attempts(url: str) -> list[AttemptRecord]:

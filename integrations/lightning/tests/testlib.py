@@ -6,6 +6,7 @@ files and scripts share one definition of the model, the data and the helpers.
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import time
@@ -206,10 +207,16 @@ def end_process_group() -> None:
 
     Left to interpreter exit, gloo's teardown sometimes aborts the process ("terminate
     called without an active exception", exit -6) after training ended cleanly, with or
-    without taskpoint; every multi-process script calls this last.
+    without taskpoint: gloo's threads still hold work whose tensors the finalising
+    interpreter frees (pytorch/pytorch#179291; Lightning destroys the group at exit for
+    NCCL only). Every process that loads this module runs it at exit (below), spawned
+    ``ddp_spawn`` workers and torchrun ranks included; scripts may call it earlier.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+atexit.register(end_process_group)
 
 
 def weights(module: nn.Module) -> dict[str, torch.Tensor]:
