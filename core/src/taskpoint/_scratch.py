@@ -109,13 +109,13 @@ def scratch_folder(parent: str | os.PathLike[str] | None = None) -> Path:
 
 def snapshot_parent(path: Path) -> str:
     """The folder a linked snapshot of ``path`` goes in: beside it, on its file system; or,
-    where ``path`` lies in a scratch folder, beside that folder, since its maker removes
-    it with all it holds as soon as the snapshot is taken (the PyTorch adapter's serialised
-    state)."""
-    parent = path.parent
-    if parent.name.startswith(_PREFIXES) and (parent / _OWNER).exists():
-        return str(parent.parent)
-    return str(parent)
+    where ``path`` lies in a scratch folder (at any depth), beside that folder, since its
+    maker removes it with all it holds as soon as the snapshot is taken (the PyTorch
+    adapter's serialised state)."""
+    for folder in path.parents:
+        if folder.name.startswith(_PREFIXES) and (folder / _OWNER).exists():
+            return str(folder.parent)
+    return str(path.parent)
 
 
 def owned_folder(prefix: str, parent: str | None = None) -> Path:

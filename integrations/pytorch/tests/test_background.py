@@ -94,6 +94,32 @@ def test_a_background_save_returns_at_once_with_the_state_as_it_was(tmp_path: Pa
         assert torch.equal(fresh.state_dict()[key], value), key
 
 
+def test_background_saves_to_a_one_archive_per_save_store_commit_and_restore(
+    tmp_path: Path,
+) -> None:
+    """Store format 1 is handed the bundle file, not its folder: its linked snapshot must
+    outlive the scratch folder the bundle was serialised in, which goes at once."""
+    checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", store_format=1)
+    model, opt = _trained()
+    state = TaskpointState(model, opt)
+    for step in (1, 2, 3):
+        state.save_sync(checkpoint, step=step, background=True)
+        _step(model, opt)
+    assert state.wait()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    state.save_sync(checkpoint, step=4, background=True)
+    assert state.wait()
+    assert [m.step for m in checkpoint.committed()][:1] == [4]
+
+    fresh = nn.Linear(4, 3)
+    resume = TaskpointState(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1)).restore_sync(
+        taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", store_format=1)
+    )
+    assert resume == ResumePoint(epoch=0, step=4)
+    for key, value in saved.items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
 def test_saves_during_an_upload_return_at_once_and_the_newest_commits_next(
     tmp_path: Path,
 ) -> None:
