@@ -93,12 +93,9 @@ def free_port() -> int:
     too few ports outside it, the kernel's pick is the answer.
     """
     ephemeral = _ephemeral_ports()
-    outside = [r for r in (range(_FREE_PORT_FLOOR, ephemeral.start), range(ephemeral.stop, 65536))
-               if len(r) > 0]
-    if sum(len(r) for r in outside) >= 1000:
-        rng = random.SystemRandom()
-        for _ in range(200):
-            port = rng.choice(rng.choices(outside, weights=[len(r) for r in outside])[0])
+    outside = [*range(_FREE_PORT_FLOOR, ephemeral.start), *range(ephemeral.stop, 65536)]
+    if len(outside) >= 1000:
+        for port in random.SystemRandom().sample(outside, 200):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 try:
                     sock.bind((LOOPBACK, port))
