@@ -73,7 +73,7 @@ def main() -> None:
         max_epochs=4, devices=2, strategy="ddp", default_root_dir=workdir,
     )
     trainer.fit(lib.TinyModule(), lib.loader("shuffle"))
-    lib.end_process_group()
+    lib.exit_now()
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def main() -> None:
     state = lib.full_state(model) if args.fsdp else lib.weights(model)
     torch.save(state, args.results / f"{name}-rank{rank}.pt")
     print(f"rank {rank}: STARTED", *model.started_at, flush=True)
-    lib.end_process_group()
+    lib.exit_now()
 
 
 if __name__ == "__main__":

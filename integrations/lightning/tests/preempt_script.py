@@ -179,6 +179,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     out = args.out if rank == 0 else args.out.with_stem(f"{args.out.stem}-rank{rank}")
     torch.save(weights, out)
+    lib.exit_now()
 
 
 if __name__ == "__main__":

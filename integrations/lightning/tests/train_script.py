@@ -96,7 +96,7 @@ def main() -> None:
         if not spawn:  # (spawned, the workers trained and ReportStart printed)
             assert model.started_at is not None
             print("STARTED", *model.started_at, "RESUMED", trainer.ckpt_path, flush=True)
-    lib.end_process_group()
+    lib.exit_now()
 
 
 if __name__ == "__main__":
