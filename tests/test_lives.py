@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
+from typing import Any
 
 from click.testing import CliRunner
 from taskpoint.cli import main
@@ -212,6 +214,29 @@ def test_environment_contract_lives_record_their_ends(tmp_path: Path) -> None:
     code, verbose = _show(tmp_path / "store", "train/job-3", "--verbose")
     assert code == 0 and "Traceback (most recent call last)" in verbose, verbose
     assert "raise RuntimeError" in verbose
+
+
+def test_environment_contract_lives_on_an_object_store_record_their_ends(
+    tmp_path: Path, seaweed_server: Any
+) -> None:
+    """On S3 (SeaweedFS) too: a normal exit's end record is written while the S3 client
+    can still open a connection (a plain ``atexit`` hook comes after the interpreter's
+    thread pools shut down, where the client resolves addresses, and the record was lost:
+    the life read as died); an exception's and a SIGTERM's as well."""
+    script = tmp_path / "train.py"
+    script.write_text(PLAIN)
+    url = seaweed_server.url("taskpoint-tests", f"lives-{uuid.uuid4().hex}")
+    env = {"TASKPOINT_ROOT": url, "TASKPOINT_ACTION": "train", "TASKPOINT_RUN_ID": "job-5"}
+    lives = [_life(script, {**env, "FAIL": fail}) for fail in ("raise:3", "term:6")]
+    lives.append(_life(script, env))
+    assert [r.returncode for r in lives] == [1, -signal.SIGTERM, 0], [r.stderr for r in lives]
+    assert [_attempt_seen(r) for r in lives] == [(0, 0), (1, 3), (2, 6)]
+    for life in lives:
+        assert "could not write" not in life.stderr, life.stderr
+    records = read_attempts(Store(f"{url}/train/job-5"))
+    assert [(r.outcome, r.step, r.noted_by) for r in records] == [
+        ("failed", 3, None), ("preempted", 6, None), ("succeeded", 12, None)
+    ]
 
 
 def test_a_kill_in_the_preemption_save_finds_the_end_recorded(tmp_path: Path) -> None:

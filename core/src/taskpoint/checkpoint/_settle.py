@@ -16,7 +16,9 @@ here first, so this hook runs before its). From a plain ``atexit`` hook, which r
 after ``threading._shutdown``, an upload still needing a pool failed with "cannot schedule
 new futures after interpreter shutdown" and nothing committed. Where
 ``threading._register_atexit`` is missing (it is a CPython internal), a plain ``atexit``
-hook does what it can.
+hook does what it can. What must reach the store once the uploads settled (the attempt's
+end record) registers with :func:`at_exit` and runs there too, for the same reason: the S3
+client resolves a new connection's address on the event loop's thread pool.
 
 A SIGTERM nobody handles waits the same way before it ends the process: a background
 upload starting calls :func:`taskpoint.preemption.hold_default_exit`, which installs
@@ -41,12 +43,13 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 from taskpoint import preemption
 from taskpoint.checkpoint import _uploader
 
-__all__ = ["EXIT_WAIT_S", "settle_uploads", "track", "untrack"]
+__all__ = ["EXIT_WAIT_S", "at_exit", "settle_uploads", "track", "untrack"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,7 @@ class _Waitable(Protocol):
 
 
 _tracked: weakref.WeakSet[_Waitable] = weakref.WeakSet()
+_exit_hooks: list[Callable[[], object]] = []
 
 
 def track(uploads: _Waitable) -> None:
@@ -122,14 +126,26 @@ def _settle_before_signal_exit(notice: preemption.Notice) -> None:
     _settle_until(_exit_deadline(notice))
 
 
+def at_exit(hook: Callable[[], object]) -> None:
+    """Run ``hook`` at interpreter exit, once the uploads settled, while the thread
+    pools that store calls need still take work (see the module's documentation). Hooks
+    run in the order registered; what one raises is logged."""
+    _exit_hooks.append(hook)
+
+
 def _settle_at_exit() -> None:
     """Wait for every tracked upload, then end the upload process, within
     :data:`EXIT_WAIT_S` seconds in all, and by the grace period's end after a preemption
-    signal."""
+    signal; then run the :func:`at_exit` hooks."""
     deadline = _exit_deadline(preemption.notice())
     _settle_until(deadline)
     if not _uploader.close_shared(max(0.0, deadline - time.monotonic())):
         log.warning("the upload process still runs; it finishes its uploads on its own")
+    for hook in _exit_hooks:
+        try:
+            hook()
+        except Exception:
+            log.exception("an exit hook failed: %r", hook)
 
 
 def _register() -> None:

@@ -13,8 +13,11 @@ life's end wherever the process can:
   save: a kill at the grace period's end can no longer land between the warning and the
   record), again when the training stops, and before a SIGTERM that nothing else handles
   ends the process (:func:`taskpoint.preemption.wait_before_exit`);
-- a normal exit (``atexit``): ``succeeded``, or ``preempted`` after a preemption signal.
-  ``sys.exit(status)`` is an exit like any other: its status is not visible there.
+- a normal exit: ``succeeded``, or ``preempted`` after a preemption signal, once the
+  background uploads settled (:func:`taskpoint.checkpoint._settle.at_exit`, which runs while
+  the S3 client's thread pool still resolves addresses; a plain ``atexit`` hook is too
+  late for an object store). ``sys.exit(status)`` is an exit like any other: its status
+  is not visible there.
 
 A process killed outright (SIGKILL, out of memory, its node lost) records nothing; the next
 life records it as died when it claims its number
@@ -24,7 +27,6 @@ unset or ``0``) keeps the records; the other ranks' processes are not attempts o
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
@@ -34,6 +36,7 @@ import traceback
 from types import TracebackType
 
 from taskpoint import preemption, progress
+from taskpoint.checkpoint import _settle
 from taskpoint.checkpoint.checkpoint import Checkpoint
 from taskpoint.errors import CheckpointError
 from taskpoint.format import history
@@ -185,7 +188,7 @@ def _hook() -> None:
     if _hooked:
         return
     _hooked = True
-    atexit.register(_at_exit)
+    _settle.at_exit(_at_exit)
     previous = sys.excepthook
 
     def excepthook(
