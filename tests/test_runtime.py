@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -151,6 +152,87 @@ def test_end_callbacks_run_after_each_attempt_before_its_outcome_is_recorded(
     ]
     outcomes = [r.outcome for r in read_attempts(Store(str(root / "ends.task/r")))]
     assert outcomes == ["failed", "failed", "succeeded"]
+
+
+FAILURES = """
+import os, sys
+from pathlib import Path
+import taskpoint
+
+LOG = Path(os.environ["CALLS"])  # the environment: a process attempt's child imports this
+env = taskpoint.TaskEnvironment(name="failures", root=os.environ["ROOT"])
+
+
+def note(attempt, text):
+    with LOG.open("a") as fh:
+        fh.write(f"{attempt}:{text}\\n")
+
+
+def broken(exc):
+    raise OSError("a callback failed")
+
+
+@env.task(retries=2, backoff=0, isolation=os.environ["ISOLATION"])
+def task():
+    context = taskpoint.ctx()
+    attempt = context.attempt
+
+    def saw(exc):
+        note(attempt, f"failure {type(exc).__name__}: {exc}")
+
+    context.on_failure(broken)
+    context.on_failure(saw)
+    context.on_failure(saw)
+    context.on_end(lambda: note(attempt, "end"))
+    if attempt == 0:
+        raise ValueError("a bad batch")
+    if attempt == 1:
+        raise taskpoint.Preempted("SIGTERM")
+    return "ok"
+
+
+if __name__ == "__main__":
+    print(task())
+"""
+
+
+@pytest.mark.parametrize("isolation", ["inline", "process"])
+def test_failure_callbacks_get_the_exception_before_the_end_callbacks(
+    tmp_path: Path, isolation: str
+) -> None:
+    """What a save at the failure relies on: the attempt's exception, once, before the
+    ``on_end`` callbacks; not for a preemption; one that raises is logged and the others
+    still run; a callback registered twice runs once. In a process attempt, in the child."""
+    script, log = tmp_path / "failures.py", tmp_path / "calls.txt"
+    script.write_text(FAILURES)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120, env={**os.environ, "CALLS": str(log), "ROOT": str(tmp_path / "store"),
+                          "ISOLATION": isolation},
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    assert log.read_text().splitlines() == [
+        "0:failure ValueError: a bad batch", "0:end", "1:end", "2:end",
+    ]
+    assert "an on_failure callback failed" in result.stderr
+    assert "OSError: a callback failed" in result.stderr
+
+
+async def test_failure_callbacks_run_for_an_async_task() -> None:
+    env = taskpoint.TaskEnvironment(name="async-failures", root="memory://async-failures")
+    seen: list[str] = []
+
+    @env.task(retries=1, backoff=0)
+    async def task() -> str:
+        context = taskpoint.ctx()
+        assert context is not None
+        context.on_failure(lambda exc: seen.append(f"{context.attempt}:{exc}"))
+        if context.attempt == 0:
+            raise RuntimeError("first")
+        return "ok"
+
+    assert await task() == "ok"
+    assert seen == ["0:first"]
 
 
 def test_checkpoints_disabled_gives_none() -> None:

@@ -61,7 +61,8 @@ def child_main(spec_path: str, outcome_path: str) -> int:
             if asyncio.iscoroutine(value):
                 value = asyncio.run(value)
             runner.returned(context)
-        except BaseException:
+        except BaseException as exc:
+            context._run_failure_callbacks(exc)
             runner.settle(context, failed=True)
             raise
         finally:

@@ -8,7 +8,8 @@ and records it), records earlier lives that died without an end record, and reco
 life's end wherever the process can:
 
 - an exception that ends the process (``sys.excepthook``): ``failed``, or ``preempted`` for
-  :class:`taskpoint.Preempted`, with its traceback;
+  :class:`taskpoint.Preempted`, with its traceback, after the context's
+  :meth:`~taskpoint.TaskContext.on_failure` callbacks ran (:attr:`Life.on_failure`);
 - a preemption signal: ``preempted`` at once when the step boundary sees it (before the
   save: a kill at the grace period's end can no longer land between the warning and the
   record), again when the training stops, and before a SIGTERM that nothing else handles
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 
 from taskpoint import preemption, progress
@@ -105,6 +107,8 @@ class Life:
         self._preempted = preempted
         self._final = False
         self._lock = threading.Lock()
+        self.on_failure: Callable[[BaseException], object] | None = None
+        """Called with the exception that ends the process, before its end is recorded."""
 
     def __repr__(self) -> str:
         return f"Life({self.checkpoint!r}, ended={self._final})"
@@ -195,6 +199,8 @@ def _hook() -> None:
         kind: type[BaseException], exc: BaseException, tb: TracebackType | None
     ) -> None:
         if _life is not None:
+            if _life.on_failure is not None:
+                _life.on_failure(exc)
             _life.raised(exc)
         previous(kind, exc, tb)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -57,6 +58,8 @@ __all__ = [
 ENV_ROOT = "TASKPOINT_ROOT"
 ENV_ACTION = "TASKPOINT_ACTION"
 ENV_RUN_ID = "TASKPOINT_RUN_ID"
+log = logging.getLogger(__name__)
+
 ENV_ATTEMPT = "TASKPOINT_ATTEMPT"
 DEFAULT_ROOT = Path(".taskpoint") / "checkpoints"
 """The embedded local store, relative to the working directory."""
@@ -96,6 +99,9 @@ class TaskContext:
     _end_callbacks: list[Callable[[], object]] = field(
         default_factory=list, repr=False, compare=False
     )
+    _failure_callbacks: list[Callable[[BaseException], object]] = field(
+        default_factory=list, repr=False, compare=False
+    )
 
     def on_preempt(self, callback: Callable[[], object]) -> Callable[[], object]:
         """Run ``callback`` when this attempt receives SIGTERM, before it ends.
@@ -127,6 +133,36 @@ class TaskContext:
         """
         self._end_callbacks.append(callback)
         return callback
+
+    def on_failure(
+        self, callback: Callable[[BaseException], object]
+    ) -> Callable[[BaseException], object]:
+        """Run ``callback(exc)`` when an exception ``exc`` ends this attempt: its function
+        raised (inside a task), or nothing caught it and it ends the process (the
+        environment contract's leading process). Not for :class:`Preempted` (its
+        ``on_preempt`` callbacks ran) nor for what is not an ``Exception``
+        (``KeyboardInterrupt``, ``SystemExit``).
+
+        For adapters that save the state at the failure, so that the retry need not
+        recompute the steps since the last save. Callbacks run once each, in the order
+        registered, before the :meth:`on_end` callbacks and before the attempt's uploads
+        settle; what one raises is logged. A callback already registered (an equal bound
+        method) is not added again. Usable as a decorator; returns ``callback``.
+        """
+        if callback not in self._failure_callbacks:
+            self._failure_callbacks.append(callback)
+        return callback
+
+    def _run_failure_callbacks(self, exc: BaseException) -> None:
+        """Run and forget the :meth:`on_failure` callbacks for ``exc`` (see there)."""
+        callbacks, self._failure_callbacks[:] = list(self._failure_callbacks), []
+        if not isinstance(exc, Exception) or isinstance(exc, Preempted):
+            return
+        for callback in callbacks:
+            try:
+                callback(exc)
+            except Exception:
+                log.exception("%s: an on_failure callback failed: %r", self.action, callback)
 
     def _run_end_callbacks(self) -> None:
         """Run and forget the :meth:`on_end` callbacks; raise the first error after all ran."""
@@ -223,6 +259,7 @@ def ctx() -> TaskContext | None:
             life = _life.begin(context.checkpoint, Preempted)
             if life is not None:
                 context = dataclasses.replace(context, attempt=context.checkpoint.attempt)
+                life.on_failure = context._run_failure_callbacks
         _env_context, _env_key = context, key
     return _env_context
 

@@ -395,7 +395,8 @@ class Runner:
             self.begin(context)
             result = self.func(*args, **kwargs)
             self.returned(context)
-        except BaseException:
+        except BaseException as exc:
+            context._run_failure_callbacks(exc)
             self.settle(context, failed=True)
             raise
         finally:
@@ -450,7 +451,8 @@ class Runner:
             self.begin(context)
             result = await self.func(*args, **kwargs)
             self.returned(context)
-        except BaseException:
+        except BaseException as exc:
+            await asyncio.to_thread(context._run_failure_callbacks, exc)
             await asyncio.to_thread(self.settle, context, True)
             raise
         finally:
