@@ -28,6 +28,7 @@ from torch import nn
 
 from taskpoint_pytorch._bundle import BundleState, MapLocation
 from taskpoint_pytorch._components import Components
+from taskpoint_pytorch._failure_save import FailureSave
 
 if TYPE_CHECKING:
     from taskpoint_pytorch._sharded import ShardedState
@@ -96,10 +97,18 @@ class TaskpointState:
             call (see :meth:`save_sync`); ``None``: ``TASKPOINT_SAVE_ON_PREEMPTION``, else
             inside a taskpoint task. An upload in flight when the attempt ends (the loop
             raised) is waited for first, up to a minute or the grace period left.
+        save_on_exception: when an exception ends the attempt (the task raised, or it
+            ends a process of the environment contract), save the state as it was at the
+            last ``save_sync`` call, if that call did not save and nothing has changed it
+            since (no optimizer stepped, no parameter or buffer was written): the retry
+            then resumes at that step, not at the last save. A blocking save at the
+            failure; not under ``torch.distributed`` nor with ``sharded``. Each call then
+            also notes the RNG and scheduler states and sums the tensors' version counters.
 
     Raises:
         TypeError: an object of the wrong kind.
-        ValueError: an empty or non-string name in a mapping.
+        ValueError: an empty or non-string name in a mapping, or ``sharded`` with
+            ``blocking=False`` or ``save_on_exception``.
     """
 
     def __init__(
@@ -114,10 +123,16 @@ class TaskpointState:
         blocking: bool = True,
         sharded: bool = False,
         save_on_preemption: bool | None = None,
+        save_on_exception: bool = False,
     ) -> None:
         self._components = Components(model, optimizer, scheduler, scaler, generators, rng)
         if sharded and not blocking:
             raise ValueError("sharded=True saves are blocking: pass blocking=True")
+        if sharded and save_on_exception:
+            raise ValueError(
+                "save_on_exception=True needs every rank to save, which a failing rank "
+                "cannot ask of the others: pass sharded=False or save_on_exception=False"
+            )
         self._preemption = BoundarySaves(
             save_on_preemption, size=self._components.state_bytes, thread="taskpoint-state-upload"
         )
@@ -130,6 +145,7 @@ class TaskpointState:
         else:
             self._state = BundleState(self._components, blocking=bool(blocking), uploads=uploads)
         track(uploads)
+        self._failure = FailureSave(self._components, self._commit) if save_on_exception else None
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{kind}={names}" for kind, names in self.layout().items())
@@ -200,12 +216,16 @@ class TaskpointState:
             taskpoint.Preempted: a rank received SIGTERM; the preemption save committed,
                 failed (chained) or could not fit in the grace period left (none made).
         """
+        if self._failure is not None:
+            self._failure.note(checkpoint, epoch, step, extra)
         turn = self._preemption.reached(checkpoint, step or epoch, every, every_s)
         if not turn.save:
             return False
         with turn, self._state.saving(checkpoint, epoch, step, extra, background) as target:
             if target is not None:
                 checkpoint.save_sync(target)
+        if self._failure is not None:
+            self._failure.saved()
         return True
 
     async def save(
@@ -222,13 +242,26 @@ class TaskpointState:
         """Async :meth:`save_sync`: the upload is awaited; serialisation, and under
         ``torch.distributed`` the collectives, run on the calling thread. A background save
         returns once the copy is taken, as :meth:`save_sync`'s does."""
+        if self._failure is not None:
+            self._failure.note(checkpoint, epoch, step, extra)
         turn = self._preemption.reached(checkpoint, step or epoch, every, every_s)
         if not turn.save:
             return False
         with turn, self._state.saving(checkpoint, epoch, step, extra, background) as target:
             if target is not None:
                 await checkpoint.save(target)
+        if self._failure is not None:
+            self._failure.saved()
         return True
+
+    def _commit(
+        self, checkpoint: CheckpointLike, epoch: int, step: int, extra: Mapping[str, Any] | None
+    ) -> None:
+        """A blocking save of the current state, outside the step boundaries (the save at a
+        failure: :mod:`taskpoint_pytorch._failure_save`)."""
+        with self._state.saving(checkpoint, epoch, step, extra, False) as target:
+            if target is not None:
+                checkpoint.save_sync(target)
 
     @property
     def save_interval(self) -> IntervalChoice | None:

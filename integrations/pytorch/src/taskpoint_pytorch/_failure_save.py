@@ -1,0 +1,179 @@
+"""The save at a failure (``TaskpointState(save_on_exception=True)``): when an exception ends
+the attempt, the state as it was at the last save call is committed, so the retry resumes
+at that call's step instead of recomputing the steps since the last save.
+
+A save call is a step boundary: the state is consistent there. At each call a
+:class:`FailureSave` notes what a save at that point needs: the checkpoint, the counters and
+``extra``; the global RNGs', the generators' and the schedulers' states, which are small
+and copied; and how to tell whether the tensors changed since, which are too large to copy
+at every step: a pre-hook on each optimizer's ``step`` (fused optimizers included) and the
+sum of the models' parameters' and buffers' and the AMP scalers' version counters, which
+every in-place write bumps.
+
+The failure is core's :meth:`taskpoint.TaskContext.on_failure`: the task's function raised,
+or an uncaught exception ends a process of the environment contract. If no optimizer
+stepped and no counter moved since the last call, the small states are set back to that
+call's and the state is saved, blocking, as a save call at that step would save it.
+Otherwise nothing is saved, and a warning says what changed. It saves nothing either when
+that call saved (its save is committed or uploading), after a store error (the same store
+would fail again), or under ``torch.distributed`` (a failing rank cannot run the
+collectives a save needs).
+
+A write that bypasses the version counters is not seen: through a tensor's ``.data``, or
+by a kernel that updates the parameters without an optimizer ``step`` call.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import taskpoint
+import torch
+from taskpoint import CheckpointError, CheckpointLike, TaskContext
+from taskpoint.integration import is_distributed, warn
+
+from taskpoint_pytorch._components import Components
+from taskpoint_pytorch._rng import capture_rng, restore_rank_rng
+
+__all__ = ["FailureSave"]
+
+log = logging.getLogger(__name__)
+
+Save = Callable[[CheckpointLike, int, int, "Mapping[str, Any] | None"], None]
+
+
+@dataclass
+class _Mark:
+    """The last save call: what a save at the failure commits, and how to check it."""
+
+    checkpoint: CheckpointLike
+    epoch: int
+    step: int
+    extra: dict[str, Any] | None
+    versions: tuple[int, int]  # (tensors, sum of their version counters)
+    rng: dict[str, Any] | None
+    schedulers: dict[str, Any]
+    generators: dict[str, torch.Tensor]
+    saved: bool = False
+
+
+class FailureSave:
+    """Saves a plain loop's state at the failure of its attempt (see the module docs).
+
+    Args:
+        components: the state's objects.
+        save: commits a blocking save of the objects' current state with these counters
+            and ``extra`` (the state's own save, so it is the same bundle).
+    """
+
+    def __init__(self, components: Components, save: Save) -> None:
+        self._components = components
+        self._save = save
+        self._mark: _Mark | None = None
+        self._stepped = False
+        self._context: TaskContext | None = None
+        self._warned = False
+        for optimizer in components.optimizers.values():
+            optimizer.register_step_pre_hook(self._on_step)
+
+    def _on_step(self, optimizer: object, args: object, kwargs: object) -> None:
+        self._stepped = True
+
+    def note(
+        self, checkpoint: CheckpointLike, epoch: int, step: int, extra: Mapping[str, Any] | None
+    ) -> None:
+        """A save call: remember the state as it is now, and be called at this attempt's
+        failure. Costs a pass over the models' tensors and a copy of the RNG states."""
+        context = taskpoint.ctx()
+        if context is None:
+            if not self._warned:
+                self._warned = True
+                warn(
+                    log,
+                    "save_on_exception=True saves only inside a taskpoint task or a process "
+                    "of the environment contract (TASKPOINT_ACTION set): nothing else says "
+                    "when an attempt fails, so no save is made at a failure here",
+                    stacklevel=3,
+                )
+        elif context is not self._context:
+            self._context = context
+            context.on_failure(self.at_failure)
+        components = self._components
+        self._stepped = False
+        self._mark = _Mark(
+            checkpoint, epoch, step, None if extra is None else dict(extra),
+            versions=self._versions(),
+            rng=capture_rng() if components.rng else None,
+            schedulers={n: copy.deepcopy(s.state_dict()) for n, s in components.schedulers.items()},
+            generators={n: g.get_state() for n, g in components.generators.items()},
+        )
+
+    def saved(self) -> None:
+        """The last noted call saved (or queued its background save)."""
+        if self._mark is not None:
+            self._mark.saved = True
+
+    def at_failure(self, exc: BaseException) -> None:
+        """``exc`` ends the attempt: save the state of the last call if it is still that
+        (see the module docs). Logs what it did; raises nothing."""
+        mark, self._mark = self._mark, None
+        if mark is None or mark.saved:
+            return
+        at = mark.step or mark.epoch
+        why = self._unsaved_because(mark, exc)
+        if why is not None:
+            log.warning(
+                "no save at the failure (%s): %s; the retry resumes at the last committed save",
+                type(exc).__name__, why,
+            )
+            return
+        components = self._components
+        if mark.rng is not None:
+            restore_rank_rng([mark.rng], 0, 1)
+        for name, scheduler in components.schedulers.items():
+            scheduler.load_state_dict(mark.schedulers[name])
+        for name, generator in components.generators.items():
+            generator.set_state(mark.generators[name])
+        try:
+            self._save(mark.checkpoint, mark.epoch, mark.step, mark.extra)
+        except Exception as error:
+            log.warning("the save at the failure (%s) failed: %s: %s",
+                        type(exc).__name__, type(error).__name__, error)
+            return
+        log.warning("saved the state of step %d at the failure (%s): the retry resumes there",
+                    at, type(exc).__name__)
+
+    def _unsaved_because(self, mark: _Mark, exc: BaseException) -> str | None:
+        """Why the state is not saved at this failure, or ``None`` when it is."""
+        at = mark.step or mark.epoch
+        if isinstance(exc, CheckpointError):
+            return "the checkpoint store failed, and would fail this save too"
+        if is_distributed():
+            return "under torch.distributed a failing rank cannot run a save's collectives"
+        if self._stepped:
+            return f"an optimizer stepped since the save call at step {at}"
+        if self._versions() != mark.versions:
+            return (
+                f"a model's parameters or buffers were written since the save call at step "
+                f"{at} (a forward pass in training mode updates BatchNorm's statistics)"
+            )
+        return None
+
+    def _versions(self) -> tuple[int, int]:
+        """How many tensors the models and scalers hold, and the sum of their version
+        counters (each only grows, so an equal sum means no write)."""
+        components = self._components
+        tensors: list[torch.Tensor] = []
+        for module in components.models.values():
+            tensors.extend(itertools.chain(module.parameters(), module.buffers()))
+        for scaler in components.scalers.values():
+            for name in ("_scale", "_growth_tracker"):
+                value = getattr(scaler, name, None)
+                if isinstance(value, torch.Tensor):
+                    tensors.append(value)
+        return len(tensors), sum(t._version for t in tensors)
