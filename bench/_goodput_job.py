@@ -17,8 +17,10 @@ save by training time (:mod:`bench_interval`'s sweep).
 ``BENCH_SIDE`` picks how it checkpoints:
 
 - ``taskpoint``: the PyTorch guide's loop under the environment contract
-  (``taskpoint.ctx().checkpoint``, ``TaskpointState(model, opt, blocking=False)``,
-  ``save_sync(ckpt, step=step, every=N)`` at every step, ``state.wait()`` at the end);
+  (``taskpoint.ctx().checkpoint``, ``TaskpointState(model, opt, blocking=False,
+  save_on_exception=True)``, ``save_sync(ckpt, step=step, every=N)`` at every step,
+  ``state.wait()`` at the end; ``BENCH_SAVE_ON_EXCEPTION=0`` drops the save at an
+  exception);
 - ``plain``: ``torch.save`` of the model's, the optimizer's and the RNG's state to
   ``latest.pt`` on the local disk and a blocking ``boto3`` ``upload_file`` of it to the same
   S3 server, restored from there; a careful plain job: SIGTERM sets a flag, and the next
@@ -35,7 +37,8 @@ What it does is timed from inside and appended, one JSON object a line, to ``BEN
     {"ev": "step", "s", "t0", "t1"}            step s (1-based) computed; no t1 when it died
     {"ev": "save", "s", "t0", "t1", "upload_s", "preempt", "saved"}
                                                training blocked in a save call (every
-                                               save_sync call on the taskpoint side); a
+                                               save_sync call on the taskpoint side, and
+                                               its save at an exception, s -1); a
                                                plain save's upload part; written first
                                                with "t0" only, then again complete
     {"ev": "raise", "t", "s"}                  the injected exception, before step s
@@ -141,6 +144,23 @@ class _Steps:
         self.log.write(ev="step", s=step, t0=t0, t1=time.time())
 
 
+def _time_failure_save(log: _Log) -> None:
+    """Log the save at an exception as a save: it runs in the ``sys.excepthook`` that
+    ``taskpoint.ctx()`` installed, so this hook, put on top, times all of it (and the end
+    record and traceback after it: a few milliseconds)."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        t0 = time.time()
+        log.write(ev="save", s=-1, t0=t0)
+        try:
+            previous(kind, exc, tb)
+        finally:
+            log.write(ev="save", s=-1, t0=t0, t1=time.time(), preempt=False, saved=True)
+
+    sys.excepthook = hook
+
+
 def run_taskpoint(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
                   total: int, every: int, every_s: str | None = None) -> int:
     """The guide's loop under the environment contract, saving every ``every`` steps or,
@@ -152,7 +172,10 @@ def run_taskpoint(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
     context = taskpoint.ctx()
     assert context is not None and context.checkpoint is not None, "TASKPOINT_ACTION unset"
     ckpt = context.checkpoint
-    state = TaskpointState(model, opt, blocking=False)
+    on_exception = os.environ.get("BENCH_SAVE_ON_EXCEPTION", "1") != "0"
+    state = TaskpointState(model, opt, blocking=False, save_on_exception=on_exception)
+    if on_exception:
+        _time_failure_save(log)
     resume = state.restore_sync(ckpt)
     start = resume.step if resume else 0
     log.write(ev="restore", t0=t0, t1=time.time(), step=start)

@@ -11,8 +11,9 @@ gradients come from torch's RNG, so an exact resume needs the RNG state too); th
 accelerator's compute is a sleep of ``--step-s`` per step (the CPU idles while a GPU
 computes), then the optimizer step. Two ways to checkpoint it:
 
-- taskpoint: the PyTorch guide's loop (``TaskpointState(model, opt, blocking=False)``,
-  ``save_sync(ckpt, step=step, every=N)`` at every step), its checkpoint from
+- taskpoint: the PyTorch guide's loop (``TaskpointState(model, opt, blocking=False,
+  save_on_exception=True)``, ``save_sync(ckpt, step=step, every=N)`` at every step;
+  ``--no-save-on-exception`` drops the save at an exception), its checkpoint from
   ``taskpoint.ctx()`` under the environment contract, exactly as the Kubernetes Job recipe
   of docs/preemption.md sets it (``TASKPOINT_ROOT``, ``TASKPOINT_ACTION``,
   ``TASKPOINT_RUN_ID``, ``TASKPOINT_GRACE_PERIOD``; ``--save-on-preemption`` adds
@@ -61,8 +62,8 @@ exit):
   the final weights' SHA-256 that every side must end with, bit for bit);
 - goodput = uninterrupted / wall;
 - badput by cause: ``blocked`` (time training spent inside save calls: the plain
-  ``torch.save`` plus upload; taskpoint's ``save_sync``, including a preemption save and the
-  final ``wait``), ``restore`` (from importing the checkpoint library, taskpoint or boto3,
+  ``torch.save`` plus upload; taskpoint's ``save_sync``, including a preemption save, the
+  save at an exception and the final ``wait``), ``restore`` (from importing the checkpoint library, taskpoint or boto3,
   to the state restored: taskpoint imports its S3 client at its first store call, so both
   sides count the same work), ``recomputed`` (compute of the steps a
   failure threw away: done in a life beyond the step the next life resumed at, including the
@@ -526,6 +527,8 @@ def main() -> None:
     parser.add_argument("--every-b", type=int, help="steps between saves in regime b")
     parser.add_argument("--save-on-preemption", action="store_true",
                         help="set TASKPOINT_SAVE_ON_PREEMPTION=1 (the recipe does not)")
+    parser.add_argument("--no-save-on-exception", action="store_true",
+                        help="taskpoint's job saves nothing at an exception")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--keep", action="store_true", help="keep the logs' folder")
     args = parser.parse_args()
@@ -595,6 +598,8 @@ def main() -> None:
                                TASKPOINT_GRACE_PERIOD=f"{args.grace:g}")
                     if args.save_on_preemption:
                         env["TASKPOINT_SAVE_ON_PREEMPTION"] = "1"
+                    if args.no_save_on_exception:
+                        env["BENCH_SAVE_ON_EXCEPTION"] = "0"
                 run = run_side(Side(name, every), env, folder / regime / name, failures,
                                args.grace, args.restart_delay, ideal_limit)
                 out[name] = account(run, ref)
