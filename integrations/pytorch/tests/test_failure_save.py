@@ -9,10 +9,12 @@ last save call (step 7) did not save.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -190,3 +192,15 @@ def test_sharded_states_refuse_it() -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="save_on_exception=True needs every rank to save"):
         TaskpointState(model, sharded=True, save_on_exception=True)
+
+
+def test_the_optimizers_hook_does_not_keep_a_dropped_state_alive() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TaskpointState(model, opt, save_on_exception=True)
+    dropped = weakref.ref(state)
+    del state
+    gc.collect()
+    assert dropped() is None
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()  # its pre-hook finds the state gone

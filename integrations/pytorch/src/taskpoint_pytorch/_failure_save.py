@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,11 +79,15 @@ class FailureSave:
         self._stepped = False
         self._context: TaskContext | None = None
         self._warned = False
-        for optimizer in components.optimizers.values():
-            optimizer.register_step_pre_hook(self._on_step)
+        this = weakref.ref(self)  # the optimizers must not keep a dropped state alive
 
-    def _on_step(self, optimizer: object, args: object, kwargs: object) -> None:
-        self._stepped = True
+        def stepping(optimizer: object, args: object, kwargs: object) -> None:
+            save = this()
+            if save is not None:
+                save._stepped = True
+
+        for optimizer in components.optimizers.values():
+            optimizer.register_step_pre_hook(stepping)
 
     def note(
         self, checkpoint: CheckpointLike, epoch: int, step: int, extra: Mapping[str, Any] | None
