@@ -292,3 +292,48 @@ def test_a_killed_writers_spool_goes_with_the_next_scratch_folder_made_beside_it
     finally:
         _scratch.remove(mine)
     assert not mine.exists()
+
+
+ISOLATED = textwrap.dedent(
+    """
+    import sys, time
+    import taskpoint
+
+    env = taskpoint.TaskEnvironment(name="isolated", root=sys.argv[1])
+
+    @env.task(isolation="process")
+    def work(seconds: float) -> None:
+        print("running", flush=True)
+        time.sleep(seconds)
+
+    if __name__ == "__main__":
+        work(600.0)
+    """
+)
+
+
+def test_a_killed_runners_attempt_folder_goes_with_the_next_scratch_folder(
+    scratch: Path, tmp_path: Path
+) -> None:
+    """A process-isolated attempt's arguments and outcome pass through a folder of the
+    runner's; a runner killed with its attempt leaves it only until the next scratch folder
+    any process makes in that directory."""
+    script = tmp_path / "isolated.py"
+    script.write_text(ISOLATED)
+    runner = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "store")], cwd=tmp_path,
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        assert runner.stdout is not None
+        assert runner.stdout.readline().strip() == "running"
+    finally:
+        os.killpg(runner.pid, signal.SIGKILL)
+        runner.wait()
+    (left,) = [p for p in scratch.iterdir() if p.name.startswith(_scratch.SCRATCH_PREFIX)]
+    assert (left / "spec.pkl").exists()
+    mine = _scratch.scratch_folder()
+    try:
+        assert not left.exists(), "a dead runner's attempt folder was kept"
+    finally:
+        _scratch.remove(mine)

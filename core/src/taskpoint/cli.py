@@ -11,7 +11,6 @@ import json
 import logging
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from taskpoint import _scratch
 from taskpoint.errors import CheckpointError
 from taskpoint.inspect import timeline
 from taskpoint.inspect.inventory import ActionInfo, default_root, find_action, list_actions
@@ -262,17 +262,20 @@ def pull(action: str, dest: Path, root: str | None, as_tar: bool) -> None:
     with _errors():
         info = _require(root, action)
         size = info.checkpoints[0].size if info.checkpoints else 0
-        with tempfile.TemporaryDirectory(prefix="taskpoint-pull-") as tmp, _progress(
-            size, "pulling"
-        ) as progress:
-            restored = info.checkpoint(workdir=tmp, progress=progress).load_sync()
-            if restored is None:
-                raise click.ClickException(f"{action} has no committed checkpoint")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if as_tar:
-                _write_tar(restored, dest)
-            else:
-                shutil.move(str(restored), str(dest))
+        # Owned, so a pull killed mid-restore leaves its copy to the next process's sweep.
+        tmp = _scratch.scratch_folder()
+        try:
+            with _progress(size, "pulling") as progress:
+                restored = info.checkpoint(workdir=str(tmp), progress=progress).load_sync()
+                if restored is None:
+                    raise click.ClickException(f"{action} has no committed checkpoint")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if as_tar:
+                    _write_tar(restored, dest)
+                else:
+                    shutil.move(str(restored), str(dest))
+        finally:
+            _scratch.remove(tmp)
     click.echo(f"pulled {action} to {dest}")
 
 

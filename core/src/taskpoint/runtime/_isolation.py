@@ -16,7 +16,6 @@ import pickle
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from pathlib import Path
 from types import FrameType, ModuleType
 from typing import TYPE_CHECKING, Any
 
-from taskpoint import progress
+from taskpoint import _scratch, progress
 from taskpoint.errors import TaskAttemptError
 
 if TYPE_CHECKING:
@@ -122,12 +121,17 @@ def run_attempt(
         raise TypeError(
             f"arguments of process-isolated task {task!r} must be picklable: {exc}"
         ) from exc
-    with tempfile.TemporaryDirectory(prefix="taskpoint-attempt-") as tmp:
-        spec_path, outcome_path = Path(tmp, "spec.pkl"), Path(tmp, "outcome.pkl")
+    # Owned: this process killed while the attempt runs leaves the folder (the pickled
+    # arguments) to the next process's sweep.
+    tmp = _scratch.scratch_folder()
+    try:
+        spec_path, outcome_path = tmp / "spec.pkl", tmp / "outcome.pkl"
         spec_path.write_bytes(blob)
         spec_path.chmod(0o600)
         returncode = _run_child(spec_path, outcome_path)
         outcome = _read_outcome(outcome_path)
+    finally:
+        _scratch.remove(tmp)
     if outcome is not None and outcome.step is not None:
         progress.report_step(outcome.step)  # this process records the attempt's end
     if outcome is None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-import tempfile
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from taskpoint import Checkpoint, CheckpointCoordinationError, CheckpointLike
-from taskpoint.integration import Manifest
+from taskpoint.integration import Manifest, remove_scratch_folder, scratch_folder
 
 __all__ = ["CHECKPOINT_NAME", "DCP_METADATA", "Selection", "load", "select"]
 
@@ -155,9 +154,10 @@ def _read_metadata(checkpoint: Checkpoint, folders: list[str]) -> dict[str, Any]
     left out (its shards are all kept)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    with tempfile.TemporaryDirectory(prefix="taskpoint-hf-metadata-") as scratch:
+    scratch = scratch_folder()  # a kill mid-read leaves it to the next process's sweep
+    try:
         tree = checkpoint.load_sync(
-            into=scratch, paths=[f"{folder}/{DCP_METADATA}" for folder in folders]
+            into=str(scratch), paths=[f"{folder}/{DCP_METADATA}" for folder in folders]
         )
         found: dict[str, Any] = {}
         for folder in folders:
@@ -169,6 +169,8 @@ def _read_metadata(checkpoint: Checkpoint, folders: list[str]) -> dict[str, Any]
                     "keeping every shard of %s: its %s cannot be read (%s: %s)",
                     folder, DCP_METADATA, type(exc).__name__, exc,
                 )
+    finally:
+        remove_scratch_folder(scratch)
     return found
 
 
