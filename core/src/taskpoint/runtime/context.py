@@ -55,11 +55,11 @@ __all__ = [
     "supervised",
 ]
 
+log = logging.getLogger(__name__)
+
 ENV_ROOT = "TASKPOINT_ROOT"
 ENV_ACTION = "TASKPOINT_ACTION"
 ENV_RUN_ID = "TASKPOINT_RUN_ID"
-log = logging.getLogger(__name__)
-
 ENV_ATTEMPT = "TASKPOINT_ATTEMPT"
 DEFAULT_ROOT = Path(".taskpoint") / "checkpoints"
 """The embedded local store, relative to the working directory."""
