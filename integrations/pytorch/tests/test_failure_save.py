@@ -204,3 +204,28 @@ def test_the_optimizers_hook_does_not_keep_a_dropped_state_alive() -> None:
     assert dropped() is None
     model(torch.ones(1, 2)).sum().backward()
     opt.step()  # its pre-hook finds the state gone
+
+
+def test_a_parameter_replaced_since_the_last_call_is_a_change(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A parameter swapped for another tensor (not written in place, so no version counter
+    moved) still counts as a change: nothing is saved at the failure."""
+    env = taskpoint.TaskEnvironment(name="replaced", root=str(tmp_path / "store"))
+    urls: list[str] = []
+
+    @env.task
+    def job() -> None:
+        model = torch.nn.Linear(2, 2)
+        state = TaskpointState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               save_on_exception=True)
+        ckpt = taskpoint.ctx().checkpoint  # type: ignore[union-attr]
+        urls.append(ckpt.url)
+        state.save_sync(ckpt, step=1, every=5)
+        model.weight = torch.nn.Parameter(torch.zeros(2, 2))
+        raise RuntimeError("failed after the swap")
+
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="after the swap"):
+        job()
+    assert "are other tensors than when step 1's save call noted them" in caplog.text
+    assert taskpoint.Checkpoint(urls[0]).committed() == []  # step 1's call did not save

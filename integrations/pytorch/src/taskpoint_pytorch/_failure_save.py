@@ -26,7 +26,6 @@ by a kernel that updates the parameters without an optimizer ``step`` call.
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import weakref
 from collections.abc import Callable, Mapping
@@ -37,9 +36,10 @@ import taskpoint
 import torch
 from taskpoint import CheckpointError, CheckpointLike, TaskContext
 from taskpoint.integration import is_distributed, warn
+from torch import nn
 
 from taskpoint_pytorch._components import Components
-from taskpoint_pytorch._rng import capture_rng, restore_rank_rng
+from taskpoint_pytorch._rng import reset_rng, snapshot_rng
 
 __all__ = ["FailureSave"]
 
@@ -56,8 +56,9 @@ class _Mark:
     epoch: int
     step: int
     extra: dict[str, Any] | None
-    versions: tuple[int, int]  # (tensors, sum of their version counters)
-    rng: dict[str, Any] | None
+    tensors: list[torch.Tensor]  # the models' parameters and buffers, the scalers' state
+    versions: int  # the sum of their version counters
+    rng: tuple[Any, ...] | None
     schedulers: dict[str, Any]
     generators: dict[str, torch.Tensor]
     saved: bool = False
@@ -77,6 +78,7 @@ class FailureSave:
         self._save = save
         self._mark: _Mark | None = None
         self._stepped = False
+        self._modules: list[nn.Module] | None = None  # the models' modules, found once
         self._context: TaskContext | None = None
         self._warned = False
         this = weakref.ref(self)  # the optimizers must not keep a dropped state alive
@@ -109,11 +111,15 @@ class FailureSave:
             self._context = context
             context.on_failure(self.at_failure)
         components = self._components
+        if self._modules is None:
+            self._modules = self._find_modules()
+        tensors = self._tensors(self._modules)
         self._stepped = False
         self._mark = _Mark(
             checkpoint, epoch, step, None if extra is None else dict(extra),
-            versions=self._versions(),
-            rng=capture_rng() if components.rng else None,
+            tensors=tensors,
+            versions=sum(t._version for t in tensors),
+            rng=snapshot_rng() if components.rng else None,
             schedulers={n: copy.deepcopy(s.state_dict()) for n, s in components.schedulers.items()},
             generators={n: g.get_state() for n, g in components.generators.items()},
         )
@@ -139,7 +145,7 @@ class FailureSave:
             return
         components = self._components
         if mark.rng is not None:
-            restore_rank_rng([mark.rng], 0, 1)
+            reset_rng(mark.rng)
         for name, scheduler in components.schedulers.items():
             scheduler.load_state_dict(mark.schedulers[name])
         for name, generator in components.generators.items():
@@ -162,23 +168,35 @@ class FailureSave:
             return "under torch.distributed a failing rank cannot run a save's collectives"
         if self._stepped:
             return f"an optimizer stepped since the save call at step {at}"
-        if self._versions() != mark.versions:
+        now = self._tensors(self._find_modules())
+        if len(now) != len(mark.tensors) or any(
+            a is not b for a, b in zip(now, mark.tensors, strict=True)
+        ):
+            return (
+                f"the models' parameters or buffers are other tensors than when step {at}'s "
+                "save call noted them (a module or tensor was added or replaced)"
+            )
+        if sum(t._version for t in now) != mark.versions:
             return (
                 f"a model's parameters or buffers were written since the save call at step "
                 f"{at} (a forward pass in training mode updates BatchNorm's statistics)"
             )
         return None
 
-    def _versions(self) -> tuple[int, int]:
-        """How many tensors the models and scalers hold, and the sum of their version
-        counters (each only grows, so an equal sum means no write)."""
-        components = self._components
-        tensors: list[torch.Tensor] = []
-        for module in components.models.values():
-            tensors.extend(itertools.chain(module.parameters(), module.buffers()))
-        for scaler in components.scalers.values():
+    def _find_modules(self) -> list[nn.Module]:
+        return [sub for model in self._components.models.values() for sub in model.modules()]
+
+    def _tensors(self, modules: list[nn.Module]) -> list[torch.Tensor]:
+        """The parameters and buffers of ``modules`` and the scalers' state tensors, read
+        from the modules' own tables (walking the module tree at every call costs ten
+        times as much)."""
+        tensors = [
+            t for module in modules for table in (module._parameters, module._buffers)
+            for t in table.values() if t is not None
+        ]
+        for scaler in self._components.scalers.values():
             for name in ("_scale", "_growth_tracker"):
                 value = getattr(scaler, name, None)
                 if isinstance(value, torch.Tensor):
                     tensors.append(value)
-        return len(tensors), sum(t._version for t in tensors)
+        return tensors
