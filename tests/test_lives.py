@@ -239,6 +239,22 @@ def test_environment_contract_lives_on_an_object_store_record_their_ends(
     ]
 
 
+def test_a_life_that_ends_with_os_exit_after_the_atexit_handlers_records_its_end(
+    tmp_path: Path,
+) -> None:
+    """A script that ends with ``atexit._run_exitfuncs()`` and ``os._exit(0)`` (as scripts do
+    to skip a framework's teardown at finalisation) never runs threading's exit hooks,
+    where the end record is written; the plain ``atexit`` hook writes it then."""
+    script = tmp_path / "train.py"
+    script.write_text(PLAIN + "import atexit\natexit._run_exitfuncs()\nos._exit(0)\n")
+    env = {"TASKPOINT_ROOT": f"file://{tmp_path / 'store'}", "TASKPOINT_ACTION": "train",
+           "TASKPOINT_RUN_ID": "job-6"}
+    life = _life(script, env)
+    assert life.returncode == 0 and "done" in life.stdout, life.stderr
+    records = read_attempts(Store(str(tmp_path / "store" / "train" / "job-6")))
+    assert [(r.outcome, r.step) for r in records] == [("succeeded", 12)]
+
+
 def test_a_kill_in_the_preemption_save_finds_the_end_recorded(tmp_path: Path) -> None:
     """Under the environment contract the step boundary saves on SIGTERM by default, and
     records the life as preempted before it saves: a SIGKILL at the grace period's end,

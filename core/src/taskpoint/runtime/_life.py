@@ -17,8 +17,9 @@ life's end wherever the process can:
 - a normal exit: ``succeeded``, or ``preempted`` after a preemption signal, once the
   background uploads settled (:func:`taskpoint.checkpoint._settle.at_exit`, which runs while
   the S3 client's thread pool still resolves addresses; a plain ``atexit`` hook is too
-  late for an object store). ``sys.exit(status)`` is an exit like any other: its status
-  is not visible there.
+  late for an object store), or by a plain ``atexit`` hook where threading's exit hooks
+  never ran (``os._exit`` after ``atexit._run_exitfuncs()``). ``sys.exit(status)`` is an
+  exit like any other: its status is not visible there.
 
 A process killed outright (SIGKILL, out of memory, its node lost) records nothing; the next
 life records it as died when it claims its number
@@ -28,6 +29,7 @@ unset or ``0``) keeps the records; the other ranks' processes are not attempts o
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -192,7 +194,8 @@ def _hook() -> None:
     if _hooked:
         return
     _hooked = True
-    _settle.at_exit(_at_exit)
+    _settle.at_exit(_at_exit)  # after the uploads, while the thread pools take work
+    atexit.register(_at_exit)  # where those hooks never ran (os._exit after atexit's)
     previous = sys.excepthook
 
     def excepthook(
