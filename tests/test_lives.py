@@ -255,6 +255,47 @@ def test_a_life_that_ends_with_os_exit_after_the_atexit_handlers_records_its_end
     assert [(r.outcome, r.step) for r in records] == [("succeeded", 12)]
 
 
+FORKS = textwrap.dedent(
+    """
+    import multiprocessing, os, sys
+    import taskpoint
+    from taskpoint.format.history import read_attempts
+    from taskpoint.store.store import Store
+
+    def work():
+        pass  # a data loader's worker, say: it ends while its parent trains on
+
+    context = taskpoint.ctx()
+    context.checkpoint.save_sync(b"1")
+    child = multiprocessing.get_context("fork").Process(target=work)
+    child.start()
+    child.join()
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # a plain fork's child that exits normally, running the exit hooks
+    os.waitpid(pid, 0)
+    outcomes = [r.outcome for r in read_attempts(Store(os.environ["RECORDS"]))]
+    print("after the children:", outcomes, flush=True)
+    """
+)
+
+
+def test_a_forked_child_ending_records_nothing_for_its_parents_life(tmp_path: Path) -> None:
+    """A multiprocessing worker (which runs threading's exit hooks) and a plain fork's child
+    (which runs the atexit hooks too) inherit the parent's life; their ends are not the
+    life's end. Only the parent's exit records it."""
+    script = tmp_path / "forks.py"
+    script.write_text(FORKS)
+    store = tmp_path / "store"
+    records = str(store / "train" / "job-7")
+    env = {"TASKPOINT_ROOT": f"file://{store}", "TASKPOINT_ACTION": "train",
+           "TASKPOINT_RUN_ID": "job-7", "RECORDS": records}
+    life = _life(script, env)
+    assert life.returncode == 0, life.stderr
+    assert "after the children: [None]" in life.stdout, (life.stdout, life.stderr)
+    assert [r.outcome for r in read_attempts(Store(records))] == ["succeeded"]
+
+
 def test_a_kill_in_the_preemption_save_finds_the_end_recorded(tmp_path: Path) -> None:
     """Under the environment contract the step boundary saves on SIGTERM by default, and
     records the life as preempted before it saves: a SIGKILL at the grace period's end,

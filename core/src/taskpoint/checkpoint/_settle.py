@@ -163,3 +163,5 @@ _register()
 preemption.wait_before_exit(_settle_before_signal_exit)
 # A fork's child has none of its parent's upload threads: nothing of theirs to wait for.
 os.register_at_fork(after_in_child=_tracked.clear)
+# Nor its exit hooks, which are about this process's end.
+os.register_at_fork(after_in_child=_exit_hooks.clear)

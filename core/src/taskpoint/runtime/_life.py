@@ -109,6 +109,8 @@ class Life:
         self._preempted = preempted
         self._final = False
         self._lock = threading.Lock()
+        self.pid = os.getpid()
+        """The process whose life this is: a forked child inherits the object, not the life."""
         self.on_failure: Callable[[BaseException], object] | None = None
         """Called with the exception that ends the process, before its end is recorded."""
 
@@ -163,8 +165,10 @@ _hooked = False
 
 
 def current() -> Life | None:
-    """This process's life, once :func:`begin` made one."""
-    return _life
+    """This process's life, once :func:`begin` made one; ``None`` in a forked child, which
+    inherits the object but whose end is not the life's (a data loader's worker runs
+    threading's exit hooks as it ends, a plain fork's child the ``atexit`` ones too)."""
+    return _life if _life is not None and _life.pid == os.getpid() else None
 
 
 def begin(checkpoint: Checkpoint, preempted: type[BaseException]) -> Life | None:
@@ -201,10 +205,11 @@ def _hook() -> None:
     def excepthook(
         kind: type[BaseException], exc: BaseException, tb: TracebackType | None
     ) -> None:
-        if _life is not None:
-            if _life.on_failure is not None:
-                _life.on_failure(exc)
-            _life.raised(exc)
+        life = current()
+        if life is not None:
+            if life.on_failure is not None:
+                life.on_failure(exc)
+            life.raised(exc)
         previous(kind, exc, tb)
 
     sys.excepthook = excepthook
@@ -216,10 +221,12 @@ def _hook() -> None:
 
 
 def _at_exit() -> None:
-    if _life is not None:
-        _life.exited()
+    life = current()
+    if life is not None:
+        life.exited()
 
 
 def _before_signal_exit(notice: preemption.Notice) -> None:
-    if _life is not None:
-        _life.preempted(f"received {notice.signal}; nothing handled it", final=True)
+    life = current()
+    if life is not None:
+        life.preempted(f"received {notice.signal}; nothing handled it", final=True)
