@@ -223,10 +223,11 @@ atexit.register(end_process_group)
 def exit_now() -> NoReturn:
     """End a script that finished its work as the interpreter's exit would, short of the
     interpreter's finalisation: destroy the process group, run the ``atexit`` handlers
-    (taskpoint's end record of the life among them), flush the output, ``os._exit(0)``. Finalisation is where gloo's threads race
-    the freeing of what they hold and abort the process; destroying the group first does
-    not always prevent it, since Lightning's strategy (FSDP's above all) keeps references to
-    it (a two-node FSDP reference run aborted so after ``end_process_group``)."""
+    (taskpoint's end record of the life among them), flush the output, ``os._exit(0)``.
+    Finalisation is where gloo's threads race the freeing of what they hold and abort the
+    process; destroying the group first does not always prevent it, since Lightning's
+    strategy (FSDP's above all) keeps references to it (a two-node FSDP reference run
+    aborted so after ``end_process_group``)."""
     end_process_group()
     atexit._run_exitfuncs()
     sys.stdout.flush()

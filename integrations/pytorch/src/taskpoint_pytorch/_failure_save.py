@@ -63,6 +63,11 @@ class _Mark:
     generators: dict[str, torch.Tensor]
     saved: bool = False
 
+    @property
+    def at(self) -> int:
+        """The loop's counter at that call (``step``, else ``epoch``), for messages."""
+        return self.step or self.epoch
+
 
 class FailureSave:
     """Saves a plain loop's state at the failure of its attempt (see the module docs).
@@ -135,7 +140,6 @@ class FailureSave:
         mark, self._mark = self._mark, None
         if mark is None or mark.saved:
             return
-        at = mark.step or mark.epoch
         why = self._unsaved_because(mark, exc)
         if why is not None:
             log.warning(
@@ -157,11 +161,11 @@ class FailureSave:
                         type(exc).__name__, type(error).__name__, error)
             return
         log.warning("saved the state of step %d at the failure (%s): the retry resumes there",
-                    at, type(exc).__name__)
+                    mark.at, type(exc).__name__)
 
     def _unsaved_because(self, mark: _Mark, exc: BaseException) -> str | None:
         """Why the state is not saved at this failure, or ``None`` when it is."""
-        at = mark.step or mark.epoch
+        at = mark.at
         if isinstance(exc, CheckpointError):
             return "the checkpoint store failed, and would fail this save too"
         if is_distributed():

@@ -38,6 +38,14 @@ def _from_plain(value: Any) -> Any:
     return value
 
 
+def _cuda_states() -> list[torch.Tensor]:
+    """Every CUDA device's generator state, once CUDA is in use (querying it otherwise would
+    start a context per device); empty before."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+        return []
+    return [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+
+
 def capture_rng() -> dict[str, Any]:
     """This process's Python, NumPy, torch CPU and CUDA (every device, once CUDA is in use)
     generator states.
@@ -46,9 +54,7 @@ def capture_rng() -> dict[str, Any]:
         A dict of tensors, lists, numbers and strings only.
     """
     version, internal, gauss_next = random.getstate()
-    # Only once CUDA is in use: querying it otherwise would start a context per device.
-    in_use = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())] if in_use else []
+    cuda = _cuda_states()
     return {
         "python": {
             "version": int(version),
@@ -116,9 +122,8 @@ def snapshot_rng() -> tuple[Any, ...]:
     """The global generators' states as they are (Python, NumPy, torch CPU, and CUDA once
     in use), to set them back in this process with :func:`reset_rng`; cheaper than
     :func:`capture_rng`, whose form a bundle needs (tens of microseconds)."""
-    in_use = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())] if in_use else []
-    return random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state(), cuda
+    numpy_state = np.random.get_state(legacy=False)
+    return random.getstate(), numpy_state, torch.get_rng_state(), _cuda_states()
 
 
 def reset_rng(snapshot: tuple[Any, ...]) -> None:

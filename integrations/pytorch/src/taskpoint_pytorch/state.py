@@ -221,9 +221,8 @@ class TaskpointState:
         turn = self._preemption.reached(checkpoint, step or epoch, every, every_s)
         if not turn.save:
             return False
-        with turn, self._state.saving(checkpoint, epoch, step, extra, background) as target:
-            if target is not None:
-                checkpoint.save_sync(target)
+        with turn:
+            self._commit(checkpoint, epoch, step, extra, background)
         if self._failure is not None:
             self._failure.saved()
         return True
@@ -255,11 +254,13 @@ class TaskpointState:
         return True
 
     def _commit(
-        self, checkpoint: CheckpointLike, epoch: int, step: int, extra: Mapping[str, Any] | None
+        self, checkpoint: CheckpointLike, epoch: int, step: int,
+        extra: Mapping[str, Any] | None, background: bool | None = False,
     ) -> None:
-        """A blocking save of the current state, outside the step boundaries (the save at a
-        failure: :mod:`taskpoint_pytorch._failure_save`)."""
-        with self._state.saving(checkpoint, epoch, step, extra, False) as target:
+        """Save the current state (blocking unless ``background`` says otherwise): a
+        :meth:`save_sync` whose turn came, and the save at a failure
+        (:mod:`taskpoint_pytorch._failure_save`), which is blocking."""
+        with self._state.saving(checkpoint, epoch, step, extra, background) as target:
             if target is not None:
                 checkpoint.save_sync(target)
 
