@@ -6,8 +6,9 @@ the Kubernetes recipe in docs/preemption.md). Its working folder and ``TMPDIR`` 
 folder per life (a new node's local disk).
 
 The job: ``BENCH_SIZE_MB`` of state, half fp32 parameters, half SGD momentum buffers, with
-every element changing at every step (an optimizer step: the gradient of each tensor is a
-scalar drawn from torch's global RNG, so an exact resume must restore the RNG too); the
+every element changing at every step (an optimizer step: the gradient of each tensor is its
+weights times a scalar drawn from torch's global RNG, so an exact resume must restore the RNG
+too, and no two chunks of the state are alike); the
 accelerator's compute is a sleep of ``BENCH_STEP_S`` per step, the CPU idling as it does
 while a GPU computes. ``BENCH_STEPS`` steps in all, a save every ``BENCH_EVERY`` steps and
 after the last step. On the taskpoint side ``BENCH_EVERY_S`` (seconds, or ``auto``), when
@@ -109,11 +110,17 @@ def build(size_mb: float, seed: int) -> tuple[Model, torch.optim.SGD]:
 
 
 def train_step(model: Model, opt: torch.optim.SGD) -> None:
-    """One optimizer step that changes every element of the state; RNG-dependent."""
+    """One optimizer step that changes every element of the state; RNG-dependent.
+
+    Each tensor's gradient is its weights times a scalar drawn from torch's RNG, so every
+    element of a momentum buffer differs from its neighbours as a real one's does: a
+    gradient of one value per tensor would make each buffer a single repeated value, which a
+    store that keeps chunks by content holds once (half the state, sent as a few chunks)."""
     grads = torch.rand(TENSORS, dtype=torch.float64).tolist()
-    for p, g in zip(model.parameters(), grads, strict=True):
-        assert p.grad is not None
-        p.grad.fill_(g - 0.5)
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads, strict=True):
+            assert p.grad is not None
+            torch.mul(p, g - 0.5, out=p.grad)
     opt.step()
 
 
