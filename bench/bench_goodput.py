@@ -101,6 +101,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,9 @@ from _common import Moto, Weed, note
 
 JOB = Path(__file__).resolve().parent / "_goodput_job.py"
 KINDS = ("sigterm", "sigkill", "exception")
+SENT_SHARE_MIN = 0.95
+"""The least share of its payload bytes a taskpoint save of the job may send (the rest
+found in the store already) before the bench warns that the state repeats itself."""
 _LIVE: set[int] = set()
 """Process groups of lives still running: killed if the bench itself is stopped."""
 
@@ -391,7 +395,23 @@ def from_records(url: str, options: dict[str, Any], step_s: float) -> dict[str, 
     figures = goodput(history, manifests, step_s=step_s)
     return {"attempts": len(figures.attempts), "wall_s": figures.wall_s,
             "goodput": figures.goodput, "badput_s": dict(figures.badput_s),
-            "steps_lost": figures.steps_lost, "missing": list(figures.missing)}
+            "steps_lost": figures.steps_lost, "missing": list(figures.missing),
+            "sent_share": _sent_share(manifests)}
+
+
+def _sent_share(manifests: Sequence[Any]) -> float | None:
+    """The share of their payload bytes that the kept saves sent to the store. The job's
+    state changes completely every step, so it must be about 1: less means the saves found
+    chunks to share, and the job no longer measures what it claims (a state of one repeated
+    value per tensor once halved what taskpoint sent, against plain's whole upload)."""
+    from taskpoint.inspect.timeline import save_stats
+
+    sent = size = 0
+    for manifest in manifests:
+        uploaded = save_stats(manifest)["uploaded"]
+        if uploaded is not None and manifest.size:
+            sent, size = sent + uploaded, size + manifest.size
+    return sent / size if size else None
 
 
 def _print_records(r: dict[str, Any]) -> None:
@@ -405,6 +425,12 @@ def _print_records(r: dict[str, Any]) -> None:
          f"{sec(b['recomputed'])}, restart {sec(b['restart'])}")
     for line in r["missing"]:
         note(f"{'':<11} ({line})")
+    share = r["sent_share"]
+    if share is not None:
+        warning = "" if share > SENT_SHARE_MIN else (
+            "; WARNING: the state should share no chunks between saves, so this is not "
+            "the job the bench describes")
+        note(f"{'':<11} (its kept saves sent {share:.2f} of their payload bytes{warning})")
 
 
 def step_seconds(reference: Side) -> float:
