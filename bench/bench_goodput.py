@@ -113,8 +113,8 @@ from _common import Moto, Weed, note
 JOB = Path(__file__).resolve().parent / "_goodput_job.py"
 KINDS = ("sigterm", "sigkill", "exception")
 SENT_SHARE_MIN = 0.95
-"""The least share of its payload bytes a taskpoint save of the job may send (the rest
-found in the store already) before the bench warns that the state repeats itself."""
+"""The share of their payload bytes the kept taskpoint saves sent (the rest was found in the
+store already) at or below which the bench warns that the job's state repeats itself."""
 _LIVE: set[int] = set()
 """Process groups of lives still running: killed if the bench itself is stopped."""
 
