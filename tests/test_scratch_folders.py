@@ -94,6 +94,47 @@ def test_a_killed_process_restore_folder_goes_with_the_next_load(
     ]
 
 
+SLOW_EXEC = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    import taskpoint
+
+    spawn = subprocess.Popen
+    forked, fork_seen = os.pipe()
+
+    def in_the_child():
+        os.write(fork_seen, b"x")
+        time.sleep(1.5)  # between its fork and its exec
+
+    def late_and_slow(*args, **kwargs):
+        # A loaded machine: the thread starting the upload process forks only once the
+        # restore folder exists, and the child is slow to exec.
+        time.sleep(0.5)
+        return spawn(*args, preexec_fn=in_the_child, **kwargs)
+
+    subprocess.Popen = late_and_slow
+    path = taskpoint.Checkpoint(sys.argv[1]).load_sync()
+    assert path is not None and path.read_bytes() == b"weights", path
+    os.read(forked, 1)  # the upload process is forked, not yet exec'd: exit now
+    print(path, flush=True)
+    """
+)
+
+
+def test_an_exit_while_the_upload_process_starts_still_removes_the_restore_folder(
+    tmp_path: Path, scratch: Path
+) -> None:
+    """The load starts the upload process from a thread; the script ends before that
+    process has run exec, so it still holds copies of the owner locks when exit comes."""
+    store = str(tmp_path / "store")
+    taskpoint.Checkpoint(store).save_sync(b"weights")
+    done = subprocess.run(
+        [sys.executable, "-c", SLOW_EXEC, store], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert not _folder(done.stdout.strip()).exists(), "left behind at its own exit"
+
+
 FORKER = textwrap.dedent(
     """
     import os, sys

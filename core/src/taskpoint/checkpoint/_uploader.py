@@ -297,6 +297,7 @@ class _Child:
         self.ready = threading.Event()
         self.ended = threading.Event()
         self.started = threading.Event()  # ready, or ended without starting
+        self._launched = threading.Event()  # Popen returned (the child ran exec) or failed
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -330,17 +331,19 @@ class _Child:
             os.close(replies_fd)
             self._failed_start(f"it could not start: {exc}")
             return
+        else:
+            with self._lock:
+                self._proc = proc
+                if self._closing:  # closed while it started: it holds no request
+                    proc.kill()
         finally:
             os.close(write_fd)
+            self._launched.set()
         # Unbuffered, so that select() sees every reply not yet read.
         with open(replies_fd, "rb", buffering=0) as replies:
             self._serve(proc, replies)
 
     def _serve(self, proc: subprocess.Popen[bytes], replies: IO[bytes]) -> None:
-        with self._lock:
-            self._proc = proc
-            if self._closing:  # closed while it started: it holds no request
-                proc.kill()
         try:
             _receive(replies)  # its signal handlers and priority are in place
         except (EOFError, OSError):
@@ -452,7 +455,13 @@ class _Child:
             if proc is not None and not self.ready.is_set():
                 proc.kill()
         if proc is None:
-            return True
+            # Between its fork and its exec the child holds copies of this process's
+            # descriptors, the scratch folders' owner locks among them: until Popen has
+            # returned (it then kills the child, seeing it closed), an exit handler would
+            # find those folders held and leave them on the disk.
+            if not self._launched.wait(timeout) or self._proc is None:
+                return self.ended.is_set()
+            proc = self._proc
         with self._send_lock, contextlib.suppress(OSError):
             assert proc.stdin is not None
             proc.stdin.close()
