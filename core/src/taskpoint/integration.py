@@ -22,6 +22,8 @@ are documented there. The names are grouped by the job they do:
 - when to save: :class:`BoundarySaves` and its :class:`Turn` (a plain loop's save call),
   :class:`SaveSchedule`, :class:`TimedSaves`, :func:`check_every`, :class:`StepBoundary`,
   :func:`estimate_save_s`;
+- a save at a failure, of a torch job's state as it was at the last step boundary:
+  :class:`WriteWatch`, :func:`module_tensors`, :func:`snapshot_rng`, :func:`reset_rng`;
 - preemption: :func:`saves_on_preemption`, :func:`install`, :func:`deferred`,
   :func:`requested`, :class:`PreemptionStop`, :class:`Decision`, :func:`within_grace`,
   :class:`AnyRank`, :func:`wait_on_preemption`;
@@ -93,6 +95,7 @@ from taskpoint.runtime.preemption_stop import (
     within_grace,
 )
 from taskpoint.runtime.step_boundary import StepBoundary, estimate_save_s
+from taskpoint.runtime.torch_state import WriteWatch, module_tensors, reset_rng, snapshot_rng
 
 __all__ = [
     "AnyRank",
@@ -112,6 +115,7 @@ __all__ = [
     "TorchCoordinator",
     "Turn",
     "UploadThread",
+    "WriteWatch",
     "all_gather_object",
     "barrier",
     "broadcast_from_zero",
@@ -129,16 +133,19 @@ __all__ = [
     "install",
     "is_distributed",
     "list_files",
+    "module_tensors",
     "note_coalesced",
     "raise_first_failure",
     "rank_and_size",
     "remove_scratch_folder",
     "requested",
+    "reset_rng",
     "restore_to_every_disk",
     "run_everywhere",
     "saves_on_preemption",
     "scratch_folder",
     "settle_uploads",
+    "snapshot_rng",
     "stores_by_content",
     "torch_job_coordinator",
     "track",

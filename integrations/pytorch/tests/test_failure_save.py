@@ -138,8 +138,8 @@ def test_a_failure_after_the_batch_was_drawn_saves_the_last_call_and_resumes_exa
 @pytest.mark.parametrize(
     ("where", "batchnorm", "why"),
     [
-        ("stepped", "", "an optimizer stepped since the save call at step 7"),
-        ("forward", "1", "a model's parameters or buffers were written since the save call"),
+        ("stepped", "", "since the save call at step 7, an optimizer stepped"),
+        ("forward", "1", "since the save call at step 7, a tensor of the state was written in place"),
     ],
 )
 def test_a_state_changed_since_the_last_call_is_not_saved(
@@ -227,5 +227,5 @@ def test_a_parameter_replaced_since_the_last_call_is_a_change(
 
     with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="after the swap"):
         job()
-    assert "are other tensors than when step 1's save call noted them" in caplog.text
+    assert "since the save call at step 1, the state's tensors are other tensors" in caplog.text
     assert taskpoint.Checkpoint(urls[0]).committed() == []  # step 1's call did not save

@@ -5,29 +5,22 @@ at that call's step instead of recomputing the steps since the last save.
 A save call is a step boundary: the state is consistent there. At each call a
 :class:`FailureSave` notes what a save at that point needs: the checkpoint, the counters and
 ``extra``; the global RNGs', the generators' and the schedulers' states, which are small
-and copied; and how to tell whether the tensors changed since, which are too large to copy
-at every step: a pre-hook on each optimizer's ``step`` (fused optimizers included) and the
-sum of the models' parameters' and buffers' and the AMP scalers' version counters, which
-every in-place write bumps.
+and copied; and the models' parameters and buffers and the AMP scalers' state tensors, for
+core's :class:`taskpoint.integration.WriteWatch` to tell whether they were written since.
 
 The failure is core's :meth:`taskpoint.TaskContext.on_failure`: the task's function raised,
-or an uncaught exception ends a process of the environment contract. If no optimizer
-stepped and no counter moved since the last call, the small states are set back to that
-call's and the state is saved, blocking, as a save call at that step would save it.
-Otherwise nothing is saved, and a warning says what changed. It saves nothing either when
-that call saved (its save is committed or uploading), after a store error (the same store
-would fail again), or under ``torch.distributed`` (a failing rank cannot run the
-collectives a save needs).
-
-A write that bypasses the version counters is not seen: through a tensor's ``.data``, or
-by a kernel that updates the parameters without an optimizer ``step`` call.
+or an uncaught exception ends a process of the environment contract. If nothing was
+written since the last call, the small states are set back to that call's and the state is
+saved, blocking, as a save call at that step would save it. Otherwise nothing is saved,
+and a warning says what changed. It saves nothing either when that call saved (its save is
+committed or uploading), after a store error (the same store would fail again), or under
+``torch.distributed`` (a failing rank cannot run the collectives a save needs).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,11 +28,17 @@ from typing import Any
 import taskpoint
 import torch
 from taskpoint import CheckpointError, CheckpointLike, TaskContext
-from taskpoint.integration import is_distributed, warn
+from taskpoint.integration import (
+    WriteWatch,
+    is_distributed,
+    module_tensors,
+    reset_rng,
+    snapshot_rng,
+    warn,
+)
 from torch import nn
 
 from taskpoint_pytorch._components import Components
-from taskpoint_pytorch._rng import reset_rng, snapshot_rng
 
 __all__ = ["FailureSave"]
 
@@ -56,8 +55,6 @@ class _Mark:
     epoch: int
     step: int
     extra: dict[str, Any] | None
-    tensors: list[torch.Tensor]  # the models' parameters and buffers, the scalers' state
-    versions: int  # the sum of their version counters
     rng: tuple[Any, ...] | None
     schedulers: dict[str, Any]
     generators: dict[str, torch.Tensor]
@@ -82,19 +79,10 @@ class FailureSave:
         self._components = components
         self._save = save
         self._mark: _Mark | None = None
-        self._stepped = False
+        self._writes = WriteWatch(components.optimizers.values())
         self._modules: list[nn.Module] | None = None  # the models' modules, found once
         self._context: TaskContext | None = None
         self._warned = False
-        this = weakref.ref(self)  # the optimizers must not keep a dropped state alive
-
-        def stepping(optimizer: object, args: object, kwargs: object) -> None:
-            save = this()
-            if save is not None:
-                save._stepped = True
-
-        for optimizer in components.optimizers.values():
-            optimizer.register_step_pre_hook(stepping)
 
     def note(
         self, checkpoint: CheckpointLike, epoch: int, step: int, extra: Mapping[str, Any] | None
@@ -118,12 +106,9 @@ class FailureSave:
         components = self._components
         if self._modules is None:
             self._modules = self._find_modules()
-        tensors = self._tensors(self._modules)
-        self._stepped = False
+        self._writes.note(self._tensors(self._modules))
         self._mark = _Mark(
             checkpoint, epoch, step, None if extra is None else dict(extra),
-            tensors=tensors,
-            versions=sum(t._version for t in tensors),
             rng=snapshot_rng() if components.rng else None,
             schedulers={n: copy.deepcopy(s.state_dict()) for n, s in components.schedulers.items()},
             generators={n: g.get_state() for n, g in components.generators.items()},
@@ -170,34 +155,15 @@ class FailureSave:
             return "the checkpoint store failed, and would fail this save too"
         if is_distributed():
             return "under torch.distributed a failing rank cannot run a save's collectives"
-        if self._stepped:
-            return f"an optimizer stepped since the save call at step {at}"
-        now = self._tensors(self._find_modules())
-        if len(now) != len(mark.tensors) or any(
-            a is not b for a, b in zip(now, mark.tensors, strict=True)
-        ):
-            return (
-                f"the models' parameters or buffers are other tensors than when step {at}'s "
-                "save call noted them (a module or tensor was added or replaced)"
-            )
-        if sum(t._version for t in now) != mark.versions:
-            return (
-                f"a model's parameters or buffers were written since the save call at step "
-                f"{at} (a forward pass in training mode updates BatchNorm's statistics)"
-            )
-        return None
+        written = self._writes.written(self._tensors(self._find_modules()))
+        return None if written is None else f"since the save call at step {at}, {written}"
 
     def _find_modules(self) -> list[nn.Module]:
         return [sub for model in self._components.models.values() for sub in model.modules()]
 
     def _tensors(self, modules: list[nn.Module]) -> list[torch.Tensor]:
-        """The parameters and buffers of ``modules`` and the scalers' state tensors, read
-        from the modules' own tables (walking the module tree at every call costs ten
-        times as much)."""
-        tensors = [
-            t for module in modules for table in (module._parameters, module._buffers)
-            for t in table.values() if t is not None
-        ]
+        """The parameters and buffers of ``modules`` and the scalers' state tensors."""
+        tensors = module_tensors(modules)
         for scaler in self._components.scalers.values():
             for name in ("_scale", "_growth_tracker"):
                 value = getattr(scaler, name, None)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "reset_rng", "restore_rank_rng", "snapshot_rng"]
+__all__ = ["capture_rng", "restore_rank_rng"]
 
 log = logging.getLogger(__name__)
 
@@ -116,21 +116,3 @@ def restore_rank_rng(states: list[dict[str, Any] | None] | None, rank: int, worl
         )
     for index, device_state in enumerate(cuda[:count]):
         torch.cuda.set_rng_state(device_state.cpu(), index)
-
-
-def snapshot_rng() -> tuple[Any, ...]:
-    """The global generators' states as they are (Python, NumPy, torch CPU, and CUDA once
-    in use), to set them back in this process with :func:`reset_rng`; cheaper than
-    :func:`capture_rng`, whose form a bundle needs (tens of microseconds)."""
-    numpy_state = np.random.get_state(legacy=False)
-    return random.getstate(), numpy_state, torch.get_rng_state(), _cuda_states()
-
-
-def reset_rng(snapshot: tuple[Any, ...]) -> None:
-    """Set the global generators back to a :func:`snapshot_rng` of this process."""
-    python, numpy_state, cpu, cuda = snapshot
-    random.setstate(python)
-    np.random.set_state(numpy_state)
-    torch.set_rng_state(cpu)
-    for index, device_state in enumerate(cuda):
-        torch.cuda.set_rng_state(device_state, index)
