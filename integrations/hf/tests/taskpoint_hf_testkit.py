@@ -140,6 +140,28 @@ class StopAt(TrainerCallback):
             self._stop(state)
 
 
+class FailInForward(TrainerCallback):
+    """Raise :class:`Interrupt` in the forward pass of the step after ``step`` (once
+    ``state.global_step == step``), after the model's dropout layers have drawn their masks:
+    at BERT's ``classifier`` or the Llama's final norm, in training mode."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self._state: TrainerState | None = None
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._state = state
+        model = kw["model"]
+        head = next(m for n, m in model.named_modules() if n.endswith(("classifier", "model.norm")))
+        head.register_forward_pre_hook(self._before_head)
+
+    def _before_head(self, module: torch.nn.Module, args: Any) -> None:
+        if module.training and self._state is not None and self._state.global_step == self.step:
+            raise Interrupt(f"simulated failure in the forward pass after step {self.step}")
+
+
 class SignalAt(TrainerCallback):
     """Send this process ``signum`` at the end of step ``step`` (training goes on), then
     sleep ``pause`` seconds there; ``then`` seconds at every later step end."""
@@ -327,9 +349,11 @@ def run_classifier(
     *,
     stop: StopAt | None = None,
     callbacks: Sequence[TrainerCallback] = (),
+    callback_options: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Result:
-    """Train the tiny BERT classifier, resuming from ``checkpoint`` when it holds state."""
+    """Train the tiny BERT classifier, resuming from ``checkpoint`` when it holds state
+    (``callback_options``: more arguments of the taskpoint callback)."""
     args = _classifier_args(out_dir, **overrides)
     resume = restore_last_checkpoint(checkpoint, args) if checkpoint is not None else None
     logged = LogRecorder()
@@ -337,7 +361,7 @@ def run_classifier(
     if stop is not None:
         extra.append(stop)
     if checkpoint is not None:
-        extra.append(TaskpointTrainerCallback(checkpoint, args.output_dir))
+        extra.append(TaskpointTrainerCallback(checkpoint, args.output_dir, **(callback_options or {})))
     trainer = classifier_trainer(out_dir, callbacks=[*extra, *callbacks], **overrides)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     return _result(trainer, resume, logged)
@@ -349,6 +373,7 @@ def run_sft(
     *,
     stop: StopAt | None = None,
     callbacks: Sequence[TrainerCallback] = (),
+    callback_options: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Result:
     """Train LoRA adapters on the tiny Llama with TRL's SFTTrainer, resuming likewise."""
@@ -390,7 +415,7 @@ def run_sft(
     )
     extra = [stop] if stop is not None else []
     if checkpoint is not None:
-        extra.append(TaskpointTrainerCallback(checkpoint, args.output_dir))
+        extra.append(TaskpointTrainerCallback(checkpoint, args.output_dir, **(callback_options or {})))
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=Dataset.from_dict({"text": SENTENCES * 2}),
         processing_class=tokenizer, peft_config=lora, callbacks=[*extra, *callbacks],

@@ -14,7 +14,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
-__all__ = ["FiguresIntoLogs", "LogHook", "guard_train"]
+__all__ = ["FiguresIntoLogs", "LogHook", "OnException", "guard_train"]
 
 _DEPTH = 12
 """How many frames above a hook the handler and the Trainer are looked for."""
@@ -89,6 +89,10 @@ class LogHook:
         return handler
 
 
+OnException = Callable[[BaseException, Any], None]
+"""A guard's ``on_exception(exc, trainer)``: ``exc`` is leaving ``trainer.train()``."""
+
+
 class _GuardedTrain:
     """Stands in for a Trainer's ``train``: when training ends by an exception, each
     guarding callback's ``on_exception`` runs (in the order they guarded) before the
@@ -96,7 +100,7 @@ class _GuardedTrain:
 
     def __init__(self, train: Callable[..., Any]) -> None:
         self.train = train
-        self.guards: list[weakref.ref[Callable[[BaseException], None]]] = []
+        self.guards: list[weakref.ref[OnException]] = []
         functools.update_wrapper(self, train)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -106,14 +110,14 @@ class _GuardedTrain:
             for ref in list(self.guards):
                 on_exception = ref()
                 if on_exception is not None:
-                    on_exception(exc)
+                    on_exception(exc, self.train.__self__)  # type: ignore[attr-defined]
             raise
 
 
-def guard_train(callback: TrainerCallback, on_exception: Callable[[BaseException], None]) -> bool:
+def guard_train(callback: TrainerCallback, on_exception: OnException) -> bool:
     """Make the ``train()`` of the ``transformers.Trainer`` (or subclass, such as TRL's)
-    whose handler is calling ``callback``'s hook now call ``on_exception(exc)`` (a bound
-    method, held weakly) before an exception leaves it.
+    whose handler is calling ``callback``'s hook now call ``on_exception(exc, trainer)`` (a
+    bound method, held weakly) before an exception leaves it.
 
     Returns:
         Whether it already did (so a ``train()`` call under way is guarded); ``False``

@@ -21,6 +21,7 @@ from taskpoint.integration import (
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from taskpoint_hf import _hooks
+from taskpoint_hf._failure_save import FailureSave
 from taskpoint_hf._interval import SaveEvery, TimedSaves, check_save_every
 from taskpoint_hf._mirror import OutputMirror, marks, written_dir
 from taskpoint_hf._preemption import Preemption
@@ -53,6 +54,10 @@ class TaskpointTrainerCallback(TrainerCallback):
       ``checkpoint-N`` there when it fits in ``TASKPOINT_GRACE_PERIOD``, and
       ``trainer.train()`` raises :class:`taskpoint.Preempted` (see
       :mod:`taskpoint_hf._preemption`);
+    - with ``save_on_exception``, an exception out of ``train()`` that left the model as
+      the last completed step left it (a failure in the next step's forward pass, an
+      evaluation, a callback) has the Trainer write that step's ``checkpoint-N``, uploaded
+      before the exception leaves ``train()`` (see :mod:`taskpoint_hf._failure_save`);
     - ``save_every_s`` asks the Trainer to save (``control.should_save``) once that many
       seconds of training passed since the last save, beside ``save_strategy`` (not with
       ``"best"``); ``"auto"`` chooses the interval with :class:`taskpoint.SaveInterval`
@@ -80,10 +85,13 @@ class TaskpointTrainerCallback(TrainerCallback):
         save_every_s: save also once this many seconds of training passed since the last
             save; ``"auto"``, or a :class:`taskpoint.SaveInterval` of your own (other
             bounds, another clock); ``None`` (the default): by ``save_strategy`` only.
+        save_on_exception: when an exception ends ``train()``, save the last completed
+            step if nothing was written since it ended (one process only: not under
+            ``torch.distributed``); a warning says why when it cannot.
 
     Raises:
-        TypeError: ``checkpoint`` lacks the checkpoint methods, or ``output_dir`` is not a
-            path.
+        TypeError: ``checkpoint`` lacks the checkpoint methods, ``output_dir`` is not a
+            path, or ``save_on_exception`` not a bool.
         ValueError: ``preempt_timeout`` is negative, ``timeout`` not positive,
             ``save_every_s`` neither positive seconds, ``"auto"`` nor a
             :class:`taskpoint.SaveInterval`; when training begins, ``TASKPOINT_MTBF_PRIOR_S``
@@ -100,8 +108,13 @@ class TaskpointTrainerCallback(TrainerCallback):
         timeout: float = 600.0,
         save_on_preemption: bool | None = None,
         save_every_s: SaveEvery | None = None,
+        save_on_exception: bool = False,
     ) -> None:
         self._checkpoint = check_checkpoint_like(checkpoint, "TaskpointTrainerCallback")
+        if not isinstance(save_on_exception, bool):
+            raise TypeError(
+                f"save_on_exception must be True or False; got {save_on_exception!r}"
+            )
         if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):
             raise TypeError(
                 "output_dir must be a str or os.PathLike naming the Trainer's output_dir, or "
@@ -114,6 +127,7 @@ class TaskpointTrainerCallback(TrainerCallback):
         self._logs = _hooks.LogHook(self)  # the handler whose on_log adds the figures
         self._preemption = Preemption(save_on_preemption, self._saves, wait_timeout=preempt_timeout)
         self._step: int | None = None
+        self._failure = FailureSave() if save_on_exception else None
 
     def __repr__(self) -> str:
         return (
@@ -209,6 +223,8 @@ class TaskpointTrainerCallback(TrainerCallback):
                 process zero; the store keeps the checkpoint before it).
         """
         began = time.monotonic()
+        if self._failure is not None:
+            self._failure.saved(state.global_step)
         self._saves.written(state.global_step)
         self._saves.save(
             self._folder(args), step=state.global_step, leader=state.is_world_process_zero
@@ -219,9 +235,12 @@ class TaskpointTrainerCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Report the step; unshare ``checkpoint-N`` if the Trainer is about to write it
-        again; after a SIGTERM, stop here with every rank (and save, in time)."""
+        """Report the step; note the state for a save at an exception; unshare
+        ``checkpoint-N`` if the Trainer is about to write it again; after a SIGTERM, stop
+        here with every rank (and save, in time)."""
         self._report(state)
+        if self._failure is not None:
+            self._failure.note(state, kwargs.get("model"), kwargs.get("optimizer"))
         self._preemption.jit_hook("on_step_end", state, control)
         self._preemption.at_step_end(args, state, control, self._saves.estimate)
         self._timed.at_step_end(control)
@@ -324,5 +343,22 @@ class TaskpointTrainerCallback(TrainerCallback):
         self._step = state.global_step
         taskpoint.report_step(state.global_step)
 
-    def _training_failed(self, exc: BaseException) -> None:
+    def _training_failed(self, exc: BaseException, trainer: Any) -> None:
+        """``exc`` is leaving ``trainer.train()``: the save at the exception, if asked for
+        and possible, then wait for this rank's uploads (bounded)."""
+        if self._failure is not None and self._output_dir is not None:
+            written = written_dir(trainer.args.output_dir)
+            step = self._failure.at_failure(
+                exc, trainer, lambda at: self._saves.unshare_next(written, at, saving=True)
+            )
+            if step is not None:
+                try:
+                    self._saves.written(step)
+                    self._saves.save(self._output_dir, step=step, leader=True)
+                except Exception as error:
+                    log.warning("the upload of checkpoint-%d at the failure failed: %s: %s",
+                                step, type(error).__name__, error)
+                else:
+                    log.warning("wrote checkpoint-%d at the failure (%s): the retry resumes "
+                                "there", step, type(exc).__name__)
         self._preemption.failed(exc, self._step)
