@@ -22,8 +22,9 @@ are documented there. The names are grouped by the job they do:
 - when to save: :class:`BoundarySaves` and its :class:`Turn` (a plain loop's save call),
   :class:`SaveSchedule`, :class:`TimedSaves`, :func:`check_every`, :class:`StepBoundary`,
   :func:`estimate_save_s`;
-- a save at a failure, of a torch job's state as it was at the last step boundary:
-  :class:`WriteWatch`, :func:`module_tensors`, :func:`snapshot_rng`, :func:`reset_rng`;
+- a save at a failure, of the state as it was at the last step boundary: :class:`FailureHook`
+  (when a plain loop's attempt fails), and for a torch job :class:`WriteWatch`,
+  :func:`module_tensors`, :func:`snapshot_rng`, :func:`reset_rng`;
 - preemption: :func:`saves_on_preemption`, :func:`install`, :func:`deferred`,
   :func:`requested`, :class:`PreemptionStop`, :class:`Decision`, :func:`within_grace`,
   :class:`AnyRank`, :func:`wait_on_preemption`;
@@ -87,6 +88,7 @@ from taskpoint.format.manifest import Manifest
 from taskpoint.preemption import deferred, install, requested
 from taskpoint.runtime.boundary_saves import BoundarySaves, Turn
 from taskpoint.runtime.context import saves_on_preemption
+from taskpoint.runtime.failure_hook import FailureHook
 from taskpoint.runtime.interval import SaveSchedule, TimedSaves, check_every
 from taskpoint.runtime.preemption_stop import (
     Decision,
@@ -102,6 +104,7 @@ __all__ = [
     "BoundarySaves",
     "Decision",
     "Disks",
+    "FailureHook",
     "FolderMirror",
     "JobMirror",
     "Manifest",

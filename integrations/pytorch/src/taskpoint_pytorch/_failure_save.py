@@ -8,7 +8,8 @@ A save call is a step boundary: the state is consistent there. At each call a
 and copied; and the models' parameters and buffers and the AMP scalers' state tensors, for
 core's :class:`taskpoint.integration.WriteWatch` to tell whether they were written since.
 
-The failure is core's :meth:`taskpoint.TaskContext.on_failure`: the task's function raised,
+The failure is core's :meth:`taskpoint.TaskContext.on_failure` (through
+:class:`taskpoint.integration.FailureHook`): the task's function raised,
 or an uncaught exception ends a process of the environment contract. If nothing was
 written since the last call, the small states are set back to that call's and the state is
 saved, blocking, as a save call at that step would save it. Otherwise nothing is saved,
@@ -25,16 +26,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import taskpoint
 import torch
-from taskpoint import CheckpointError, CheckpointLike, TaskContext
+from taskpoint import CheckpointError, CheckpointLike
 from taskpoint.integration import (
+    FailureHook,
     WriteWatch,
     is_distributed,
     module_tensors,
     reset_rng,
     snapshot_rng,
-    warn,
 )
 from torch import nn
 
@@ -81,28 +81,14 @@ class FailureSave:
         self._mark: _Mark | None = None
         self._writes = WriteWatch(components.optimizers.values())
         self._modules: list[nn.Module] | None = None  # the models' modules, found once
-        self._context: TaskContext | None = None
-        self._warned = False
+        self._hook = FailureHook(self.at_failure, "save_on_exception=True")
 
     def note(
         self, checkpoint: CheckpointLike, epoch: int, step: int, extra: Mapping[str, Any] | None
     ) -> None:
         """A save call: remember the state as it is now, and be called at this attempt's
         failure. Costs a pass over the models' tensors and a copy of the RNG states."""
-        context = taskpoint.ctx()
-        if context is None:
-            if not self._warned:
-                self._warned = True
-                warn(
-                    log,
-                    "save_on_exception=True saves only inside a taskpoint task or a process "
-                    "of the environment contract (TASKPOINT_ACTION set): nothing else says "
-                    "when an attempt fails, so no save is made at a failure here",
-                    stacklevel=3,
-                )
-        elif context is not self._context:
-            self._context = context
-            context.on_failure(self.at_failure)
+        self._hook.follow(stacklevel=3)
         components = self._components
         if self._modules is None:
             self._modules = self._find_modules()
