@@ -5,6 +5,7 @@ restore it on the next attempt (the package's documentation shows a loop).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -12,9 +13,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from taskpoint import CheckpointLike, IntervalChoice
+from taskpoint import CheckpointError, CheckpointLike, IntervalChoice
 from taskpoint.integration import (
     BoundarySaves,
+    FailureHook,
     Turn,
     check_checkpoint_like,
     remove_scratch_folder,
@@ -55,10 +57,16 @@ class TaskpointSklearnCheckpoint:
             (the next chunk): the loop then stops there with :class:`taskpoint.Preempted`
             and the next attempt resumes at that chunk. ``None``:
             ``TASKPOINT_SAVE_ON_PREEMPTION``, else inside a taskpoint task.
+        save_on_exception: when an exception ends the attempt (inside a taskpoint task or
+            a process of the environment contract), save the bundle as it was at the last
+            :meth:`save_sync` call that did not save (``every``/``every_s`` said not yet),
+            so the retry resumes at that chunk. Costs a copy of the bundle at each such
+            call.
 
     Raises:
         TypeError: ``checkpoint`` lacks the checkpoint methods (``None`` outside a task,
-            for one), or ``trusted`` holds something that is not a type or a name.
+            for one), ``trusted`` holds something that is not a type or a name, or
+            ``save_on_exception`` is not a bool.
         ValueError: ``format`` or ``filename`` is not accepted.
     """
 
@@ -70,8 +78,11 @@ class TaskpointSklearnCheckpoint:
         trusted: Iterable[str | type] = (),
         filename: str = "sklearn-bundle",
         save_on_preemption: bool | None = None,
+        save_on_exception: bool = False,
     ) -> None:
         check_checkpoint_like(checkpoint, type(self).__name__)
+        if not isinstance(save_on_exception, bool):
+            raise TypeError(f"save_on_exception must be True or False; got {save_on_exception!r}")
         if format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}; got {format!r}")
         if not isinstance(filename, str) or not filename or "/" in filename or "\\" in filename:
@@ -81,6 +92,10 @@ class TaskpointSklearnCheckpoint:
         self._allowed = DEFAULT_TRUSTED_TYPES | type_names(trusted)
         self._filename = filename_for(format, filename)
         self._saves = BoundarySaves(save_on_preemption, ranks=False, unit="chunks")
+        self._failure = (
+            FailureHook(self._at_failure, "save_on_exception=True") if save_on_exception else None
+        )
+        self._unsaved: PartialFitBundle | None = None  # the last call's bundle, not saved
 
     def __repr__(self) -> str:
         return f"TaskpointSklearnCheckpoint({self._checkpoint!r}, format={self._format!r})"
@@ -148,6 +163,29 @@ class TaskpointSklearnCheckpoint:
             self._checkpoint.save_sync(path)
         return True
 
+    def _at_failure(self, exc: BaseException) -> None:
+        """``exc`` ends the attempt: save the bundle of the last call that did not save
+        (``save_on_exception``). Logs what it did; raises nothing."""
+        bundle, self._unsaved = self._unsaved, None
+        if bundle is None:
+            return
+        if isinstance(exc, CheckpointError):
+            log.warning(
+                "no save at the failure (%s): the checkpoint store failed, and would fail "
+                "this save too; the retry resumes at the last committed save",
+                type(exc).__name__,
+            )
+            return
+        try:
+            with self._staged(bundle) as path:
+                self._checkpoint.save_sync(path)
+        except Exception as error:
+            log.warning("the save at the failure (%s) failed: %s: %s",
+                        type(exc).__name__, type(error).__name__, error)
+            return
+        log.warning("saved the bundle of progress %d at the failure (%s): the retry resumes "
+                    "there", bundle.progress, type(exc).__name__)
+
     async def save(
         self,
         bundle: PartialFitBundle,
@@ -173,10 +211,17 @@ class TaskpointSklearnCheckpoint:
         self, bundle: PartialFitBundle, every: int | None,
         every_s: float | Literal["auto"] | None,
     ) -> Turn:
-        """What a save call does (see :meth:`BoundarySaves.reached`)."""
+        """What a save call does (see :meth:`BoundarySaves.reached`); with
+        ``save_on_exception``, a copy of a bundle this call does not save is kept for a
+        save at a failure."""
         if not isinstance(bundle, PartialFitBundle):
             raise TypeError(f"save() takes a PartialFitBundle; got {type(bundle).__name__}")
-        return self._saves.reached(self._checkpoint, bundle.progress, every, every_s)
+        turn = self._saves.reached(self._checkpoint, bundle.progress, every, every_s)
+        if self._failure is not None:
+            self._unsaved = None
+            if self._failure.follow(stacklevel=3) and not turn.save:
+                self._unsaved = copy.deepcopy(bundle)
+        return turn
 
     @contextlib.contextmanager
     def _staged(self, bundle: PartialFitBundle) -> Iterator[Path]:
