@@ -19,6 +19,7 @@ import torch
 import unsloth_testkit as kit
 from safetensors import safe_open
 from taskpoint_unsloth import LORA_RECORD, read_lora_record, restore_lora_checkpoint
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 CHILD = Path(__file__).with_name("unsloth_child.py")
 
@@ -35,6 +36,36 @@ def test_exception_then_retry_matches_uninterrupted_run(
     want = reference()
     assert want.global_step == got.global_step == 10
     kit.assert_same_run(got, want)
+
+
+class FailBeforeStep(TrainerCallback):
+    """Raise :class:`kit.Interrupt` as step ``step + 1`` begins (its batch fetched)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
+    ) -> None:
+        if state.global_step == self.step:
+            raise kit.Interrupt(f"simulated failure as step {self.step + 1} began")
+
+
+def test_an_exception_saves_the_last_step_with_its_lora_record_and_the_retry_resumes_there(
+    tmp_path: Path, base_model: Path, reference: Callable[..., kit.Result]
+) -> None:
+    """``save_on_exception=True`` through the Unsloth callback: the failure after step 4
+    writes checkpoint-4, with the LoRA record the callback adds to every save, and the
+    retry resumes there (not at the save strategy's checkpoint-3)."""
+    ckpt = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}")
+    options = {"save_on_exception": True}
+    with pytest.raises(kit.Interrupt, match="step 5 began"):
+        kit.run_unsloth_sft(ckpt, tmp_path / "a1", base_model, callbacks=[FailBeforeStep(4)],
+                            callback_options=options)
+    assert (tmp_path / "a1" / "checkpoint-4" / LORA_RECORD).is_file()
+    got = kit.run_unsloth_sft(ckpt, tmp_path / "a2", base_model, callback_options=options)
+    assert got.resumed_from == str(tmp_path / "a2" / "checkpoint-4")
+    kit.assert_same_run(got, reference())
 
 
 def test_killed_process_then_retry_matches_uninterrupted_run(

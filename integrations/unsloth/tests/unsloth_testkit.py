@@ -195,9 +195,11 @@ def run_unsloth_sft(
     callbacks: Sequence[TrainerCallback] = (),
     r: int = 4,
     model_options: dict[str, Any] | None = None,
+    callback_options: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Result:
-    """Train LoRA adapters on ``base`` with Unsloth + SFTTrainer, resuming from ``checkpoint``."""
+    """Train LoRA adapters on ``base`` with Unsloth + SFTTrainer, resuming from ``checkpoint``
+    (``callback_options``: more arguments of the taskpoint callback)."""
     from datasets import Dataset
     from trl import SFTTrainer
 
@@ -206,7 +208,7 @@ def run_unsloth_sft(
     resume = restore_lora_checkpoint(checkpoint, args, model) if checkpoint is not None else None
     extra: list[TrainerCallback] = [stop] if stop is not None else []
     if checkpoint is not None:
-        callback = TaskpointUnslothCallback(checkpoint, args.output_dir)
+        callback = TaskpointUnslothCallback(checkpoint, args.output_dir, **(callback_options or {}))
         extra.append(callback)
         if stop is not None:
             stop.settle = callback.wait

@@ -352,9 +352,8 @@ class TaskpointTrainerCallback(TrainerCallback):
                 exc, trainer, lambda at: self._saves.unshare_next(written, at, saving=True)
             )
             if step is not None:
-                try:
-                    self._saves.written(step)
-                    self._saves.save(self._output_dir, step=step, leader=True)
+                try:  # as the Trainer announces its own saves (a subclass may add to it)
+                    self.on_save(trainer.args, trainer.state, trainer.control, model=trainer.model)
                 except Exception as error:
                     log.warning("the upload of checkpoint-%d at the failure failed: %s: %s",
                                 step, type(error).__name__, error)
