@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from taskpoint.integration import snapshot_rng
 
 __all__ = ["capture_rng", "restore_rank_rng"]
 
@@ -38,31 +39,23 @@ def _from_plain(value: Any) -> Any:
     return value
 
 
-def _cuda_states() -> list[torch.Tensor]:
-    """Every CUDA device's generator state, once CUDA is in use (querying it otherwise would
-    start a context per device); empty before."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
-        return []
-    return [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
-
-
 def capture_rng() -> dict[str, Any]:
     """This process's Python, NumPy, torch CPU and CUDA (every device, once CUDA is in use)
-    generator states.
+    generator states: core's :func:`taskpoint.integration.snapshot_rng`, in a form a bundle
+    holds.
 
     Returns:
         A dict of tensors, lists, numbers and strings only.
     """
-    version, internal, gauss_next = random.getstate()
-    cuda = _cuda_states()
+    (version, internal, gauss_next), numpy_state, cpu, cuda = snapshot_rng()
     return {
         "python": {
             "version": int(version),
             "internal": torch.tensor(internal, dtype=torch.int64),
             "gauss_next": gauss_next,
         },
-        "numpy": _to_plain(np.random.get_state(legacy=False)),
-        "torch": torch.get_rng_state(),
+        "numpy": _to_plain(numpy_state),
+        "torch": cpu,
         "cuda": cuda,
     }
 
