@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true")
     parser.add_argument("--sigterm", default=None)
     parser.add_argument("--pause", default=None)
+    parser.add_argument("--save-on-exception", action="store_true")
     opts = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -90,7 +91,9 @@ def main() -> None:
                 rank,
             )
         result = kit.RECIPES[name](
-            checkpoint, opts.work / name, stop=stop, callbacks=callbacks, **overrides
+            checkpoint, opts.work / name, stop=stop, callbacks=callbacks,
+            callback_options={"save_on_exception": True} if opts.save_on_exception else None,
+            **overrides,
         )
         print(f"rank {rank}: {name} resumed from {result.resumed_from}", flush=True)
         torch.save(result.to_dict(), done)

@@ -62,3 +62,20 @@ def test_torchrun_rank_zero_uploads_and_every_rank_resumes(tmp_path: Path) -> No
         if p.name.isdigit()  # the claim markers, not the attempts' other records
     )
     assert attempts == ["000000", "000001"]  # one per launch: rank 1 never claimed one
+
+
+@pytest.mark.slow
+def test_under_torchrun_save_on_exception_saves_nothing_and_says_why(tmp_path: Path) -> None:
+    """A rank's exception cannot be saved at (the other ranks are not at the failure to run
+    the save's collectives): the failing rank says so, nothing newer than checkpoint-3 is
+    written, and the next launch resumes there."""
+    store, work = f"file://{tmp_path / 'store'}", tmp_path / "work"
+    failed = _torchrun(
+        store, work, "--plain", "--save-on-exception", "--stop", "classifier:5:step_end:raise"
+    )
+    assert failed.returncode != 0
+    assert (
+        "no checkpoint at the failure (Interrupt): under torch.distributed a failing rank "
+        "cannot run a save's collectives" in failed.stderr
+    ), failed.stderr[-3000:]
+    assert sorted(p.name for p in (work / "classifier").glob("checkpoint-*")) == ["checkpoint-3"]

@@ -56,8 +56,12 @@ class FailureSave:
 
     def note(self, state: TrainerState, model: Any, optimizer: Any) -> None:
         """A step boundary (``on_step_end``): remember the model as it is now. Costs a pass
-        over its tensors and a copy of the RNG states; nothing under ``torch.distributed``."""
-        if model is None or is_distributed():
+        over its tensors and a copy of the RNG states; under ``torch.distributed``, where
+        nothing is saved at a failure (:meth:`at_failure` says why), only the step."""
+        if model is None:
+            return
+        self._step, self._saved = state.global_step, False
+        if is_distributed():
             return
         if model is not self._model:
             self._model, self._modules = model, list(model.modules())
@@ -65,7 +69,6 @@ class FailureSave:
             self._writes.watch(optimizer)
         self._writes.note(module_tensors(self._modules))
         self._rng = snapshot_rng()
-        self._step, self._saved = state.global_step, False
 
     def saved(self, step: int) -> None:
         """The Trainer saved ``checkpoint-<step>`` itself (``on_save``)."""
