@@ -18,10 +18,11 @@ save by training time (:mod:`bench_interval`'s sweep).
 ``BENCH_SIDE`` picks how it checkpoints:
 
 - ``taskpoint``: the PyTorch guide's loop under the environment contract
-  (``taskpoint.ctx().checkpoint``, ``TaskpointState(model, opt, blocking=False,
+  (``taskpoint.ctx().checkpoint.prefetch()`` before the state is built, as the guide's
+  restart section has it, ``TaskpointState(model, opt, blocking=False,
   save_on_exception=True)``, ``save_sync(ckpt, step=step, every=N)`` at every step,
   ``state.wait()`` at the end; ``BENCH_SAVE_ON_EXCEPTION=0`` drops the save at an
-  exception);
+  exception, ``BENCH_PREFETCH=0`` the prefetch);
 - ``plain``: ``torch.save`` of the model's, the optimizer's and the RNG's state to
   ``latest.pt`` on the local disk and a blocking ``boto3`` ``upload_file`` of it to the same
   S3 server, restored from there; a careful plain job: SIGTERM sets a flag, and the next
@@ -32,9 +33,12 @@ What it does is timed from inside and appended, one JSON object a line, to ``BEN
 (flushed at once, so a SIGKILL loses nothing written before it)::
 
     {"ev": "main", "t"}                        the interpreter runs this file
+    {"ev": "prefetch", "t0", "t1"}             taskpoint's calls before the state is built:
+                                               its import, ``ctx()`` and ``prefetch()``
     {"ev": "restore", "t0", "t1", "step"}      the restore (step 0: nothing to restore),
                                                from loading the checkpoint library
-                                               (taskpoint, or boto3 and its client)
+                                               (taskpoint, or boto3 and its client); after
+                                               a prefetch, from the adapter's making
     {"ev": "step", "s", "t0", "t1"}            step s (1-based) computed; no t1 when it died
     {"ev": "save", "s", "t0", "t1", "upload_s", "preempt", "saved"}
                                                training blocked in a save call (every
@@ -168,6 +172,17 @@ def _time_failure_save(log: _Log) -> None:
     sys.excepthook = hook
 
 
+def prefetch(log: _Log) -> None:
+    """Start the restore before the state is built, as a restarted job does."""
+    t0 = time.time()
+    import taskpoint
+
+    context = taskpoint.ctx()
+    assert context is not None and context.checkpoint is not None, "TASKPOINT_ACTION unset"
+    context.checkpoint.prefetch()
+    log.write(ev="prefetch", t0=t0, t1=time.time())
+
+
 def run_taskpoint(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
                   total: int, every: int, every_s: str | None = None) -> int:
     """The guide's loop under the environment contract, saving every ``every`` steps or,
@@ -287,6 +302,8 @@ def main() -> None:
     total, every = int(env["BENCH_STEPS"]), int(env.get("BENCH_EVERY", "1"))
     fail = env.get("BENCH_FAIL_EXCEPTION")
     steps = _Steps(log, float(env["BENCH_STEP_S"]), int(fail) if fail else None)
+    if side == "taskpoint" and env.get("BENCH_PREFETCH", "1") != "0":
+        prefetch(log)  # the download runs while the state is built
     model, opt = build(float(env["BENCH_SIZE_MB"]), int(env["BENCH_SEED"]))
     if side == "taskpoint":
         reached = run_taskpoint(log, steps, model, opt, total, every,

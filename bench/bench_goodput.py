@@ -63,9 +63,12 @@ exit):
 - goodput = uninterrupted / wall;
 - badput by cause: ``blocked`` (time training spent inside save calls: the plain
   ``torch.save`` plus upload; taskpoint's ``save_sync``, including a preemption save, the
-  save at an exception and the final ``wait``), ``restore`` (from importing the checkpoint library, taskpoint or boto3,
-  to the state restored: taskpoint imports its S3 client at its first store call, so both
-  sides count the same work), ``recomputed`` (compute of the steps a
+  save at an exception and the final ``wait``), ``restore`` (the time the job spent in the
+  checkpoint library's restore, from importing it, taskpoint or boto3, to the state
+  restored: taskpoint imports its S3 client at its first store call, so both sides count
+  the same work; taskpoint's job calls ``prefetch()`` before it builds its state, and that
+  call counts here too, while the download it started runs beside the build, which
+  ``--no-prefetch`` leaves out), ``recomputed`` (compute of the steps a
   failure threw away: done in a life beyond the step the next life resumed at, including the
   step in progress), ``restart`` (from a life's death to the next life's restore: the
   restart delay, the process start, the imports, building the state, and a dying life's
@@ -279,6 +282,7 @@ class LifeView:
     spawn: float
     death: float
     restore: tuple[float, float, int] | None  # t0, t1, step resumed at
+    prefetch_s: float  # in the checkpoint library's calls before the state was built
     steps: dict[int, tuple[float, float | None]]  # s -> (t0, t1)
     saves: list[tuple[float, float | None, float | None]]  # t0, t1, upload_s
     reached: int  # last step completed
@@ -294,6 +298,7 @@ def view(life: Life) -> LifeView:
     saves: dict[float, tuple[float, float | None, float | None]] = {}
     saved: set[float] = set()
     restore = end = sha = None
+    prefetch_s = 0.0
     last = life.spawn
     for e in life.events:
         for key in ("t", "t0", "t1"):
@@ -307,6 +312,8 @@ def view(life: Life) -> LifeView:
                 saved.add(e["t0"])
         elif e["ev"] == "restore":
             restore = (e["t0"], e["t1"], int(e["step"]))
+        elif e["ev"] == "prefetch" and "t1" in e:
+            prefetch_s += e["t1"] - e["t0"]
         elif e["ev"] == "end":
             end = e["t"]
         elif e["ev"] == "hash":
@@ -316,13 +323,14 @@ def view(life: Life) -> LifeView:
         death = max(last, life.grace_killed or life.signalled or last)
     done = [s for s, (_, t1) in steps.items() if t1 is not None]
     reached = max(done) if done else (restore[2] if restore else 0)
-    return LifeView(life.spawn, death, restore, steps, list(saves.values()), reached,
-                    len(saved), end, sha)
+    return LifeView(life.spawn, death, restore, prefetch_s, steps, list(saves.values()),
+                    reached, len(saved), end, sha)
 
 
 def _startup(v: LifeView) -> float:
-    """From the process's start to its restore (imports, building the state)."""
-    return (v.restore[0] if v.restore else v.death) - v.spawn
+    """From the process's start to its restore (imports, building the state), less the
+    checkpoint library's calls made before (a prefetch's)."""
+    return (v.restore[0] if v.restore else v.death) - v.spawn - v.prefetch_s
 
 
 def _compute(v: LifeView, upto: int | None = None) -> float:
@@ -342,12 +350,14 @@ def account(side: Side, reference: LifeView) -> dict[str, Any]:
     wall = last.end - views[0].spawn
     blocked = sum((t1 if t1 is not None else v.death) - t0
                   for v in views for t0, t1, _ in v.saves)
-    restore = sum(v.restore[1] - v.restore[0] for v in views if v.restore)
+    restore = sum((v.restore[1] - v.restore[0] if v.restore else 0.0) + v.prefetch_s
+                  for v in views)
     recomputed = restart = 0.0
     per_life: list[dict[str, Any]] = []
     for i, v in enumerate(views):
         if i:
-            restart += (v.restore[0] if v.restore else v.death) - views[i - 1].death
+            restart += ((v.restore[0] if v.restore else v.death) - views[i - 1].death
+                        - v.prefetch_s)
         if v is last:
             break
         after = next((w.restore[2] for w in views[i + 1:] if w.restore), 0)
@@ -555,6 +565,8 @@ def main() -> None:
                         help="set TASKPOINT_SAVE_ON_PREEMPTION=1 (the recipe does not)")
     parser.add_argument("--no-save-on-exception", action="store_true",
                         help="taskpoint's job saves nothing at an exception")
+    parser.add_argument("--no-prefetch", action="store_true",
+                        help="taskpoint's job restores only once its state is built")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--keep", action="store_true", help="keep the logs' folder")
     args = parser.parse_args()
@@ -626,6 +638,8 @@ def main() -> None:
                         env["TASKPOINT_SAVE_ON_PREEMPTION"] = "1"
                     if args.no_save_on_exception:
                         env["BENCH_SAVE_ON_EXCEPTION"] = "0"
+                    if args.no_prefetch:
+                        env["BENCH_PREFETCH"] = "0"
                 run = run_side(Side(name, every), env, folder / regime / name, failures,
                                args.grace, args.restart_delay, ideal_limit)
                 out[name] = account(run, ref)

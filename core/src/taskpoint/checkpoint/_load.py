@@ -24,8 +24,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from taskpoint import _scratch
@@ -264,17 +265,76 @@ def restore_error(exc: BaseException, path: str) -> CheckpointRestoreError:
     )
 
 
+_Request = tuple[Path | None, int | None, frozenset[str] | None]
+"""What a load asks for: ``into``, ``part`` and ``paths``, checked."""
+
+
+def _check_request(
+    into: str | os.PathLike[str] | None, part: int | None, paths: Collection[str] | None
+) -> _Request:
+    """``load_sync``'s arguments, checked (see there for the ``ValueError``)."""
+    if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
+        raise ValueError(f"part must be a rank (an int of at least 0) or None; got {part!r}")
+    wanted = None if paths is None else check_paths(paths)
+    return (None if into is None else Path(os.fspath(into)), part, wanted)
+
+
+class _Prefetch:
+    """A restore running ahead on a daemon thread, until a load takes or drops it."""
+
+    def __init__(
+        self,
+        request: _Request,
+        find: Callable[[_Request], tuple[Path, Manifest, float] | None],
+        after: _Prefetch | None = None,
+    ) -> None:
+        self.request = request
+        self._after = after  # a prefetch this one replaces: dropped before it starts
+        self._found: tuple[Path, Manifest, float] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(find,), name="taskpoint-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, find: Callable[[_Request], tuple[Path, Manifest, float] | None]) -> None:
+        try:
+            if self._after is not None:
+                self._after.drop()
+                self._after = None
+            self._found = find(self.request)
+        except BaseException as exc:  # handed to the load that takes it
+            self._error = exc
+
+    def result(self) -> tuple[Path, Manifest, float] | None:
+        """Wait for the restore; what it found, or raise what it raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._found
+
+    def drop(self) -> None:
+        """Wait for the restore and throw away a fresh folder it restored into."""
+        self._thread.join()
+        if self._found is not None and self.request[0] is None:
+            shutil.rmtree(self._found[0].parent, ignore_errors=True)
+        if self._error is not None:
+            log.debug("a dropped prefetch had failed: %s", self._error)
+
+
 class Loading:
     """The load methods of :class:`~taskpoint.Checkpoint`, which inherits them.
 
-    It holds nothing of its own: it works through the collaborators ``Checkpoint``'s
-    constructor makes (its loader and saves, the store, the attempt).
+    It holds no more than the restore :meth:`prefetch` started; otherwise it works
+    through the collaborators ``Checkpoint``'s constructor makes (its loader and saves,
+    the store, the attempt).
     """
 
     _store: Store
     _saves: Saves
     _loader: Loader
     _attempt: history.Attempt
+    _prefetched: _Prefetch | None = None
 
     def load_sync(
         self,
@@ -312,7 +372,9 @@ class Loading:
             committed. Without ``into`` each call restores afresh into a new folder.
 
         A checkpoint that fails its checksum or cannot be read back is skipped, with a
-        :class:`~taskpoint.TaskpointWarning` naming it, for the next newest.
+        :class:`~taskpoint.TaskpointWarning` naming it, for the next newest. After
+        :meth:`prefetch` with the same arguments, it returns what that restore found (or
+        raises what it raised) as soon as it is done.
 
         Uploads to this location still in flight from another process on this machine (the
         upload process of an attempt that died, which goes on to commit its save) are
@@ -335,18 +397,67 @@ class Loading:
                 absolute, or with ``.`` or ``..`` components); ``TASKPOINT_GRACE_PERIOD``
                 is set to something other than seconds.
         """
-        if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
-            raise ValueError(f"part must be a rank (an int of at least 0) or None; got {part!r}")
-        wanted = None if paths is None else check_paths(paths)
+        request = _check_request(into, part, paths)
+        pending, self._prefetched = self._prefetched, None
+        if pending is not None:
+            if pending.request == request:
+                began = time.monotonic()
+                found = pending.result()
+                return self._took(found, waited=time.monotonic() - began)
+            pending.drop()  # waits for it: the two must not write one folder at once
+        return self._took(self._find(request))
+
+    def prefetch(
+        self,
+        *,
+        into: str | os.PathLike[str] | None = None,
+        part: int | None = None,
+        paths: Collection[str] | None = None,
+    ) -> None:
+        """Start :meth:`load_sync`'s restore now, on a background thread, and return.
+
+        A restarted job can download its checkpoint while it imports its framework and
+        builds its model, instead of after: the next :meth:`load_sync` (or :meth:`load`)
+        with the same arguments returns what this restore found, once it is done, and
+        raises what it raised. A load with other arguments waits for it, drops what it
+        restored (a fresh folder is removed; a tree restored ``into`` a folder stays) and
+        loads as asked. A second ``prefetch`` with the same arguments, before a load took
+        the first, does nothing; with others it drops the first in the same way.
+
+        The restore is the one :meth:`load_sync` makes, waits for an earlier attempt's
+        uploads in flight included, and records nothing until a load takes it: a
+        prefetch that is never loaded leaves no resume in the run's history, and its folder
+        goes at interpreter exit. The thread never keeps the interpreter from exiting.
+
+        Raises:
+            ValueError: as :meth:`load_sync`, for the arguments; errors of the restore
+                itself are raised by the load that takes it.
+        """
+        request = _check_request(into, part, paths)
+        pending = self._prefetched
+        if pending is not None and pending.request == request:
+            return
+        self._prefetched = _Prefetch(request, self._find, after=pending)
+
+    def _find(self, request: _Request) -> tuple[Path, Manifest, float] | None:
+        """Wait for uploads in flight here, then restore the newest intact checkpoint."""
         # An earlier attempt's upload process may be about to commit a newer checkpoint.
         _inflight.wait(self._store.url, _inflight.wait_bound())
         self._saves.prepare()  # a job loads before it trains: its saves follow
-        found = self._loader.load(None if into is None else Path(os.fspath(into)), part, wanted)
+        return self._loader.load(*request)
+
+    def _took(
+        self, found: tuple[Path, Manifest, float] | None, waited: float | None = None
+    ) -> Path | None:
+        """Record the resume ``found`` (nothing when ``None``); return its path.
+
+        The run's history gets the seconds the restore kept training waiting: ``waited``
+        for one a prefetch ran ahead, when shorter than the restore itself."""
         if found is None:
             return None
         path, manifest, elapsed = found
-        self._saves.restored = (manifest.size, elapsed, manifest.stats)
-        self._attempt.resumed(manifest, elapsed)
+        self._saves.restored = (manifest.size, elapsed, manifest.stats)  # the link's speed
+        self._attempt.resumed(manifest, elapsed if waited is None else min(waited, elapsed))
         history.log_resume(self._attempt, manifest)
         return path
 

@@ -182,7 +182,8 @@ class AttemptRecord:
         error: the error that ended it, as text.
         resumed_from: the manifest key of the checkpoint it loaded.
         resumed_at: Unix time (seconds) the load finished.
-        restore_s: seconds the load took.
+        restore_s: seconds the load kept the attempt waiting (the restore, or what of it a
+            prefetch had not done when the load asked for it).
         restored_size: stored bytes of the checkpoint it loaded.
         step: the training step it had reached when it ended (the last one reported
             with :func:`taskpoint.report_step`).
