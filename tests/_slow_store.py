@@ -1,6 +1,7 @@
 """A store far away, for tests that need an upload in flight when they kill a process: the
 ``slow://`` file system (the local disk, each file written first waits ``$SLOW_S``
-seconds) registered in every Python process started with :func:`slow_env`'s environment.
+seconds) registered in every Python process started with :func:`slow_env`'s environment,
+and ``slowremote://``, the same seen as an object store (every write through fsspec).
 
 Set ``SLOW_S`` in a process before it starts its upload process, and that process's
 uploads are slow; or set it from the start with ``SLOW_FLAG``, and every process's writes
@@ -21,6 +22,7 @@ __all__ = ["slow_env"]
 SLOW_FS = textwrap.dedent(
     """
     import os, time
+    from fsspec.implementations.dirfs import DirFileSystem
     from fsspec.implementations.local import LocalFileSystem
 
     class SlowFileSystem(LocalFileSystem):
@@ -40,6 +42,35 @@ SLOW_FS = textwrap.dedent(
             _slow()
             return super().put_file(*args, **kwargs)
 
+    class SlowRemoteFileSystem(DirFileSystem):
+        \"\"\"The same slowness, with the local disk seen as an object store:
+        ``slowremote:///abs/path``. taskpoint writes to it as to S3 (whole objects through
+        ``pipe_file``), where on ``slow://`` it writes some files itself, unslowed.\"\"\"
+
+        protocol = ("slowremote",)
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(path="/", fs=LocalFileSystem(auto_mkdir=True))
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            if isinstance(path, list):
+                return [cls._strip_protocol(p) for p in path]
+            return path.split("://", 1)[-1].lstrip("/")
+
+        def pipe_file(self, *args, **kwargs):
+            _slow()
+            return super().pipe_file(*args, **kwargs)
+
+        def put_file(self, *args, **kwargs):
+            _slow()
+            return super().put_file(*args, **kwargs)
+
+        def _open(self, path, mode="rb", *args, **kwargs):
+            if "w" in mode:
+                _slow()
+            return super()._open(path, mode, *args, **kwargs)
+
     def _slow():
         seconds, flag = os.environ.get("SLOW_S"), os.environ.get("SLOW_FLAG")
         if not seconds or (flag and not os.path.exists(flag)):
@@ -56,6 +87,7 @@ SLOW_SITE = textwrap.dedent(
     """
     import fsspec
     fsspec.register_implementation("slow", "slowfs.SlowFileSystem", clobber=True)
+    fsspec.register_implementation("slowremote", "slowfs.SlowRemoteFileSystem", clobber=True)
     """
 )
 

@@ -45,7 +45,9 @@ def test_background_saves_upload_in_another_process_and_commit_in_order(
 ) -> None:
     if store_url.startswith("memory://"):
         pytest.skip("memory:// lives in one process: its background saves use a thread")
-    ckpt = Checkpoint(store_url, keep=3, background_upload="process")
+    # when_busy="wait": every save commits, in order (under "coalesce" the blocking third
+    # save would stop the second's upload: tests/test_save_goes_first.py)
+    ckpt = Checkpoint(store_url, keep=3, background_upload="process", when_busy="wait")
     stats: list[SaveStats] = []
     ckpt.on_commit(stats.append)
     pid = _upload_pid()

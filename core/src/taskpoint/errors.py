@@ -76,6 +76,11 @@ class CheckpointStoreError(CheckpointError):
         self.url = url
 
 
+class _SaveStopped(CheckpointError):
+    """A background save stopped before its commit, because a save that training waits
+    for replaced it (internal: counted as coalesced, never raised to the caller)."""
+
+
 class CheckpointSaveError(CheckpointError):
     """A save failed for a reason that is not the store's: a file of its source vanished
     or could not be read while it was saved, or taskpoint itself failed.

@@ -170,7 +170,11 @@ def test_when_busy_wait_makes_a_save_during_an_upload_wait_for_it(tmp_path: Path
     assert resume is not None and resume.epoch == 2
 
 
-def test_a_preemption_save_replaces_the_save_waiting_behind_the_upload(tmp_path: Path) -> None:
+def test_a_preemption_save_replaces_the_waiting_save_and_stops_the_upload(
+    tmp_path: Path,
+) -> None:
+    """It goes first: the save waiting behind the upload is dropped, and the upload in
+    flight (held here, so that it is certain to be in flight) stops uncommitted."""
     gate = Gate()
     checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", keep=5, progress=gate)
     commits: list[taskpoint.SaveStats] = []
@@ -190,9 +194,11 @@ def test_a_preemption_save_replaces_the_save_waiting_behind_the_upload(tmp_path:
     finally:
         preemption.reset()
         gate.open()
-    assert [(s.seq, s.coalesced) for s in commits] == [(0, 0), (1, 1)]
+    # Epoch 1's upload stopped, epoch 2 never reached the checkpoint: both coalesced.
+    assert [(s.seq, s.coalesced) for s in commits] == [(1, 2)]
+    assert [m.seq for m in checkpoint.committed()] == [1]
     newest = checkpoint.committed()[0]
-    assert newest.preemption and newest.stats is not None and newest.stats["coalesced"] == 1
+    assert newest.preemption and newest.stats is not None and newest.stats["coalesced"] == 2
     resume = TaskpointState(*_trained()).restore_sync(checkpoint)
     assert resume is not None and resume.epoch == 3
 

@@ -36,7 +36,12 @@ from taskpoint.checkpoint import _settle, _uploader
 from taskpoint.checkpoint._upload_thread import UploadThread, run_niced
 from taskpoint.checkpoint._uploader import DEFAULT_UPLOAD_NICE, UPLOAD_NICE_ENV, upload_nice
 from taskpoint.distributed import _parts
-from taskpoint.errors import CheckpointClosedError, CheckpointSaveError, _save_failures
+from taskpoint.errors import (
+    CheckpointClosedError,
+    CheckpointSaveError,
+    _save_failures,
+    _SaveStopped,
+)
 from taskpoint.format import _payload, _tree_save, archive, retention
 from taskpoint.format._catalog import Catalog
 from taskpoint.format._digest import Progress
@@ -189,11 +194,13 @@ class Saver:
         self._progress = progress
 
     def commit(
-        self, source: Source, attempt: int, seq: int
+        self, source: Source, attempt: int, seq: int, stop: threading.Event | None = None
     ) -> tuple[SaveStats, tuple[str, str]]:
         """Write ``source`` as save ``seq`` of ``attempt``, commit it, prune.
 
-        Called with the checkpoint's save lock held (or in the upload process).
+        Called with the checkpoint's save lock held (or in the upload process). A format-2
+        tree's upload ends early, uncommitted, once ``stop`` is set: between its pack
+        objects, so within about one pack's upload per worker (a payload ignores it).
 
         Returns:
             The save's stats and its ``(manifest key, checksum)``.
@@ -202,12 +209,13 @@ class Saver:
             CheckpointStoreError: the store failed; earlier checkpoints are untouched.
             CheckpointSaveError: anything else failed (a source file vanished or could
                 not be read, or an internal error); nothing was committed.
-            CheckpointError: any other of taskpoint's own, as raised.
+            CheckpointError: any other of taskpoint's own, as raised (``_SaveStopped``
+                after ``stop``).
         """
         what = f"saving {source.kind} checkpoint {seq} of attempt {attempt}"
         with _save_failures(self._store.url, what):
             if source.kind == "directory" and self._store_format == TREE_FORMAT:
-                committed = self._save_tree(source, attempt, seq)
+                committed = self._save_tree(source, attempt, seq, stop)
             else:
                 committed = self._save_payload(source, attempt, seq)
         self.prune()
@@ -219,7 +227,7 @@ class Saver:
             self._catalog.collect()
 
     def _save_tree(
-        self, source: Source, attempt: int, seq: int
+        self, source: Source, attempt: int, seq: int, stop: threading.Event | None = None
     ) -> tuple[SaveStats, tuple[str, str]]:
         """Commit a format-2 tree: content the run holds is referenced, the rest uploaded."""
         assert source.path is not None
@@ -230,7 +238,7 @@ class Saver:
             saved = _tree_save.save_tree(
                 self._store, source.path, known, codec=self._codec,
                 workers=self._store.transfer.concurrency, progress=self._progress,
-                seen=self._seen, pinned=source.pinned,
+                seen=self._seen, pinned=source.pinned, stop=stop,
             )
             stats = SaveStats(
                 url=self._store.url_of(key), attempt=attempt, seq=seq, kind=source.kind,
@@ -453,6 +461,10 @@ class Saves:
         """The checkpoint this process restored: its size, the seconds the restore took
         and its manifest's ``stats`` (what that save cost), for a first save's estimate."""
         self._lock = threading.Lock()  # held while a save commits
+        self._committing: tuple[int, threading.Event, _uploader.Worker | None, str] | None = None
+        """The background save committing now, as :meth:`_stop_committing` stops it: its
+        ticket, its stop event, and the upload process it commits in (``None``: this
+        process) with the key it commits under there."""
         self._state = threading.Lock()  # guards _closed
         self._closed = False
         self._released = False  # let go of the upload process since the last save began
@@ -526,26 +538,67 @@ class Saves:
 
     def run(self, source: Source, ticket: int) -> None:
         """Commit ``source`` now: in the upload process if it is a background save that
-        can go there, else in this thread; then tell the listeners."""
+        can go there, else in this thread; then tell the listeners.
+
+        A blocking save (training waits for it: a preemption save is one) first stops the
+        background save still uploading, under ``when_busy="coalesce"``: that one holds an
+        older state, and would make training wait for its upload too. It ends uncommitted,
+        counted as coalesced, and this save commits at once."""
         background = source.blocked_s is not None
-        if not background:
-            source = dataclasses.replace(source, coalesced=self._background.take_coalesced())
+        if not background and self.when_busy == "coalesce":
+            self._stop_committing(ticket)
         # Training waits for a blocking save and for a preemption save: neither is niced.
         nice = upload_nice() if background and not source.preemption else 0
         with self._lock:
+            if not background:
+                source = dataclasses.replace(source, coalesced=self._background.take_coalesced())
             attempt, seq = self._attempt.next_save(ticket)
             worker = self._worker() if background else None
-            if worker is not None:
-                request = _uploader.Request(
-                    self._destination, attempt, seq, source, frozenset(self._catalog.intact),
-                    nice=nice,
+            stop = threading.Event() if background else None
+            try:
+                if worker is not None and stop is not None:
+                    key = f"{os.getpid()}.{id(stop)}"
+                    self._committing = (ticket, stop, worker, key)
+                    request = _uploader.Request(
+                        self._destination, attempt, seq, source, frozenset(self._catalog.intact),
+                        nice=nice, stop_key=key,
+                    )
+                    self.process_uploads += 1
+                    stats, intact = worker.run(request)
+                    self._catalog.intact.add(intact)
+                else:  # a blocking save, or the upload process is not (yet) there
+                    self._committing = None if stop is None else (ticket, stop, None, "")
+                    stats, _ = run_niced(
+                        lambda: self.saver.commit(source, attempt, seq, stop), nice
+                    )
+            except _SaveStopped:
+                self._background.note_coalesced()
+                log.info(
+                    "%s: stopped the upload of save %d of attempt %d for a save training "
+                    "waits for", self._catalog.store.url, seq, attempt,
                 )
-                self.process_uploads += 1
-                stats, intact = worker.run(request)
-                self._catalog.intact.add(intact)
-            else:  # a blocking save, or the upload process is not (yet) there
-                stats, _ = run_niced(lambda: self.saver.commit(source, attempt, seq), nice)
+                return
+            finally:
+                self._committing = None
         self._notify(stats)
+
+    def make_way(self) -> None:
+        """Drop the background save waiting and stop the one committing (see
+        :func:`taskpoint.checkpoint.mirror.make_way`); never waits."""
+        self._background.drop_pending()
+        self._stop_committing(None)
+
+    def _stop_committing(self, ticket: int | None) -> None:
+        """Stop the background save committing now, if it was asked for before the save
+        numbered ``ticket`` (``None``: whenever it was; see :meth:`run`); never waits for
+        it to end."""
+        committing = self._committing
+        if committing is None or (ticket is not None and committing[0] >= ticket):
+            return
+        _, stop, worker, key = committing
+        stop.set()
+        if worker is not None:
+            worker.stop(key)
 
     def _run_queued(self, source: Source, ticket: int) -> None:
         """A background save on the upload thread: :meth:`run` it, counting the saves it

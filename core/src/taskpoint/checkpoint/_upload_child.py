@@ -17,6 +17,7 @@ around it.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from taskpoint import _scratch
 from taskpoint.checkpoint import _inflight, _uploader
@@ -50,11 +51,23 @@ def open_store(destination: _uploader.Destination) -> None:
         thread.join()
 
 
-def handle(message: _uploader.Request | _uploader.Destination) -> object:
-    """Answer one message of the parent's: commit a save (:func:`commit`), or open a
-    destination's store ahead of its saves (:func:`open_store`, answered with ``None``)."""
+_stops: dict[str, threading.Event] = {}
+"""The saves committing now that a :class:`~taskpoint.checkpoint._uploader.Stop` can
+stop, by their ``stop_key``. A stop for a save not (or no longer) committing does
+nothing: that save commits, or has, as a save not stopped does."""
+
+
+def handle(message: _uploader.Message) -> object:
+    """Answer one message of the parent's: commit a save (:func:`commit`), open a
+    destination's store ahead of its saves (:func:`open_store`), or stop a save (both
+    answered with ``None``)."""
     if isinstance(message, _uploader.Destination):
         open_store(message)
+        return None
+    if isinstance(message, _uploader.Stop):
+        stop = _stops.get(message.key)
+        if stop is not None:
+            stop.set()
         return None
     return commit(message)
 
@@ -76,6 +89,8 @@ def commit(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
     snapshot = request.source.snapshot
     if snapshot is not None:
         _scratch.adopt(snapshot)
+    key = request.stop_key
+    stop = None if key is None else _stops.setdefault(key, threading.Event())
     try:
         where = request.destination
         catalog = Catalog(Store(where.url, where.storage_options, where.retry))
@@ -85,8 +100,10 @@ def commit(request: _uploader.Request) -> tuple[SaveStats, tuple[str, str]]:
             keep=where.keep,
         )
         with _inflight.hold(catalog.store.url):
-            return saver.commit(request.source, request.attempt, request.seq)
+            return saver.commit(request.source, request.attempt, request.seq, stop)
     finally:
+        if key is not None:
+            _stops.pop(key, None)
         if snapshot is not None:
             _scratch.let_go(snapshot)
 

@@ -117,6 +117,7 @@ class UploadThread:
         self._cond = threading.Condition(threading.RLock())
         self._thread: threading.Thread | None = None
         self._running = False
+        self._handed = False  # the running job handed its save over (see hand_over)
         self._pending: _Job | None = None
         self._error: BaseException | None = None
         self._replaced = 0  # jobs coalesced since a job last started
@@ -227,6 +228,7 @@ class UploadThread:
                     return
                 self._pending = None
                 self._running = True
+                self._handed = False
                 self._replaced_before, self._replaced = self._replaced, 0
             try:
                 run_niced(functools.partial(entry.context.run, entry.job), entry.nice)
@@ -237,6 +239,7 @@ class UploadThread:
             finally:
                 with self._cond:
                     self._running = False
+                    self._handed = False
                     self._replaced_before = 0
                     self._cond.notify_all()
 
@@ -252,6 +255,25 @@ class UploadThread:
         with self._cond:
             return self._cond.wait_for(
                 lambda: not self._running and self._pending is None, timeout
+            )
+
+    def hand_over(self) -> None:
+        """Say, from the running job, that what is left of it only waits for a save it
+        has handed to a :class:`taskpoint.Checkpoint`, which orders its saves by when they
+        were asked for (a newer blocking save there stops that one's upload): a save that
+        goes first need not wait for the rest (:meth:`wait_handed`)."""
+        with self._cond:
+            if self._running:
+                self._handed = True
+                self._cond.notify_all()
+
+    def wait_handed(self, timeout: float | None = None) -> bool:
+        """Block until none is pending and no job runs, or the running one has called
+        :meth:`hand_over`, for at most ``timeout`` seconds (``None``: no limit); whether
+        so. A job's error stays kept."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._pending is None and (not self._running or self._handed), timeout
             )
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -66,7 +66,8 @@ from taskpoint.store.store import RetryPolicy
 
 __all__ = [
     "BOOTSTRAP", "CHILD_MODULE", "DEFAULT_UPLOAD_NICE", "STORE_ENV_PREFIXES", "UPLOAD_NICE_ENV",
-    "Destination", "Request", "Worker", "WorkerDied", "main", "shared", "upload_nice",
+    "Destination", "Message", "Request", "Stop", "Worker", "WorkerDied", "main", "shared",
+    "upload_nice",
 ]
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,19 @@ class Request:
     source: Any  # taskpoint.checkpoint._save.Source
     intact: frozenset[tuple[str, str]]  # (manifest key, checksum) the parent knows intact
     nice: int = 0  # how far below the parent's priority the child runs it
+    stop_key: str | None = None  # what a :class:`Stop` for this save names
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Tell the child to stop the save whose :attr:`Request.stop_key` is ``key`` before it
+    commits (a save training waits for replaced it); answered at once with ``None``."""
+
+    key: str
+
+
+Message = Request | Destination | Stop
+"""What the parent sends the child."""
 
 
 def _send(stream: IO[bytes], number: int, message: object) -> None:
@@ -416,7 +430,7 @@ class _Child:
             f"the background upload process died ({self._why}); the save did not commit"
         )
 
-    def run(self, request: Request | Destination) -> Any:
+    def run(self, request: Message) -> Any:
         """Send ``request`` to the ready child and wait for its answer (see :meth:`Worker.run`)."""
         reply = _Reply()
         with self._lock:
@@ -603,7 +617,7 @@ class Worker:
         child.started.wait(timeout)
         return self.ready
 
-    def run(self, request: Request | Destination) -> Any:
+    def run(self, request: Message) -> Any:
         """Have the child commit ``request`` (or open a :class:`Destination`'s store); what
         it returned, or raise what it raised.
 
@@ -623,6 +637,22 @@ class Worker:
             assert child is not None
             child.started.wait()
             return child.run(request)
+        finally:
+            with self._lock:
+                self._requests -= 1
+
+    def stop(self, key: str) -> None:
+        """Tell the running child to stop the save it commits under ``key`` (a
+        :class:`Stop`); waits only for its answer. Starts no child: where none runs, or it
+        has ended, the save went with it."""
+        with self._lock:
+            child = self._child
+            if child is None or child.ended.is_set() or not child.started.is_set():
+                return
+            self._requests += 1
+        try:
+            with contextlib.suppress(CheckpointError):
+                child.run(Stop(key))
         finally:
             with self._lock:
                 self._requests -= 1
@@ -685,7 +715,7 @@ os.register_at_fork(after_in_child=_after_fork)
 atexit.register(close_shared)
 
 
-def main(handle: Callable[[Request | Destination], Any]) -> int:
+def main(handle: Callable[[Message], Any]) -> int:
     """The child's loop: ``handle`` each request in a thread of its own, answer
     ``(ok, value)``; exit at end of input once every request is answered.
 
@@ -722,7 +752,7 @@ def main(handle: Callable[[Request | Destination], Any]) -> int:
 
 
 def _answer(
-    handle: Callable[[Request | Destination], Any], number: int, blob: bytes, replies: IO[bytes],
+    handle: Callable[[Message], Any], number: int, blob: bytes, replies: IO[bytes],
     lock: threading.Lock,
 ) -> None:
     """Commit one request in the child and send its answer; a parent gone is no error."""

@@ -113,9 +113,11 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
             replaces it (the newest wins). A replaced save is never uploaded; it is
             *coalesced*, and the next commit's :attr:`SaveStats.coalesced` counts it. Each
             waiting save holds the snapshot taken when it was asked for, so what commits is
-            the state at that call. A blocking save (a preemption save is one, in the
-            adapters) replaces the waiting one too and commits right after the upload in
-            flight. ``"wait"``: the call first waits for the saves in flight (and raises
+            the state at that call. A save training waits for goes first: a blocking save
+            (and, in the adapters, a preemption save) replaces the waiting one too and
+            stops the upload in flight, which ends uncommitted at its next pack object
+            (a format-2 tree's; a single file or bytes finishes its upload) and is counted
+            as coalesced; it then commits at once. ``"wait"``: the call first waits for the saves in flight (and raises
             what a failed one raised), so every save is uploaded, in order, and training
             waits while the store is slower than the saves.
 

@@ -140,6 +140,15 @@ def note_coalesced(checkpoint: object, count: int = 1) -> None:
         checkpoint._saves.note_coalesced(count)
 
 
+def make_way(checkpoint: object) -> None:
+    """Clear ``checkpoint``'s background saves out of the way of a save training is about
+    to wait for (a preemption save), which holds newer state: the one waiting is dropped
+    and the one uploading stops, uncommitted; the next commit counts both as coalesced.
+    Only under ``when_busy="coalesce"``; nothing for another checkpoint object."""
+    if isinstance(checkpoint, Checkpoint) and checkpoint.when_busy == "coalesce":
+        checkpoint._saves.make_way()
+
+
 @dataclass(frozen=True)
 class MirrorStats:
     """What one mirrored save cost.

@@ -34,7 +34,7 @@ from typing import Any
 
 import xxhash
 
-from taskpoint.errors import CheckpointSaveError
+from taskpoint.errors import CheckpointSaveError, _SaveStopped
 from taskpoint.format import archive
 from taskpoint.format._digest import Progress
 from taskpoint.format._statcache import (
@@ -166,8 +166,9 @@ class _Uploader:
     transfer of :class:`taskpoint.store.transfer.Transfer`'s defaults, plus the buffer being
     filled and, for an object store, each pack's joined copy)."""
 
-    def __init__(self, store: Store, workers: int) -> None:
+    def __init__(self, store: Store, workers: int, stop: threading.Event | None = None) -> None:
         self._store = store
+        self._stop = stop
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="taskpoint-put")
         self.limit = workers
         self._futures: set[Future[None]] = set()
@@ -176,11 +177,17 @@ class _Uploader:
         self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` in the pool (it calls :meth:`put`), once fewer than ``limit`` run."""
+        """Run ``job`` in the pool (it calls :meth:`put`), once fewer than ``limit`` run.
+
+        Raises:
+            _SaveStopped: the save was told to stop (its packs in flight finish first).
+        """
         while len(self._futures) >= self.limit:
             done, self._futures = wait(self._futures, return_when=FIRST_COMPLETED)
             for future in done:
                 future.result()
+        if self._stop is not None and self._stop.is_set():
+            raise _SaveStopped(f"a save to {self._store.url} was stopped: a newer one replaced it")
         self._futures.add(self._pool.submit(job))
 
     def put(self, name: str, parts: list[bytes | memoryview]) -> None:
@@ -320,6 +327,7 @@ def save_tree(
     progress: Progress | None = None,
     seen: StatCache | None = None,
     pinned: Mapping[str, ContentKey] | None = None,
+    stop: threading.Event | None = None,
 ) -> SavedTree:
     """Store the tree under ``root`` as content objects; the entries a manifest lists.
 
@@ -334,12 +342,15 @@ def save_tree(
     it still has that key, so a file rewritten in place through another of its names is
     never stored, whole or torn.
 
+    Once ``stop`` is set, no further pack object starts uploading and the save raises.
+
     Raises:
         CheckpointStoreError: an upload failed (objects already sent stay, unreferenced,
             until a collection).
         CheckpointSaveError: a ``pinned`` file changed after its snapshot was taken.
+        _SaveStopped: ``stop`` was set (objects already sent stay, as above).
     """
-    uploader = _Uploader(store, max(workers, MIN_WORKERS))
+    uploader = _Uploader(store, max(workers, MIN_WORKERS), stop)
     buffers = _Buffers()
     packer = _Packer(uploader, codec, buffers)  # small files
     chunks = _Packer(uploader, codec, buffers)  # the new chunks of one larger file at a time

@@ -24,7 +24,8 @@ decides for every rank, one collective).
 Deadlines are :class:`taskpoint.runtime.preemption_stop.PreemptionStop`'s. A background save
 (:attr:`BoundarySaves.uploads`) waiting behind the upload in flight is replaced by the
 preemption save (it goes first); the upload in flight is finished first (within the time
-left); a save that took longer last time than the time left (or, with none timed yet in
+left), unless it was handed to a :class:`taskpoint.Checkpoint`, where the preemption save
+stops it (see ``when_busy``); a save that took longer last time than the time left (or, with none timed yet in
 this process, whose estimate from the state's bytes and the link does:
 :func:`estimate_save_s`) is skipped, loudly, and the newest earlier checkpoint stays intact.
 A background preemption save waits for its commit at most until the grace period's end,
@@ -42,7 +43,7 @@ from typing import Literal
 
 from taskpoint import progress
 from taskpoint.checkpoint._upload_thread import UploadThread
-from taskpoint.checkpoint.mirror import note_coalesced
+from taskpoint.checkpoint.mirror import make_way, note_coalesced
 from taskpoint.distributed import broadcast_from_zero, is_distributed, rank_and_size
 from taskpoint.runtime.interval import IntervalChoice, SaveSchedule
 from taskpoint.runtime.step_boundary import StepBoundary, estimate_save_s
@@ -178,16 +179,22 @@ class BoundarySaves:
             self.boundary.stop(
                 step, saved=False, reason=decision.reason, checkpoint=checkpoint, leader=leader
             )
+        if leader:  # the preemption save goes first: older uploads there stop
+            make_way(checkpoint)
         return Turn(self, save=True, stop=(step, checkpoint))
 
     def _in_flight(self, checkpoint: object, timeout: float) -> bool:
         """The preemption save replaces a background save waiting behind the upload in
-        flight (it goes first); finish that upload within ``timeout`` seconds: whether it
-        is done (a failed one is logged: the preemption save may still land)."""
+        flight (it goes first); finish that upload within ``timeout`` seconds, or only
+        until it was handed to a :class:`taskpoint.Checkpoint` (:meth:`UploadThread.hand_over`),
+        whose newer blocking save stops it: whether so (a failed one is logged: the
+        preemption save may still land)."""
         if self.uploads.drop_pending():
             note_coalesced(checkpoint)
         try:
-            return self.uploads.wait(timeout)
+            done = self.uploads.wait_handed(timeout)
+            self.uploads.raise_error()
+            return done
         except Exception as exc:  # that save is lost; the preemption save may still land
             log.warning("the background save before the preemption failed: %s: %s",
                         type(exc).__name__, exc)

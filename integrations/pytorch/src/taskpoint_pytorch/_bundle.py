@@ -83,18 +83,22 @@ class BundleState:
         on the other ranks) and the file goes.
 
         Rank 0 first raises what a finished background save raised (its failure fails the
-        save on every rank); a blocking save, or any save when the checkpoint's
-        ``when_busy`` is ``"wait"``, first waits for the background save in flight.
+        save on every rank); any save when the checkpoint's ``when_busy`` is ``"wait"``
+        first waits for the background save in flight, and a blocking save otherwise until
+        that one has been handed to a :class:`taskpoint.Checkpoint`, whose newer blocking
+        save stops its upload (another checkpoint's: until it is done).
         """
         rank, world = rank_and_size()
         copy = not self._blocking if background is None else bool(background)
 
         def prepare() -> None:
             if rank == 0:
-                if copy and getattr(checkpoint, "when_busy", "coalesce") == "coalesce":
-                    self._uploads.raise_error()
-                else:
+                coalesce = getattr(checkpoint, "when_busy", "coalesce") == "coalesce"
+                if not coalesce:
                     self._uploads.wait()
+                elif not copy:  # a save handed to the checkpoint: this one stops it there
+                    self._uploads.wait_handed()
+                self._uploads.raise_error()
             check_checkpoint_like(checkpoint, "TaskpointState")
 
         extra_state, rng_states = agree_to_save(
@@ -144,6 +148,7 @@ class BundleState:
                     # Its upload process (or thread) sends it, off this process's GIL.
                     target = _upload_target(checkpoint, path)
                     checkpoint.save_sync(target, background=True, snapshot="link")
+                    self._uploads.hand_over()  # a newer blocking save stops it there
                 else:
                     checkpoint.save_sync(path)
             finally:  # the snapshot holds it now: a process killed during the upload
