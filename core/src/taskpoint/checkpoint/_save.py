@@ -469,6 +469,9 @@ class Saves:
         self._closed = False
         self._released = False  # let go of the upload process since the last save began
         self._tickets = itertools.count()
+        self._issued = 0  # tickets given so far
+        self._stop_before = 0  # background saves with a lower ticket stop (see make_way)
+        self._stopping = threading.Lock()  # guards _stop_before and _committing
         self._background = UploadThread("taskpoint-background-save", nice=False)  # run() nices
         self._idle = _Idle(self._background)
         self._listeners: list[Callable[[SaveStats], object]] = []
@@ -497,7 +500,7 @@ class Saves:
             if self.when_busy == "wait":
                 self._background.wait()  # the old way: training waits for the upload
         source = classify(data, called)
-        ticket = next(self._tickets)
+        ticket = self._next_ticket()
         if not background:
             self._background.supersede(ticket)
         else:  # while the snapshot is taken (a copy: outside the GIL); neither waits
@@ -552,13 +555,16 @@ class Saves:
         with self._lock:
             if not background:
                 source = dataclasses.replace(source, coalesced=self._background.take_coalesced())
-            attempt, seq = self._attempt.next_save(ticket)
-            worker = self._worker() if background else None
-            stop = threading.Event() if background else None
+            stop = self._committing_now(ticket) if background else None
             try:
+                if stop is not None and stop.is_set():
+                    raise _SaveStopped("stopped before it began")
+                attempt, seq = self._attempt.next_save(ticket)
+                worker = self._worker() if background else None
                 if worker is not None and stop is not None:
                     key = f"{os.getpid()}.{id(stop)}"
-                    self._committing = (ticket, stop, worker, key)
+                    if self._committing_now(ticket, stop, worker, key).is_set():
+                        raise _SaveStopped("stopped before it was sent")
                     request = _uploader.Request(
                         self._destination, attempt, seq, source, frozenset(self._catalog.intact),
                         nice=nice, stop_key=key,
@@ -567,37 +573,66 @@ class Saves:
                     stats, intact = worker.run(request)
                     self._catalog.intact.add(intact)
                 else:  # a blocking save, or the upload process is not (yet) there
-                    self._committing = None if stop is None else (ticket, stop, None, "")
                     stats, _ = run_niced(
                         lambda: self.saver.commit(source, attempt, seq, stop), nice
                     )
             except _SaveStopped:
-                self._background.note_coalesced()
-                log.info(
-                    "%s: stopped the upload of save %d of attempt %d for a save training "
-                    "waits for", self._catalog.store.url, seq, attempt,
-                )
+                self._stopped(ticket)
                 return
             finally:
-                self._committing = None
+                with self._stopping:
+                    self._committing = None
         self._notify(stats)
 
+    def _stopped(self, ticket: int) -> None:
+        """Count the background save ``ticket``, stopped, as coalesced."""
+        self._background.note_coalesced()
+        log.info(
+            "%s: stopped background save %d for a save training waits for",
+            self._catalog.store.url, ticket,
+        )
+
     def make_way(self) -> None:
-        """Drop the background save waiting and stop the one committing (see
+        """Drop the background save waiting and stop every one asked for so far (see
         :func:`taskpoint.checkpoint.mirror.make_way`); never waits."""
         self._background.drop_pending()
-        self._stop_committing(None)
+        self._stop_committing(self._issued)
 
-    def _stop_committing(self, ticket: int | None) -> None:
-        """Stop the background save committing now, if it was asked for before the save
-        numbered ``ticket`` (``None``: whenever it was; see :meth:`run`); never waits for
-        it to end."""
-        committing = self._committing
-        if committing is None or (ticket is not None and committing[0] >= ticket):
-            return
-        _, stop, worker, key = committing
-        stop.set()
-        if worker is not None:
+    def _next_ticket(self) -> int:
+        """A new save's ticket: its place in the order saves were asked for."""
+        ticket = next(self._tickets)
+        self._issued = ticket + 1
+        return ticket
+
+    def _committing_now(
+        self,
+        ticket: int,
+        stop: threading.Event | None = None,
+        worker: _uploader.Worker | None = None,
+        key: str = "",
+    ) -> threading.Event:
+        """Record the background save ``ticket`` as the one committing now, with its stop
+        event (a new one unless given), and the upload process and key it commits under
+        there once known; the event, set if a stop already came for it."""
+        stop = threading.Event() if stop is None else stop
+        with self._stopping:
+            if ticket < self._stop_before:
+                stop.set()
+            self._committing = (ticket, stop, worker, key)
+        return stop
+
+    def _stop_committing(self, ticket: int) -> None:
+        """Stop the background saves asked for before the save numbered ``ticket``: the
+        one committing now, and any that begins later (see :meth:`run`); never waits for
+        them to end."""
+        with self._stopping:
+            self._stop_before = max(self._stop_before, ticket)
+            committing = self._committing
+            if committing is None or committing[0] >= ticket:
+                return
+            _, stop, worker, key = committing
+            stop.set()
+        if worker is not None:  # else it is not sent yet, or commits in this process
             worker.stop(key)
 
     def _run_queued(self, source: Source, ticket: int) -> None:
@@ -678,7 +713,7 @@ class Saves:
             CheckpointClosedError: the saves were closed.
         """
         self.check_open()
-        ticket = next(self._tickets)
+        ticket = self._next_ticket()
         self._background.supersede(ticket)
         with self._lock:
             attempt, seq = self._attempt.next_save(ticket)

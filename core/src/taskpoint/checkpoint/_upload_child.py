@@ -52,9 +52,11 @@ def open_store(destination: _uploader.Destination) -> None:
 
 
 _stops: dict[str, threading.Event] = {}
-"""The saves committing now that a :class:`~taskpoint.checkpoint._uploader.Stop` can
-stop, by their ``stop_key``. A stop for a save not (or no longer) committing does
-nothing: that save commits, or has, as a save not stopped does."""
+"""The stop of each save committing now, by its ``stop_key``, and of each save a
+:class:`~taskpoint.checkpoint._uploader.Stop` named before the save's own thread began:
+the parent sends it right after the save, and this process answers each message on a
+thread of its own, in no set order. A save removes its entry when it ends; a stop that
+comes after that leaves one behind (a few hundred bytes, and the save is done)."""
 
 
 def handle(message: _uploader.Message) -> object:
@@ -65,9 +67,7 @@ def handle(message: _uploader.Message) -> object:
         open_store(message)
         return None
     if isinstance(message, _uploader.Stop):
-        stop = _stops.get(message.key)
-        if stop is not None:
-            stop.set()
+        _stops.setdefault(message.key, threading.Event()).set()
         return None
     return commit(message)
 
