@@ -175,12 +175,17 @@ def _time_failure_save(log: _Log) -> None:
 def prefetch(log: _Log) -> None:
     """Start the restore before the state is built, as a restarted job does."""
     t0 = time.time()
+    _checkpoint().prefetch()
+    log.write(ev="prefetch", t0=t0, t1=time.time())
+
+
+def _checkpoint() -> Any:
+    """The attempt's checkpoint, from the environment contract (imports taskpoint)."""
     import taskpoint
 
     context = taskpoint.ctx()
     assert context is not None and context.checkpoint is not None, "TASKPOINT_ACTION unset"
-    context.checkpoint.prefetch()
-    log.write(ev="prefetch", t0=t0, t1=time.time())
+    return context.checkpoint
 
 
 def run_taskpoint(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
@@ -188,12 +193,9 @@ def run_taskpoint(log: _Log, steps: _Steps, model: Model, opt: torch.optim.SGD,
     """The guide's loop under the environment contract, saving every ``every`` steps or,
     with ``every_s`` (seconds or ``"auto"``), by training time; returns the step reached."""
     t0 = time.time()  # the restore counts from loading the checkpoint library, as plain's
-    import taskpoint
     from taskpoint_pytorch import TaskpointState
 
-    context = taskpoint.ctx()
-    assert context is not None and context.checkpoint is not None, "TASKPOINT_ACTION unset"
-    ckpt = context.checkpoint
+    ckpt = _checkpoint()
     on_exception = os.environ.get("BENCH_SAVE_ON_EXCEPTION", "1") != "0"
     state = TaskpointState(model, opt, blocking=False, save_on_exception=on_exception)
     if on_exception:

@@ -117,9 +117,10 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
             (and, in the adapters, a preemption save) replaces the waiting one too and
             stops the upload in flight, which ends uncommitted at its next pack object
             (a format-2 tree's; a single file or bytes finishes its upload) and is counted
-            as coalesced; it then commits at once. ``"wait"``: the call first waits for the saves in flight (and raises
-            what a failed one raised), so every save is uploaded, in order, and training
-            waits while the store is slower than the saves.
+            as coalesced; it then commits at once. ``"wait"``: the call first waits for
+            the saves in flight (and raises what a failed one raised), so every save is
+            uploaded, in order, and training waits while the store is slower than the
+            saves.
 
     Background uploads run at the priority ``TASKPOINT_UPLOAD_NICE`` sets: a nice
     increment from 0 (the default: the training loop's priority, so a background save

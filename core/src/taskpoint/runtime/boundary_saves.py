@@ -25,8 +25,8 @@ Deadlines are :class:`taskpoint.runtime.preemption_stop.PreemptionStop`'s. A bac
 (:attr:`BoundarySaves.uploads`) waiting behind the upload in flight is replaced by the
 preemption save (it goes first); the upload in flight is finished first (within the time
 left), unless it was handed to a :class:`taskpoint.Checkpoint`, where the preemption save
-stops it (see ``when_busy``); a save that took longer last time than the time left (or, with none timed yet in
-this process, whose estimate from the state's bytes and the link does:
+stops it (see ``when_busy``); a save that took longer last time than the time left (or,
+with none timed yet in this process, whose estimate from the state's bytes and the link does:
 :func:`estimate_save_s`) is skipped, loudly, and the newest earlier checkpoint stays intact.
 A background preemption save waits for its commit at most until the grace period's end,
 less :data:`~taskpoint.runtime.preemption_stop.MARGIN_S`; a blocking save is the training
