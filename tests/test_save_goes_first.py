@@ -3,9 +3,10 @@
 A blocking save (the adapters' preemption save and save at an exception are ones) asked
 for while a background save still uploads holds the newer state; under
 ``when_busy="coalesce"`` the older upload stops between its pack objects, uncommitted and
-counted as coalesced, instead of making training wait for it too. Against a store far
-away (``slowremote://``: every object written takes ``SLOW_S`` seconds), in both places a
-background save uploads from."""
+counted as coalesced, instead of making training wait for it too. So does a newer
+background save waiting behind the upload when training waits for the saves: ``wait()``,
+and the interpreter's exit. Against a store far away (``slowremote://``: every object
+written takes ``SLOW_S`` seconds), in both places a background save uploads from."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ SCRIPT = textwrap.dedent(
     import taskpoint
     from taskpoint.checkpoint import _uploader
 
-    url, work, mode, when_busy = sys.argv[1:5]
+    url, work, mode, when_busy, how = sys.argv[1:6]
     tree = Path(work) / "tree"
     tree.mkdir()
     for i in range(12):  # 96 MiB of new content: 12 pack objects, two rounds of 8 workers
@@ -37,36 +39,52 @@ SCRIPT = textwrap.dedent(
     if mode == "process":
         ckpt.load_sync()  # a job loads first: the upload process starts
         assert _uploader.shared().wait_ready(120), "the upload process did not start"
-    commits = []
-    ckpt.on_commit(commits.append)
+    commits = Path(work) / "commits.jsonl"
+
+    def record(commit):  # read by the test after the exit, which commits too
+        with commits.open("a") as fh:
+            fh.write(json.dumps([commit.kind, commit.coalesced]) + "\\n")
+
+    ckpt.on_commit(record)
     Path(os.environ["SLOW_FLAG"]).touch()  # from here on every write is slow
     ckpt.save_sync(tree, background=True)
     mark = Path(os.environ["SLOW_MARK"])
     while not mark.exists():  # its first pack is being written
         time.sleep(0.01)
     began = time.monotonic()
-    ckpt.save_sync(b"the newer state")  # training waits for this one
-    blocked = time.monotonic() - began
-    ckpt.wait()
+    if how == "blocking":
+        ckpt.save_sync(b"the newer state")  # training waits for this one
+    else:  # a newer save waits behind the upload; training waits for both, or exits
+        ckpt.save_sync(b"the newer state", background=True)
+        if how == "wait":
+            ckpt.wait()
     print(json.dumps({
-        "blocked": blocked, "uploader": int(mark.read_text()), "pid": os.getpid(),
-        "commits": [[c.kind, c.coalesced] for c in commits],
-    }))
+        "blocked": time.monotonic() - began, "at": time.time(),
+        "uploader": int(mark.read_text()), "pid": os.getpid(),
+    }), flush=True)
+    if how == "blocking":
+        ckpt.wait()
     """
 )
 
 
-def _run(tmp_path: Path, mode: str, when_busy: str = "coalesce") -> dict[str, object]:
+def _run(
+    tmp_path: Path, mode: str, when_busy: str = "coalesce", how: str = "blocking"
+) -> dict[str, object]:
     work = tmp_path / "work"
     work.mkdir()
     env = slow_env(tmp_path, SLOW_S="2", SLOW_FLAG=str(tmp_path / "slow-now"))
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, f"slowremote://{tmp_path / 'store'}", str(work), mode,
-         when_busy],
+         when_busy, how],
         capture_output=True, text=True, env=env, timeout=600,
     )
+    exited = time.time()
     assert done.returncode == 0, done.stderr
     result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    result["exit_s"] = exited - float(result["at"])  # type: ignore[arg-type]
+    lines = (work / "commits.jsonl").read_text().splitlines()
+    result["commits"] = [json.loads(line) for line in lines]
     result["log"] = done.stderr
     return result
 
@@ -89,8 +107,33 @@ def test_a_blocking_save_stops_the_older_upload_and_commits_alone(
 
 
 @pytest.mark.slow
-def test_with_when_busy_wait_every_save_commits_in_order(tmp_path: Path) -> None:
-    result = _run(tmp_path, "process", when_busy="wait")
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_wait_stops_the_older_upload_for_the_newer_save_behind_it(
+    tmp_path: Path, mode: str
+) -> None:
+    result = _run(tmp_path, mode, how="wait")
+    assert result["commits"] == [["bytes", 1]], result
+    restored = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}").load_sync()
+    assert restored is not None and restored.read_bytes() == b"the newer state"
+    # As for a blocking save: the older upload's write in flight, then the newer save's two.
+    assert result["blocked"] < 7.5, result
+
+
+@pytest.mark.slow
+def test_an_exit_stops_the_older_upload_for_the_newer_save_behind_it(tmp_path: Path) -> None:
+    """The interpreter's exit waits for the saves in flight and queued: the newest first."""
+    result = _run(tmp_path, "process", how="exit")
+    assert result["blocked"] < 1, result  # the save itself did not wait
+    assert result["commits"] == [["bytes", 1]], result
+    restored = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}").load_sync()
+    assert restored is not None and restored.read_bytes() == b"the newer state"
+    assert result["exit_s"] < 7.5, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["blocking", "wait"])
+def test_with_when_busy_wait_every_save_commits_in_order(tmp_path: Path, how: str) -> None:
+    result = _run(tmp_path, "process", when_busy="wait", how=how)
     assert result["commits"] == [["directory", 0], ["bytes", 0]], result
 
 

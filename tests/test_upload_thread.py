@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from taskpoint import Checkpoint
+from taskpoint import Checkpoint, preemption
 from taskpoint.checkpoint._upload_thread import UploadThread
 from taskpoint.checkpoint.mirror import FolderMirror
 
@@ -96,3 +96,73 @@ def test_a_failed_job_is_kept_by_idle_and_raised_once_by_wait() -> None:
     with pytest.raises(RuntimeError, match="upload failed"):
         thread.wait(30)
     assert thread.wait(30) and thread.take_error() is None
+
+
+def _stoppable(thread: UploadThread) -> tuple[threading.Event, list[str]]:
+    """Start a job, stoppable by its ``stop`` function, that runs until the returned event
+    is set (as stopping it does); ``stops`` records the calls of its stop function."""
+    gate, started = threading.Event(), threading.Event()
+    stops: list[str] = []
+
+    def job() -> None:
+        started.set()
+        assert gate.wait(30)
+
+    def stop() -> None:
+        stops.append("stopped")
+        gate.set()
+
+    thread.start(job, stop=stop)
+    assert started.wait(30)
+    return gate, stops
+
+
+@pytest.mark.parametrize("preempted", [False, True], ids=["idle", "after-a-preemption-signal"])
+def test_a_wait_stops_the_running_job_for_a_pending_one_unless_preempted(
+    preempted: bool,
+) -> None:
+    """The newest goes first: a wait stops a running job that can be stopped when a newer
+    one waits behind it. Not after a preemption signal: the grace period may fit the rest
+    of the running upload and not a whole new one."""
+    thread = UploadThread("test-upload", nice=False)
+    gate, stops = _stoppable(thread)
+    ran: list[str] = []
+    thread.start(lambda: ran.append("newer"))
+    if preempted:
+        preemption.relay(300.0)
+        threading.Timer(0.5, gate.set).start()  # the running job ends on its own
+    try:
+        assert thread.wait(30)
+    finally:
+        preemption.reset()
+    assert stops == ([] if preempted else ["stopped"])
+    assert ran == ["newer"]
+
+
+def test_a_wait_stops_nothing_when_no_job_is_pending() -> None:
+    thread = UploadThread("test-upload", nice=False)
+    gate, stops = _stoppable(thread)
+    threading.Timer(0.5, gate.set).start()
+    assert thread.wait(30)
+    assert stops == []
+
+
+def test_a_wait_waits_for_a_running_job_to_hand_over_its_stop() -> None:
+    """A job that hands its save over to a checkpoint says then how to stop it; a wait
+    that comes first waits for that, then stops it for the job pending."""
+    thread = UploadThread("test-upload", nice=False)
+    started, handed, release = threading.Event(), threading.Event(), threading.Event()
+    stops: list[str] = []
+
+    def job() -> None:
+        started.set()
+        assert handed.wait(30)  # serialising, say
+        thread.hand_over(stop=lambda: (stops.append("stopped"), release.set()))
+        assert release.wait(30)  # the upload it handed over, until it commits or stops
+
+    thread.start(job)
+    assert started.wait(30)  # running, not pending (a newer start would replace it)
+    thread.start(lambda: None)
+    threading.Timer(0.5, handed.set).start()
+    assert thread.wait(30)
+    assert stops == ["stopped"]

@@ -12,7 +12,8 @@ are documented there. The names are grouped by the job they do:
   (one process), :class:`JobMirror` and :class:`Nodes` (every rank of a job),
   :class:`MirrorStats` and :func:`combined_metrics` (what the uploads cost), :func:`unshare`;
 - an adapter's own background uploads: :class:`UploadThread`,
-  :func:`track`, :func:`note_coalesced`, :func:`settle_uploads`, :func:`uploads_in_flight`;
+  :func:`track`, :func:`note_coalesced`, :func:`make_way`, :func:`settle_uploads`,
+  :func:`uploads_in_flight`;
 - what a checkpoint holds: :class:`Manifest` (:meth:`taskpoint.Checkpoint.committed`'s
   items), :func:`stores_by_content`;
 - the checkpoint an adapter is given: :func:`check_checkpoint_like`;
@@ -60,6 +61,7 @@ from taskpoint.checkpoint.mirror import (
     FolderMirror,
     MirrorStats,
     combined_metrics,
+    make_way,
     note_coalesced,
     unshare,
     uploads_in_flight,
@@ -136,6 +138,7 @@ __all__ = [
     "install",
     "is_distributed",
     "list_files",
+    "make_way",
     "module_tensors",
     "note_coalesced",
     "raise_first_failure",

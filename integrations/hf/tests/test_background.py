@@ -87,7 +87,7 @@ def _figures(result: kit.Result) -> list[dict[str, float]]:
 
 
 @pytest.mark.parametrize("when_busy", ["coalesce", "wait"])
-def test_a_save_during_an_upload_waits_behind_it_then_both_commit_in_order(
+def test_a_save_during_an_upload_waits_behind_it_and_the_end_commits_the_newest(
     tmp_path: Path, when_busy: str
 ) -> None:
     gate = Gate()
@@ -110,14 +110,22 @@ def test_a_save_during_an_upload_waits_behind_it_then_both_commit_in_order(
     # Steps 4 and 5 trained while checkpoint-3's upload was held at the gate.
     assert gate.held.is_set()
     assert at.seen == {"save_3": None, "step_4": 0, "step_5": 0}
-    # The save at step 6 waited behind that upload (or, with when_busy="wait", for it),
-    # then both committed, in order.
-    assert [(m.attempt, m.seq) for m in checkpoint.committed()] == [(0, 1), (0, 0)]
+    # The save at step 6 waited behind that upload (or, with when_busy="wait", for it).
+    # Training's end waits for both: with "wait" both commit, in order; with "coalesce"
+    # the newest goes first, and the upload still held stops, uncommitted.
+    committed = [
+        (m.attempt, m.seq, (m.stats or {}).get("coalesced")) for m in checkpoint.committed()
+    ]
+    if when_busy == "wait":
+        assert committed == [(0, 1, None), (0, 0, None)]
+    else:
+        assert committed == [(0, 1, 1)]
     restored = checkpoint.load_sync()
     assert restored is not None
     assert last_complete_checkpoint(restored) == restored / "checkpoint-6"
     figures = _figures(result)
-    assert sum(f["taskpoint/saves"] for f in figures) == 2
+    assert sum(f["taskpoint/saves"] for f in figures) == len(committed)
+    assert sum(f.get("taskpoint/coalesced", 0) for f in figures) == 2 - len(committed)
     if when_busy == "wait":
         assert max(f["taskpoint/blocked_s"] for f in figures) >= 2.0  # step 6 waited for 3
     else:
@@ -242,8 +250,16 @@ def test_another_checkpoint_type_uploads_from_the_adapters_thread(tmp_path: Path
         real(data)
 
     other.save_sync = recording  # type: ignore[method-assign]
+
+    def failed() -> None:  # the save at step 6 has failed before the one at step 9 starts
+        deadline = time.monotonic() + 60
+        while other.calls < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # from its raise to the thread keeping the error
+
     with pytest.raises(OSError, match="the other store is down"):
-        kit.run_classifier(None, tmp_path / "out", callbacks=[callback], max_steps=9)
+        kit.run_classifier(None, tmp_path / "out", callbacks=[At(step_8=failed), callback],
+                           max_steps=9)
     assert threads == ["taskpoint-mirror-upload"] * 2  # raised at the save at step 9
     restored = other.load_sync()
     assert restored is not None and last_complete_checkpoint(restored) == restored / "checkpoint-3"

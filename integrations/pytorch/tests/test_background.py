@@ -55,6 +55,14 @@ def _until_idle(state: TaskpointState) -> None:
         time.sleep(0.01)
 
 
+def _until_committed(commits: list[Any], count: int) -> None:
+    """Until ``count`` commits were seen, without a wait (which would stop an upload in
+    flight for the newer save behind it)."""
+    deadline = time.monotonic() + 60
+    while len(commits) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
@@ -139,12 +147,42 @@ def test_saves_during_an_upload_return_at_once_and_the_newest_commits_next(
         assert time.monotonic() - started < 5, epoch
     assert commits == []
     gate.open()
+    _until_committed(commits, 2)
     assert state.wait()
     # The upload in flight commits, then the newest save; 2 and 3 were replaced (coalesced).
     assert [(s.seq, s.coalesced) for s in commits] == [(0, 0), (1, 2)]
     assert [m.stats and m.stats.get("coalesced") for m in checkpoint.committed()] == [2, None]
     resume = TaskpointState(*_trained()).restore_sync(checkpoint)
     assert resume is not None and resume.epoch == 4
+
+
+def test_a_wait_stops_the_upload_in_flight_for_the_newer_save_behind_it(
+    tmp_path: Path,
+) -> None:
+    """Training waits for both saves (at its end, say): the older one, still uploading,
+    stops uncommitted, and the newer one uploads at once instead of after it."""
+    gate = Gate()
+    checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", keep=5, progress=gate)
+    commits: list[taskpoint.SaveStats] = []
+    checkpoint.on_commit(commits.append)
+    model, opt = _trained()
+    state = TaskpointState(model, opt, blocking=False)
+    gate.close()
+    state.save_sync(checkpoint, epoch=1)
+    assert gate.held.wait(timeout=30)  # its upload is in flight, held
+    _step(model, opt)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    state.save_sync(checkpoint, epoch=2)  # waits behind the upload
+    gate.open_in(1.0)  # the wait has stopped the held upload by then
+    assert state.wait()
+    assert [(s.seq, s.coalesced) for s in commits] == [(1, 1)]
+    fresh = nn.Linear(4, 3)
+    resume = TaskpointState(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1)).restore_sync(
+        checkpoint
+    )
+    assert resume is not None and resume.epoch == 2
+    for key, value in saved.items():
+        assert torch.equal(fresh.state_dict()[key], value), key
 
 
 def test_when_busy_wait_makes_a_save_during_an_upload_wait_for_it(tmp_path: Path) -> None:
@@ -327,6 +365,7 @@ def test_coalesced_background_saves_reuse_copies_without_mixing_them(tmp_path: P
     with torch.no_grad():
         model.weight.fill_(-1.0)  # training goes on while the uploads run
     gate.open()
+    _until_committed(committed, 2)
     assert state.wait()
     assert len(committed) == 2
     for weight, epoch in zip(committed, (1, 4), strict=True):
@@ -362,6 +401,7 @@ def test_a_copy_takes_the_last_copys_tensors_once_serialised_while_it_uploads(
             assert len(state._state._free) == 1  # type: ignore[union-attr]  # its tensors
     assert not state._state._free  # type: ignore[union-attr]  # save 2 copied into them
     gate.open()
+    _until_committed(committed, 2)
     assert state.wait()
     assert committed == [1.0, 2.0]
 

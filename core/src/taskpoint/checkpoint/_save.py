@@ -534,6 +534,7 @@ class Saves:
                 self._background.start(
                     lambda: self._run_queued(source, ticket),
                     on_drop=lambda: discard(source), ticket=ticket,
+                    stop=lambda: self._give_way(ticket),
                 )
                 return
         discard(source)
@@ -588,9 +589,16 @@ class Saves:
         """Count the background save ``ticket``, stopped, as coalesced."""
         self._background.note_coalesced()
         log.info(
-            "%s: stopped background save %d for a save training waits for",
+            "%s: stopped background save %d for a newer save training waits for",
             self._catalog.store.url, ticket,
         )
+
+    def _give_way(self, ticket: int) -> None:
+        """Stop the background save ``ticket`` for a newer one waiting behind it, which a
+        caller waits for (:meth:`UploadThread.idle`); under ``when_busy="coalesce"`` only:
+        ``"wait"`` commits every save."""
+        if self.when_busy == "coalesce":
+            self._stop_committing(ticket + 1)
 
     def make_way(self) -> None:
         """Drop the background save waiting and stop every one asked for so far (see

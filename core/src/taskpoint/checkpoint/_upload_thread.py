@@ -9,6 +9,15 @@ never run, its ``on_drop`` called, and counted), so what runs next is always the
 asked for. A checkpoint whose ``when_busy`` is ``"wait"`` waits for the thread before it
 starts a job instead, so nothing waits behind the running job to be replaced.
 
+Waiting for the thread lets the newest go first: when a job waits behind the running one,
+and the running one said how to stop it (``start(stop=...)``, or ``hand_over(stop=...)``
+once it handed its save to a checkpoint), :meth:`UploadThread.idle` and
+:meth:`UploadThread.wait` stop it before they wait. It holds older state than the job
+behind it, whose upload would otherwise start only once its own had finished; stopped, it
+ends uncommitted, and the job behind it runs at once. Not after a preemption signal: the
+grace period may leave room for the upload nearly done and not for a whole new one. The
+owners' stop functions do nothing where saves must all commit (``when_busy="wait"``).
+
 Jobs run below the caller's priority (:func:`run_niced`, by
 :func:`taskpoint.checkpoint._uploader.upload_nice`) unless a preemption signal had come when
 they were started: training waits for a preemption save.
@@ -22,6 +31,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +98,7 @@ class _Job:
     nice: int
     on_drop: Callable[[], object] | None
     ticket: int | None
+    stop: Callable[[], object] | None
 
 
 class UploadThread:
@@ -98,10 +109,11 @@ class UploadThread:
     :func:`upload_nice` below the caller's priority. A job's error is kept for the next
     :meth:`wait` or :meth:`raise_error` (or :meth:`take_error`).
 
-    Starting a job while one is pending replaces the pending one (the newest wins; the
-    running one is never interrupted): the replaced job never runs, its ``on_drop`` is
-    called, :attr:`coalesced` counts it, and so does :attr:`replaced` for the job that
-    runs next.
+    Starting a job while one is pending replaces the pending one (the newest wins): the
+    replaced job never runs, its ``on_drop`` is called, :attr:`coalesced` counts it, and so
+    does :attr:`replaced` for the job that runs next. The running job is stopped only by
+    its own stop function, which a wait calls when a job is pending (see the module
+    docstring).
 
     Args:
         name: the thread's name, also named in its log lines.
@@ -118,6 +130,7 @@ class UploadThread:
         self._thread: threading.Thread | None = None
         self._running = False
         self._handed = False  # the running job handed its save over (see hand_over)
+        self._stop: Callable[[], object] | None = None  # stops the running job, once
         self._pending: _Job | None = None
         self._error: BaseException | None = None
         self._replaced = 0  # jobs coalesced since a job last started
@@ -131,6 +144,7 @@ class UploadThread:
         *,
         on_drop: Callable[[], object] | None = None,
         ticket: int | None = None,
+        stop: Callable[[], object] | None = None,
     ) -> bool:
         """Run ``job`` once the job running (if any) has finished, replacing the job
         pending (if any); never waits.
@@ -139,6 +153,8 @@ class UploadThread:
             job: the work.
             on_drop: called if ``job`` is replaced or dropped before it starts.
             ticket: its place among the owner's saves, for :meth:`supersede`.
+            stop: once ``job`` runs, ends it early, uncommitted, without waiting (any
+                thread may call it); a wait calls it when a newer job is pending.
 
         Returns:
             Whether a pending job was replaced.
@@ -149,7 +165,7 @@ class UploadThread:
         """
         preemption.hold_default_exit()  # a SIGTERM nobody handles lets the job commit before ending us
         nice = 0 if not self._nice or preemption.requested() else upload_nice()
-        entry = _Job(job, contextvars.copy_context(), nice, on_drop, ticket)
+        entry = _Job(job, contextvars.copy_context(), nice, on_drop, ticket, stop)
         with self._cond:
             replaced = self._take_pending()
             self._pending = entry
@@ -229,6 +245,7 @@ class UploadThread:
                 self._pending = None
                 self._running = True
                 self._handed = False
+                self._stop = entry.stop
                 self._replaced_before, self._replaced = self._replaced, 0
             try:
                 run_niced(functools.partial(entry.context.run, entry.job), entry.nice)
@@ -240,6 +257,7 @@ class UploadThread:
                 with self._cond:
                     self._running = False
                     self._handed = False
+                    self._stop = None
                     self._replaced_before = 0
                     self._cond.notify_all()
 
@@ -251,20 +269,51 @@ class UploadThread:
 
     def idle(self, timeout: float | None = None) -> bool:
         """Block until no job runs or is pending, for at most ``timeout`` seconds (``None``:
-        no limit); whether none is. A job's error stays kept."""
+        no limit); whether none is. The newest goes first: a running job that can be
+        stopped, with a job pending behind it, is stopped (see the module docstring). A
+        job's error stays kept."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._newest_first(deadline)
         with self._cond:
             return self._cond.wait_for(
-                lambda: not self._running and self._pending is None, timeout
+                lambda: not self._running and self._pending is None, _left(deadline)
             )
 
-    def hand_over(self) -> None:
+    def _newest_first(self, deadline: float | None) -> None:
+        """Stop the running job if a job is pending behind it and it can be stopped; wait
+        (until ``deadline``) for a running job that is still handing its save over to
+        say how. Nothing after a preemption signal."""
+        if preemption.requested():
+            return
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._pending is None or not self._running or self._stop is not None
+                or (self._handed and self._stop is None),
+                _left(deadline),
+            )
+            stop = self._stop if self._running and self._pending is not None else None
+            if stop is not None:
+                self._stop = None
+        if stop is not None:
+            log.info("%s: stopping the upload running for the newer one waiting behind it",
+                     self._name)
+            stop()
+
+    def hand_over(self, stop: Callable[[], object] | None = None) -> None:
         """Say, from the running job, that what is left of it only waits for a save it
         has handed to a :class:`taskpoint.Checkpoint`, which orders its saves by when they
         were asked for (a newer blocking save there stops that one's upload): a save that
-        goes first need not wait for the rest (:meth:`wait_handed`)."""
+        goes first need not wait for the rest (:meth:`wait_handed`).
+
+        Args:
+            stop: stops that save, uncommitted, without waiting: a wait calls it when a
+                newer job is pending (see the module docstring).
+        """
         with self._cond:
             if self._running:
                 self._handed = True
+                if stop is not None:
+                    self._stop = stop
                 self._cond.notify_all()
 
     def wait_handed(self, timeout: float | None = None) -> bool:
@@ -305,3 +354,8 @@ class UploadThread:
         error = self.take_error()
         if error is not None:
             raise error
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 0; ``None`` for none."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

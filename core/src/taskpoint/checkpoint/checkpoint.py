@@ -117,7 +117,11 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
             (and, in the adapters, a preemption save) replaces the waiting one too and
             stops the upload in flight, which ends uncommitted at its next pack object
             (a format-2 tree's; a single file or bytes finishes its upload) and is counted
-            as coalesced; it then commits at once. ``"wait"``: the call first waits for
+            as coalesced; it then commits at once. So does a background save waiting
+            behind the upload when training waits for the saves (:meth:`wait`,
+            :meth:`close`, the interpreter's exit; not after a preemption signal): the
+            upload in flight stops, and the newer save uploads at once. ``"wait"``: the
+            call first waits for
             the saves in flight (and raises what a failed one raised), so every save is
             uploaded, in order, and training waits while the store is slower than the
             saves.
@@ -283,7 +287,9 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
     def close(self) -> None:
         """Wait for the background saves queued or in flight to commit, then take no more.
 
-        A save in flight is never abandoned. Afterwards every save (``save_sync``,
+        The newest committed is the newest asked for: as in :meth:`wait`, an upload in
+        flight with a newer save waiting behind it stops for that one (under
+        ``when_busy="coalesce"``); otherwise it commits. Afterwards every save (``save_sync``,
         ``save``, ``save_part_sync``, ``begin_parts``, ``upload_part``) raises
         :class:`~taskpoint.CheckpointClosedError`; loading and the other reads still work.
         A second call does nothing. Closing is optional: dropping a ``Checkpoint`` leaks
@@ -394,6 +400,11 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until background saves have committed.
+
+        Under ``when_busy="coalesce"`` the newest goes first: a save waiting behind the
+        upload in flight stops that upload, which ends uncommitted (counted as coalesced),
+        and uploads at once instead of after it. Under ``"wait"`` every save commits, in
+        order.
 
         Args:
             timeout: give up after this many seconds (``None``: no limit). A save given

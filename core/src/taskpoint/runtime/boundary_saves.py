@@ -77,6 +77,7 @@ class _TimedUploads(UploadThread):
         *,
         on_drop: Callable[[], object] | None = None,
         ticket: int | None = None,
+        stop: Callable[[], object] | None = None,
     ) -> bool:
         owner = self._owner
         called = owner.turn_started or time.monotonic()
@@ -89,7 +90,7 @@ class _TimedUploads(UploadThread):
             as_then()
             owner.last_save_s = queued + time.monotonic() - began
 
-        return super().start(run, on_drop=on_drop, ticket=ticket)
+        return super().start(run, on_drop=on_drop, ticket=ticket, stop=stop)
 
 
 class BoundarySaves:

@@ -33,6 +33,7 @@ from taskpoint.integration import (
     check_checkpoint_like,
     describe_error,
     gather_or_raise,
+    make_way,
     note_coalesced,
     rank_and_size,
     remove_scratch_folder,
@@ -148,7 +149,9 @@ class BundleState:
                     # Its upload process (or thread) sends it, off this process's GIL.
                     target = _upload_target(checkpoint, path)
                     checkpoint.save_sync(target, background=True, snapshot="link")
-                    self._uploads.hand_over()  # a newer blocking save stops it there
+                    # A newer blocking save stops it there; so does a wait, for a newer
+                    # save queued behind this one.
+                    self._uploads.hand_over(stop=lambda: make_way(checkpoint))
                 else:
                     checkpoint.save_sync(path)
             finally:  # the snapshot holds it now: a process killed during the upload

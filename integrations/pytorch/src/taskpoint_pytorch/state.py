@@ -275,7 +275,12 @@ class TaskpointState:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the background save in flight (if any) has committed.
 
-        Local to the calling process: under ``torch.distributed`` only rank 0 has uploads.
+        The newest goes first: when a save waits behind the one uploading, that upload
+        stops, uncommitted (counted as coalesced), and the newer save uploads at once,
+        under the checkpoint's ``when_busy="coalesce"``; under ``"wait"`` both commit, in
+        order. The interpreter's exit waits the same way, except after a preemption
+        signal. Local to the calling process: under ``torch.distributed`` only rank 0 has
+        uploads.
 
         Args:
             timeout: give up after this many seconds (``None``: no limit).
