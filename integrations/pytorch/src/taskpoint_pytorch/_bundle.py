@@ -6,7 +6,10 @@ Saving: every rank first agrees to save (its counters, ``extra`` and RNG state g
 and writes :data:`~taskpoint_pytorch._layout.STATE_FILE` to a private temporary folder,
 which the checkpoint commits; then rank 0 tells every rank how the commit went. A
 background save copies the bundle off the training tensors instead (:func:`cpu_copy`) and
-serialises and commits it in the state's upload thread.
+serialises and commits it in the state's upload thread. The file is written without the
+zip format's CRC-32 of each record (:func:`_write`): ``torch.load`` never checks it, the
+checkpoint's own checksums cover every byte, and computing it took most of the write
+(200 MB: 0.06 s without it, 0.18-0.63 s with it).
 
 Restoring: every rank first waits for uploads still in flight (rank 0's last commit must
 land before any rank looks), then loads the bundle with ``torch.load(weights_only=True)``
@@ -21,6 +24,7 @@ import contextlib
 import copy
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -327,16 +331,41 @@ def _serialise(bundle: dict[str, Any]) -> Path:
     the next process's sweep); removed here if writing fails. The folder saved is the
     ``bundle`` folder, which holds nothing else: the scratch folder's own ``.owner`` file
     stays out of the checkpoint."""
+    began = time.monotonic()
     folder = scratch_folder() / "bundle"
     try:
         folder.mkdir()
-        torch.save(bundle, folder / STATE_FILE)
+        _write(bundle, folder / STATE_FILE)
     except BaseException:
         remove_scratch_folder(folder.parent)
         raise
-    log.debug("serialised state bundle (epoch=%d, step=%d, %d bytes) in %s", bundle["epoch"],
-              bundle["step"], (folder / STATE_FILE).stat().st_size, threading.current_thread().name)
+    log.debug("serialised state bundle (epoch=%d, step=%d, %d bytes) in %.3f s in %s",
+              bundle["epoch"], bundle["step"], (folder / STATE_FILE).stat().st_size,
+              time.monotonic() - began, threading.current_thread().name)
     return folder / STATE_FILE
+
+
+_CRC_SWITCH = threading.Lock()
+"""Held while :func:`_write` has ``torch.save``'s process-wide CRC-32 switch off."""
+
+
+def _write(bundle: dict[str, Any], path: Path) -> None:
+    """``torch.save(bundle, path)`` without the CRC-32 of each zip record (where torch has
+    the switch, 2.6 and later). ``torch.load`` reads the file as always; a zip tool reports
+    the CRCs as wrong. The switch is process-wide: a ``torch.save`` that another thread
+    makes meanwhile writes no CRCs either, and loads as well."""
+    set_crc32 = getattr(torch.serialization, "set_crc32_options", None)
+    get_crc32 = getattr(torch.serialization, "get_crc32_options", None)
+    if set_crc32 is None or get_crc32 is None:
+        torch.save(bundle, path)
+        return
+    with _CRC_SWITCH:
+        before = get_crc32()
+        set_crc32(False)
+        try:
+            torch.save(bundle, path)
+        finally:
+            set_crc32(before)
 
 
 def _discard(path: Path) -> None:
