@@ -91,31 +91,21 @@ def _run(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["process", "thread"])
-def test_a_blocking_save_stops_the_older_upload_and_commits_alone(
-    tmp_path: Path, mode: str
+@pytest.mark.parametrize("how", ["blocking", "wait"])
+def test_a_save_training_waits_for_stops_the_older_upload_and_commits_alone(
+    tmp_path: Path, mode: str, how: str
 ) -> None:
-    result = _run(tmp_path, mode)
+    """``blocking``: a blocking save; ``wait``: a background save waiting behind the
+    upload, then ``wait()``."""
+    result = _run(tmp_path, mode, how=how)
     assert (result["uploader"] != result["pid"]) == (mode == "process"), result
-    # Only the blocking save committed, and it counts the stopped one as coalesced.
+    # Only the newer save committed, and it counts the stopped one as coalesced.
     assert result["commits"] == [["bytes", 1]], result
     restored = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}").load_sync()
     assert restored is not None and restored.read_bytes() == b"the newer state"
     # Training waited for the older upload's write in flight to end (2 s at most), then for
-    # its own two writes (payload and manifest, 2 s each); the older upload's writes left
-    # (its second round of packs and its manifest: 4 s at least) never ran.
-    assert result["blocked"] < 7.5, result
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["process", "thread"])
-def test_a_wait_stops_the_older_upload_for_the_newer_save_behind_it(
-    tmp_path: Path, mode: str
-) -> None:
-    result = _run(tmp_path, mode, how="wait")
-    assert result["commits"] == [["bytes", 1]], result
-    restored = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}").load_sync()
-    assert restored is not None and restored.read_bytes() == b"the newer state"
-    # As for a blocking save: the older upload's write in flight, then the newer save's two.
+    # the newer save's two writes (payload and manifest, 2 s each); the older upload's
+    # writes left (its second round of packs and its manifest: 4 s at least) never ran.
     assert result["blocked"] < 7.5, result
 
 

@@ -55,6 +55,26 @@ def _until_idle(state: TaskpointState) -> None:
         time.sleep(0.01)
 
 
+def _held_upload(tmp_path: Path, gate: Gate, **options: Any) -> tuple[
+    taskpoint.Checkpoint, list[taskpoint.SaveStats], nn.Module, torch.optim.Optimizer,
+    TaskpointState,
+]:
+    """A background state whose first save (epoch 1) uploads, held at the closed ``gate``:
+    its checkpoint (with ``options``), the commits it reports, the model, its optimizer and
+    the state."""
+    checkpoint = taskpoint.Checkpoint(
+        f"file://{tmp_path / 'store'}", keep=5, progress=gate, **options
+    )
+    commits: list[taskpoint.SaveStats] = []
+    checkpoint.on_commit(commits.append)
+    model, opt = _trained()
+    state = TaskpointState(model, opt, blocking=False)
+    gate.close()
+    state.save_sync(checkpoint, epoch=1)
+    assert gate.held.wait(timeout=30)  # its upload is in flight, held
+    return checkpoint, commits, model, opt, state
+
+
 def _until_committed(commits: list[Any], count: int) -> None:
     """Until ``count`` commits were seen, without a wait (which would stop an upload in
     flight for the newer save behind it)."""
@@ -132,14 +152,7 @@ def test_saves_during_an_upload_return_at_once_and_the_newest_commits_next(
     tmp_path: Path,
 ) -> None:
     gate = Gate()
-    checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", keep=5, progress=gate)
-    commits: list[taskpoint.SaveStats] = []
-    checkpoint.on_commit(commits.append)
-    model, opt = _trained()
-    state = TaskpointState(model, opt, blocking=False)
-    gate.close()
-    state.save_sync(checkpoint, epoch=1)
-    assert gate.held.wait(timeout=30)  # its upload is in flight, held
+    checkpoint, commits, _, _, state = _held_upload(tmp_path, gate)
     gate.open_in(10.0)  # a save that waited for the upload would take this long
     for epoch in (2, 3, 4):
         started = time.monotonic()
@@ -162,14 +175,7 @@ def test_a_wait_stops_the_upload_in_flight_for_the_newer_save_behind_it(
     """Training waits for both saves (at its end, say): the older one, still uploading,
     stops uncommitted, and the newer one uploads at once instead of after it."""
     gate = Gate()
-    checkpoint = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", keep=5, progress=gate)
-    commits: list[taskpoint.SaveStats] = []
-    checkpoint.on_commit(commits.append)
-    model, opt = _trained()
-    state = TaskpointState(model, opt, blocking=False)
-    gate.close()
-    state.save_sync(checkpoint, epoch=1)
-    assert gate.held.wait(timeout=30)  # its upload is in flight, held
+    checkpoint, commits, model, opt, state = _held_upload(tmp_path, gate)
     _step(model, opt)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     state.save_sync(checkpoint, epoch=2)  # waits behind the upload
@@ -187,16 +193,7 @@ def test_a_wait_stops_the_upload_in_flight_for_the_newer_save_behind_it(
 
 def test_when_busy_wait_makes_a_save_during_an_upload_wait_for_it(tmp_path: Path) -> None:
     gate = Gate()
-    checkpoint = taskpoint.Checkpoint(
-        f"file://{tmp_path / 'store'}", keep=5, progress=gate, when_busy="wait"
-    )
-    commits: list[taskpoint.SaveStats] = []
-    checkpoint.on_commit(commits.append)
-    model, opt = _trained()
-    state = TaskpointState(model, opt, blocking=False)
-    gate.close()
-    state.save_sync(checkpoint, epoch=1)
-    assert gate.held.wait(timeout=30)
+    checkpoint, commits, _, _, state = _held_upload(tmp_path, gate, when_busy="wait")
     gate.open_in(1.0)
     started = time.monotonic()
     state.save_sync(checkpoint, epoch=2)  # waits for the first upload, then starts its own
