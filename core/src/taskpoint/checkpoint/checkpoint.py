@@ -121,10 +121,9 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
             behind the upload when training waits for the saves (:meth:`wait`,
             :meth:`close`, the interpreter's exit; not after a preemption signal): the
             upload in flight stops, and the newer save uploads at once. ``"wait"``: the
-            call first waits for
-            the saves in flight (and raises what a failed one raised), so every save is
-            uploaded, in order, and training waits while the store is slower than the
-            saves.
+            call first waits for the saves in flight (and raises what a failed one
+            raised), so every save is uploaded, in order, and training waits while the
+            store is slower than the saves.
 
     Background uploads run at the priority ``TASKPOINT_UPLOAD_NICE`` sets: a nice
     increment from 0 (the default: the training loop's priority, so a background save
@@ -289,8 +288,8 @@ class Checkpoint(Loading, MultiWriter, Records, Stored):
 
         The newest committed is the newest asked for: as in :meth:`wait`, an upload in
         flight with a newer save waiting behind it stops for that one (under
-        ``when_busy="coalesce"``); otherwise it commits. Afterwards every save (``save_sync``,
-        ``save``, ``save_part_sync``, ``begin_parts``, ``upload_part``) raises
+        ``when_busy="coalesce"``); otherwise it commits. Afterwards every save
+        (``save_sync``, ``save``, ``save_part_sync``, ``begin_parts``, ``upload_part``) raises
         :class:`~taskpoint.CheckpointClosedError`; loading and the other reads still work.
         A second call does nothing. Closing is optional: dropping a ``Checkpoint`` leaks
         nothing (see the class docstring).
