@@ -286,9 +286,9 @@ class UploadThread:
         if preemption.requested():
             return
         with self._cond:
-            self._cond.wait_for(
-                lambda: self._pending is None or not self._running or self._stop is not None
-                or (self._handed and self._stop is None),
+            self._cond.wait_for(  # until nothing to stop, or the running job said how (or won't)
+                lambda: self._pending is None or not self._running or self._handed
+                or self._stop is not None,
                 _left(deadline),
             )
             stop = self._stop if self._running and self._pending is not None else None
