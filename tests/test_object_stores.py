@@ -9,8 +9,13 @@ others, through the ``store_url`` fixture.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import hashlib
+import io
 import os
 import threading
+import zlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -346,13 +351,19 @@ def test_an_upload_signs_its_payload_hash_without_reading_the_body_twice(
 ) -> None:
     """Over http botocore signs every body's SHA-256. taskpoint computes it on the worker
     thread that computes the part's CRC32, not the event loop: the body is read once, to be
-    sent, where botocore read it a second time on the loop to hash it. SeaweedFS checks
-    the hash against the bytes, so a wrong one fails the save."""
+    sent, where botocore read it a second time on the loop to hash it; and it is read on
+    the loop, chunk by chunk, not through aiohttp's thread pool. SeaweedFS checks the hash
+    against the bytes, so a wrong one fails the save."""
     monkeypatch.setenv("TASKPOINT_PART_SIZE", str(5 * MiB))
     taken = [0]  # bytes read from request bodies
+    off_loop = [0]  # reads made where no event loop runs: aiohttp's thread pool
     real_read, real_readinto = transfer._Body.read, transfer._Body.readinto
 
     def counted_read(self: Any, size: int | None = -1) -> bytes:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            off_loop[0] += 1
         out = real_read(self, size)
         taken[0] += len(out)
         return out
@@ -373,6 +384,7 @@ def test_an_upload_signs_its_payload_hash_without_reading_the_body_twice(
         assert len(headers["x-amz-content-sha256"]) == 64, headers  # hex: the payload signed
     sent = sum(int(h["content-length"]) for h in puts)  # the records' PUTs among them
     assert len(data) <= taken[0] <= sent, "a body read again to hash it on the event loop"
+    assert off_loop[0] == 0, "bodies read through aiohttp's thread pool, a round trip per chunk"
     assert read(direct(proxy.server, url).load_sync()) == data
 
     if kind == "seaweedfs":  # it checks the signed hash against the body
@@ -387,6 +399,52 @@ def test_an_upload_signs_its_payload_hash_without_reading_the_body_twice(
             Checkpoint(url, storage_options=proxy.storage_options(), retry=FAST).save_sync(
                 b"signed with a hash of other bytes"
             )
+
+
+def test_the_digests_are_s3s_crc32_and_sigv4s_sha256_of_the_bytes() -> None:
+    data = os.urandom(3 * MiB + 7)
+    view = memoryview(bytearray(data))[5:]
+    for body in (data, view):
+        crc, sha = _s3sign.digests(body, crc32=True, sha256=True)
+        assert crc == base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+        assert sha == hashlib.sha256(body).hexdigest()
+    assert _s3sign.digests(data, crc32=False, sha256=False) == (None, None)
+
+
+class _Ticks:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def tick(self) -> None:
+        self.count += 1
+
+
+def test_a_request_body_reads_its_bytes_in_place_and_behaves_as_a_stream() -> None:
+    """aiohttp sends a ``BytesIO`` from its loop; the body is one over ``data`` itself.
+    Each read ticks the progress and copies out only what it returns; seeks and views
+    behave as a ``BytesIO``'s, and releasing a view taken of it leaves the body whole."""
+    buffer = bytearray(b"0123456789")
+    ticks = _Ticks()
+    body = transfer._Body(memoryview(buffer)[2:], ticks)  # type: ignore[arg-type]
+    assert isinstance(body, io.BytesIO)
+    with body.getbuffer() as view:  # aiohttp sizes a BytesIO so, and releases the view
+        assert len(view) == 8
+    assert body.read(3) == b"234" and body.tell() == 3
+    buffer[5] = ord("x")  # read in place: no copy was taken at the start
+    assert body.read() == b"x6789" and body.read() == b""
+    assert ticks.count == 3
+    assert body.seek(-2, io.SEEK_END) == 6 and body.read(10) == b"89"
+    assert body.seek(1) == 1 and body.seek(2, io.SEEK_CUR) == 3
+    out = bytearray(4)
+    assert body.readinto(out) == 4 and out == b"x678"
+    assert body.getvalue() == b"234x6789"
+    with pytest.raises(ValueError, match="negative seek"):
+        body.seek(-1)
+    with pytest.raises(ValueError, match="whence"):
+        body.seek(0, 3)
+    with pytest.raises(io.UnsupportedOperation, match="read-only"):
+        body.write(b"no")
+    assert bytes(buffer[2:]) == b"234x6789"
 
 
 def orphans(server: _servers.ObjectServer, url: str) -> list[str]:

@@ -299,6 +299,10 @@ class _Packer:
                 name = digest.hexdigest()
                 for pending, _, _ in members:
                     pending.object = name
+                if all(pending.codec == "none" for pending, _, _ in members):
+                    # Stored as they lie, one after another from the buffer's start: the
+                    # object is that stretch of the buffer, sent without joining a copy.
+                    parts = [view[:offset]]
                 uploader.put(name, parts)
             finally:
                 buffers.give(buffer)

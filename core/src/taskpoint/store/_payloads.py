@@ -36,14 +36,14 @@ def upload_spool(at: Location, spool: _transfer.Spool, name: str) -> None:
         put(at, spool.path, name)
 
 
-def write_bytes(at: Location, name: str, data: bytes) -> None:
+def write_bytes(at: Location, name: str, data: bytes | memoryview) -> None:
     """Write ``data`` to ``name`` in one PUT (``pipe_file``), watched for stalls on an
     asynchronous filesystem."""
     path = at.path(name)
     if at.is_async:
         at.watched(lambda progress: _transfer.put_bytes(at.fs, at.protocols, path, data, progress))
     else:
-        at.fs.pipe_file(path, data)
+        at.fs.pipe_file(path, bytes(data))
 
 
 def put(at: Location, local: str, name: str) -> None:

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import zlib
 from typing import Any
 
 import botocore.auth  # type: ignore[import-untyped]
+from isal import isal_zlib
 
 try:
     from botocore.handlers import set_operation_specific_signer  # type: ignore[import-untyped]
@@ -103,9 +103,15 @@ def payload_signed(client: Any, checksummed: bool) -> bool:
     return not endpoint.startswith("https") or not checksummed
 
 
-def digests(data: bytes, *, crc32: bool, sha256: bool) -> tuple[str | None, str | None]:
+def digests(
+    data: bytes | memoryview, *, crc32: bool, sha256: bool
+) -> tuple[str | None, str | None]:
     """``data``'s CRC32 as S3's ``x-amz-checksum-crc32`` carries it (base64, big-endian)
     and its SHA-256 as SigV4 signs it (hex), each only if asked for. Both release the GIL:
-    run on a worker thread, the parts of an upload hash in parallel."""
-    crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode() if crc32 else None
+    run on a worker thread, the parts of an upload hash in parallel. The CRC32 is ISA-L's,
+    the same function as zlib's at about five times its speed (0.02 s for 200 MB against
+    0.09 s on the benchmarks' 2-core VM)."""
+    crc = (
+        base64.b64encode(isal_zlib.crc32(data).to_bytes(4, "big")).decode() if crc32 else None
+    )
     return crc, hashlib.sha256(data).hexdigest() if sha256 else None

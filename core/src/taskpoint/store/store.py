@@ -219,13 +219,14 @@ class Store:
 
     def write_parts(self, name: str, parts: Sequence[bytes | memoryview]) -> None:
         """:meth:`write_atomic` of the concatenation of ``parts``, which on a local disk
-        are written one after another rather than joined first."""
+        are written one after another rather than joined first; one part is sent as it
+        lies (a ``memoryview`` stays a view on S3), several are joined."""
 
         def run() -> None:
             self._at.makedirs(name)
             path = self._at.path(name)
             if not self.is_local:
-                whole = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+                whole = parts[0] if len(parts) == 1 else b"".join(parts)
                 _payloads.write_bytes(self._at, name, whole)
                 return
             _local_files.replace(path, parts)
