@@ -15,9 +15,9 @@ import hashlib
 import io
 import os
 import threading
-import zlib
 import time
 import uuid
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
