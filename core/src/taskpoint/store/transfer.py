@@ -464,12 +464,13 @@ class _Body(io.BytesIO):
     stays a view); each read returns a copy of the bytes it asks for, so nothing the
     client keeps after the request refers to ``data``. Read-only: writing raises.
 
-    It is a ``BytesIO`` (over none of ``BytesIO``'s own storage: every read, seek and view
-    is answered from ``data``) because aiohttp sends a ``BytesIO`` from its event loop,
-    while it reads any other stream through its thread pool, one round trip per 256 KiB:
-    32 per 8 MiB part. Measured on the benchmarks' 2-core VM (SeaweedFS on loopback), a
-    200 MB tree save took 0.69 s of CPU this way against 0.85 s through the pool; boto3's
-    ``upload_file`` of the same bytes, 0.42 s.
+    It is a ``BytesIO`` (over none of ``BytesIO``'s own storage: what an HTTP client calls,
+    ``read``, ``readinto``, ``seek``, ``tell``, ``getbuffer`` and ``getvalue``, answers from
+    ``data``; line reading is not supported) because aiohttp sends a ``BytesIO`` from its
+    event loop, while it reads any other stream through its thread pool, one round trip
+    per 256 KiB: 32 per 8 MiB part. Measured on the benchmarks' 2-core VM (SeaweedFS on
+    loopback), a 200 MB tree save took 0.69 s of CPU this way against 0.85 s through the
+    pool; boto3's ``upload_file`` of the same bytes, 0.42 s.
     """
 
     def __init__(
