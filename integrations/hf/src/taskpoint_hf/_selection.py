@@ -152,7 +152,7 @@ def _rng_files(inside: list[str], world_size: int) -> dict[str, int] | None:
 def _read_metadata(checkpoint: Checkpoint, folders: list[str]) -> dict[str, Any]:
     """Each DCP folder's parsed ``.metadata``; a folder whose file cannot be read is
     left out (its shards are all kept)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     scratch = scratch_folder()  # a kill mid-read leaves it to the next process's sweep
     try:
