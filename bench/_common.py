@@ -31,6 +31,30 @@ import numpy as np
 SHARDS = 8
 
 
+def process_stat(pid: int) -> tuple[int, float]:
+    """Process ``pid``'s parent's id and the CPU seconds (user + system, every thread) it
+    has used so far, from ``/proc/<pid>/stat``.
+
+    Raises:
+        OSError: the process is gone (or ``/proc`` is not there).
+    """
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def boto3_client(options: dict[str, Any]) -> Any:
+    """A boto3 S3 client for a bench server's ``options`` (``Weed.options``, ``Moto.options``):
+    the same endpoint and identity taskpoint's side uses."""
+    import boto3
+
+    return boto3.client(
+        "s3", endpoint_url=options["client_kwargs"]["endpoint_url"],
+        aws_access_key_id=options["key"], aws_secret_access_key=options["secret"],
+        region_name="us-east-1",
+    )
+
+
 def rss_mb() -> float:
     with open("/proc/self/status") as fh:
         for line in fh:

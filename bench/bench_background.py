@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import s3_server
+from _common import boto3_client, s3_server
 
 MODES = ("plain", "blocking", "background", "linked")
 TRAINED_S = 3.0
@@ -59,13 +59,7 @@ def _child(
     state = {"weights": torch.rand(size_mb * 2**20 // 4, generator=torch.Generator().manual_seed(1))}
     path = work / "state.pt"
     if mode == "plain":
-        import boto3
-
-        client = boto3.client(
-            "s3", endpoint_url=options["client_kwargs"]["endpoint_url"],
-            aws_access_key_id=options["key"], aws_secret_access_key=options["secret"],
-            region_name="us-east-1",
-        )
+        client = boto3_client(options)
         start = time.perf_counter()
         torch.save(state, path)
         client.upload_file(str(path), "bench", f"{url.split('/', 3)[3]}/latest.pt")

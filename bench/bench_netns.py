@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))
 import _netns
 import taskpoint
-from _common import Weed, make_data, note, report
+from _common import Weed, make_data, note, process_stat, report
 
 NODE = Path(__file__).with_name("_netns_node.py")
 HANG_S = 900.0
@@ -86,17 +86,14 @@ def _cpu_jiffies() -> tuple[int, int]:
 def _tree_cpu(roots: list[int]) -> dict[int, float]:
     """CPU seconds (user + system, every thread) so far of each process descending from
     ``roots`` (the roots included), by process id."""
-    tick = os.sysconf("SC_CLK_TCK")
     stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, seconds)
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
+            stats[int(entry.name)] = process_stat(int(entry.name))
         except OSError:
             continue
-        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
     ours = set(roots)
     grew = True
     while grew:

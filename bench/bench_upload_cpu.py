@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import Weed, note, report
+from _common import Weed, boto3_client, note, process_stat, report
 
 
 def _cpu_s() -> float:
@@ -40,17 +40,11 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used, from ``/proc``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _measure(run: Callable[[], object], server: int) -> tuple[float, float, float]:
-    cpu, served, start = _cpu_s(), _process_cpu_s(server), time.perf_counter()
+    cpu, served, start = _cpu_s(), process_stat(server)[1], time.perf_counter()
     run()
     wall = time.perf_counter() - start
-    return wall, _cpu_s() - cpu, _process_cpu_s(server) - served
+    return wall, _cpu_s() - cpu, process_stat(server)[1] - served
 
 
 def main() -> None:
@@ -61,17 +55,12 @@ def main() -> None:
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
           f"({os.cpu_count()} cores)", flush=True)
 
-    import boto3
     import taskpoint
 
     weed = Weed(volumes=0)
     try:
         options = weed.options
-        client = boto3.client(
-            "s3", endpoint_url=options["client_kwargs"]["endpoint_url"],
-            aws_access_key_id=options["key"], aws_secret_access_key=options["secret"],
-            region_name="us-east-1",
-        )
+        client = boto3_client(options)
         checkpoint = taskpoint.Checkpoint(
             "s3://bench/upload-cpu", storage_options=options, keep=1,
             background_upload="thread",
