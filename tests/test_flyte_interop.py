@@ -240,27 +240,33 @@ def _flip_byte(path: str) -> None:
 # -- packing -----------------------------------------------------------------------------
 
 
-def test_directory_save_packs_faster_than_flytes(tmp_path: Path) -> None:
+def test_directory_save_stores_weights_as_they_are_where_flyte_deflates_them(
+    tmp_path: Path,
+) -> None:
     """Weights do not compress: Flyte deflates them at gzip level 9 anyway, taskpoint
-    stores such blocks as they are (still a gzip stream any ``tar xzf`` reads)."""
+    samples each block and stores weights as they are, compressing only what pays. What
+    that is worth in time is a benchmark's to say (``bench/bench_checkpoint.py``, its
+    ``reference`` rows), not a test's."""
     tree = tmp_path / "tree"
     tree.mkdir()
     for i in range(4):
         (tree / f"shard-{i}.bin").write_bytes(os.urandom(4 * 2**20))
     (tree / "config.json").write_text('{"layers": 2}' * 100)
 
-    def timed(save: Callable[[], None]) -> float:
-        begin = time.perf_counter()
-        save()
-        return time.perf_counter() - begin
-
-    flyte_dest = str(tmp_path / "flyte" / "_flytecheckpoints")
-    flyte_s = timed(lambda: flyte.Checkpoint(flyte_dest).save_sync(tree))
+    flyte_dest = tmp_path / "flyte" / "_flytecheckpoints"
+    flyte.Checkpoint(str(flyte_dest)).save_sync(tree)
     url = f"file://{tmp_path / 'store'}"
-    taskpoint_s = timed(lambda: taskpoint.Checkpoint.at(url).save_sync(tree))
+    taskpoint.Checkpoint.at(url).save_sync(tree)
 
-    assert taskpoint_s * 3 < flyte_s, f"taskpoint {taskpoint_s:.2f}s vs Flyte {flyte_s:.2f}s"
-    flyte_retry = flyte.Checkpoint(str(tmp_path / "next"), flyte_dest)  # owns its restore dir
+    header = flyte_dest.read_bytes()[:10]
+    assert header[:3] == b"\x1f\x8b\x08" and header[8] == 2  # deflate, "maximum compression"
+    (manifest,) = taskpoint.Checkpoint.at(url).committed()
+    blobs = {e.path: e.blobs for e in manifest.entries or ()}
+    shards = [b for i in range(4) for b in blobs[f"shard-{i}.bin"]]
+    assert {b.codec for b in shards} == {"none"}
+    assert sum(b.length for b in shards) == 4 * 4 * 2**20  # stored byte for byte
+    assert [b.codec for b in blobs["config.json"]] == ["gzip"]  # text pays
+    flyte_retry = flyte.Checkpoint(str(tmp_path / "next"), str(flyte_dest))  # owns its restore dir
     flyte_back = flyte_retry.load_sync()
     taskpoint_back = taskpoint.Checkpoint.at(url).load_sync()
     assert flyte_back is not None and taskpoint_back is not None
