@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from taskpoint import SaveInterval
 from taskpoint_hf import TaskpointTrainerCallback, checkpoint_step
 from taskpoint_hf_interval_child import Clock, SavedSteps, Tick
+from transformers import TrainerCallback
 
 CHILD = Path(__file__).with_name("taskpoint_hf_interval_child.py")
 
@@ -150,18 +152,34 @@ def test_auto_saves_more_often_after_failures(
     assert len(failing_steps) > len(new_steps)
 
 
-def test_auto_from_the_knob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+class ReleaseAtTrainEnd(TrainerCallback):
+    """Opens ``gate`` at ``on_train_end``; listed before the taskpoint callback, it opens
+    before that callback waits for the upload."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.gate.set()
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["free", "held-to-the-end"])
+def test_auto_from_the_knob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: bool) -> None:
     """``save_every_s="auto"`` makes its interval when training begins, from the
-    checkpoint, with the prior from ``TASKPOINT_MTBF_PRIOR_S``."""
+    checkpoint, with the prior from ``TASKPOINT_MTBF_PRIOR_S``; the interval reaches the
+    logs beside the saves' figures, also when the upload commits after the Trainer's last
+    log (``held``: the figures come with the one more log of ``on_train_end``)."""
     monkeypatch.setenv("TASKPOINT_MTBF_PRIOR_S", "1800")
-    clock = Clock()
-    ckpt = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}")
+    clock, gate = Clock(), threading.Event()
+    options: dict[str, Any] = {"progress": lambda moved: gate.wait(30)} if held else {}
+    ckpt = taskpoint.Checkpoint(f"file://{tmp_path / 'store'}", **options)
     callback = TaskpointTrainerCallback(ckpt, tmp_path / "out", save_every_s="auto")
     assert callback.save_interval is None
     saves, logged = SavedSteps(), kit.LogRecorder()
     trainer = kit.classifier_trainer(
-        tmp_path / "out", callbacks=[logged, Tick(clock), saves, callback], save_strategy="no",
-        save_total_limit=None,
+        tmp_path / "out",
+        callbacks=[logged, Tick(clock), saves, ReleaseAtTrainEnd(gate), callback],
+        save_strategy="no", save_total_limit=None,
     )
     trainer.train()
     assert callback.save_interval is not None
@@ -169,9 +187,12 @@ def test_auto_from_the_knob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert callback.save_interval.rule != "fixed"
     assert saves.steps[0] == 1  # the first save measures the cost
     # The interval and its inputs reach the logs beside the saves' figures.
-    figures = [entry for entry in logged.logs if "taskpoint/interval_s" in entry]
-    assert figures and all("taskpoint/upload_s" in entry for entry in figures)
+    figures = [entry for entry in logged.logs if "taskpoint/upload_s" in entry]
+    assert figures and all("taskpoint/interval_s" in entry for entry in figures)
     assert figures[-1]["taskpoint/mtbf_s"] == pytest.approx(1800, rel=0.01)
+    if held:  # no save committed while training ran: its figures follow the last log
+        assert figures == logged.logs[-1:]
+        assert any("train_runtime" in entry for entry in logged.logs[:-1])
 
 
 def test_bad_intervals_are_named(tmp_path: Path) -> None:

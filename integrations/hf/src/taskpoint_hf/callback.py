@@ -310,7 +310,7 @@ class TaskpointTrainerCallback(TrainerCallback):
             # none ends (torchrun then stops the others) before it is known
             committed = all(all_gather_object(committed and error is None))
         if state.is_world_process_zero:
-            metrics = self._saves.take_metrics()
+            metrics = self._with_interval(self._saves.take_metrics())
             handler = self._logs.hooked()
             if metrics and handler is not None:  # a save after the Trainer's last log
                 handler.call_event(  # type: ignore[no-untyped-call]
@@ -326,11 +326,16 @@ class TaskpointTrainerCallback(TrainerCallback):
     ) -> None:
         """Add the figures of the saves committed since the last log to ``logs``."""
         if state.is_world_process_zero:
-            figures = self._saves.figures(state, control, self._preemption.stop is not None)
-            interval = self._timed.interval
-            if figures and interval is not None:  # the interval now, beside the save's cost
-                figures.update(interval.choice.metrics())
-            logs.update(figures)
+            stopping = self._preemption.stop is not None
+            logs.update(self._with_interval(self._saves.figures(state, control, stopping)))
+
+    def _with_interval(self, figures: dict[str, float]) -> dict[str, float]:
+        """``figures`` with the save interval's choice and its inputs beside the saves'
+        cost, when there are figures and the interval is by time."""
+        interval = self._timed.interval
+        if figures and interval is not None:
+            figures.update(interval.choice.metrics())
+        return figures
 
     def _next(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> None:
         """The Trainer may write ``checkpoint-N`` next: unshare it, note when."""
