@@ -96,16 +96,19 @@ def test_a_mirror_whose_checkpoint_says_wait_waits(gated_url: str, tmp_path: Pat
     assert [(s.step, s.coalesced) for s in mirror.take_stats()] == [(1, 0), (2, 0)]
 
 
-class SlowPlainCheckpoint:
-    """Another system's checkpoint object (no ``wait``): each save takes ``delay`` seconds,
-    then commits to a real :class:`taskpoint.Checkpoint`."""
+class GatedPlainCheckpoint:
+    """Another system's checkpoint object (no ``wait``): each save waits until the test
+    opens ``gate`` (``held`` says one is waiting), then commits to a real
+    :class:`taskpoint.Checkpoint`."""
 
-    def __init__(self, inner: Checkpoint, delay: float) -> None:
-        self.inner, self.delay = inner, delay
+    def __init__(self, inner: Checkpoint) -> None:
+        self.inner = inner
+        self.gate, self.held = threading.Event(), threading.Event()
         self.saved: list[str] = []
 
     def save_sync(self, data: Any) -> None:
-        time.sleep(self.delay)
+        self.held.set()
+        assert self.gate.wait(timeout=60), "the test never opened the gate"
         self.saved.append((Path(data) / "step.txt").read_text())
         self.inner.save_sync(data)
 
@@ -120,15 +123,20 @@ class SlowPlainCheckpoint:
 
 
 def test_a_mirror_of_another_checkpoint_coalesces_on_its_own_thread(tmp_path: Path) -> None:
-    plain = SlowPlainCheckpoint(Checkpoint(tmp_path / "store", keep=5), delay=1.5)
+    plain = GatedPlainCheckpoint(Checkpoint(tmp_path / "store", keep=5))
     mirror = FolderMirror(plain, blocking=False)
     assert mirror.coalesces
     folder = tmp_path / "out"
-    for step in (1, 2, 3, 4):
+    mirror.save(_write(folder, 1), step=1)
+    assert plain.held.wait(timeout=30)  # the first upload has started, held at the gate
+    for step in (2, 3, 4):
         started = time.monotonic()
         mirror.save(_write(folder, step), step=step)
-        assert time.monotonic() - started < 1.0, step
-        time.sleep(0.1)  # the first upload has started
+        # the upload it would wait for is held until the gate opens: any bound shows it
+        # did not wait
+        assert time.monotonic() - started < 20, step
+    assert plain.saved == []
+    plain.gate.set()
     assert mirror.wait()
     assert plain.saved == ["1", "4"]
     stats = mirror.take_stats()
