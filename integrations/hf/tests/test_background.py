@@ -139,7 +139,14 @@ def test_logged_figures_are_plausible(tmp_path: Path) -> None:
     checkpoint = Checkpoint(f"file://{store}", keep=5, progress=gate, store_format=1)
     stats: list[Any] = []
     checkpoint.on_commit(stats.append)
-    at = At(save_3=gate.close, step_4=lambda: gate.open_in(1.0))
+
+    def held_then_open() -> None:
+        # checkpoint-3's upload is under way (a loaded machine may start it after training
+        # ends; the end's wait would then stop it for checkpoint-6, as it should)
+        assert gate.held.wait(timeout=30)
+        gate.open_in(1.0)
+
+    at = At(save_3=gate.close, step_4=held_then_open)
     callback = TaskpointTrainerCallback(checkpoint)
     result = kit.run_classifier(
         None, tmp_path / "out", callbacks=[at, callback], max_steps=6, save_steps=3

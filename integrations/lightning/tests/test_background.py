@@ -109,11 +109,17 @@ def test_a_mirror_during_an_upload_waits_behind_it_then_both_commit_in_order(
     def committed() -> int:
         return len(checkpoint.committed())
 
+    def held() -> int:
+        # step 2's upload is under way (a loaded machine may start it after training ends;
+        # under "coalesce" the end's wait would then stop it for step 4's, as it should)
+        assert gate.held.wait(timeout=30)
+        return committed()
+
     def open_soon() -> int:
         gate.open_in(3.0)
         return committed()
 
-    at = At(batch_end_2=gate.close, batch_end_3=committed, batch_end_4=open_soon)
+    at = At(batch_end_2=gate.close, batch_end_3=held, batch_end_4=open_soon)
     mc = TaskpointModelCheckpoint(
         checkpoint, dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_last=True
     )
