@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -18,14 +19,17 @@ from taskpoint import Checkpoint, CheckpointStoreError, RetryPolicy
 
 
 class SlowMemoryFileSystem(MemoryFileSystem):
-    """In-memory store whose payload writes take ``delay`` seconds, or fail."""
+    """In-memory store whose payload writes take ``delay`` seconds, or fail; ``writing``
+    is set once one has begun."""
 
     protocol = ("slowmem",)
     delay: ClassVar[float] = 0.0
     fail: ClassVar[bool] = False
+    writing: ClassVar[threading.Event] = threading.Event()
 
     def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
         if "w" in mode and path.endswith(".payload"):
+            self.writing.set()
             time.sleep(self.delay)
             if self.fail:
                 raise OSError(errno.EIO, "503 Service Unavailable")
@@ -39,6 +43,7 @@ fsspec.register_implementation("slowmem", SlowMemoryFileSystem, clobber=True)
 def slow_url() -> str:
     SlowMemoryFileSystem.delay = 0.0
     SlowMemoryFileSystem.fail = False
+    SlowMemoryFileSystem.writing.clear()
     return f"slowmem://bg/{uuid.uuid4().hex}"
 
 
@@ -98,8 +103,13 @@ def test_background_errors_surface_at_wait_and_next_save(slow_url: str) -> None:
     ckpt.save_sync(b"doomed", background=True)
     with pytest.raises(CheckpointStoreError, match="503"):
         ckpt.wait()
+    SlowMemoryFileSystem.writing.clear()
     ckpt.save_sync(b"doomed again", background=True)
-    time.sleep(0.2)
+    _until_writing()
+    deadline = time.monotonic() + 30
+    while ckpt._saves._background.busy:  # until its upload has failed
+        assert time.monotonic() < deadline, "the upload never ended"
+        time.sleep(0.001)
     SlowMemoryFileSystem.fail = False
     with pytest.raises(CheckpointStoreError, match="503"):
         ckpt.save_sync(b"next")
@@ -231,12 +241,10 @@ def test_link_snapshot_copies_small_files_so_rewriting_them_in_place_is_harmless
     assert (restored / "README.md").read_text() == "model card, first version\n"
 
 
-def _until_uploading(ckpt: Checkpoint) -> None:
-    """Until ``ckpt``'s first background save is running (not merely queued)."""
-    deadline = time.monotonic() + 30
-    while not ckpt._saves._background._running:
-        assert time.monotonic() < deadline, "the upload never started"
-        time.sleep(0.001)
+def _until_writing() -> None:
+    """Until a background save writes its payload to the store (not merely queued, or
+    begun: one that has not reached the store yet would be stopped for a newer save)."""
+    assert SlowMemoryFileSystem.writing.wait(timeout=30), "the upload never started"
 
 
 def test_the_newest_of_saves_coalesced_behind_an_upload_commits_and_is_counted(
@@ -247,7 +255,7 @@ def test_the_newest_of_saves_coalesced_behind_an_upload_commits_and_is_counted(
     stats: list[taskpoint.SaveStats] = []
     ckpt.on_commit(stats.append)
     ckpt.save_sync(b"0", background=True)
-    _until_uploading(ckpt)
+    _until_writing()
     for i in range(1, 5):
         started = time.monotonic()
         ckpt.save_sync(str(i).encode(), background=True)
@@ -265,7 +273,7 @@ def test_a_blocking_save_replaces_the_waiting_one_and_reports_it(slow_url: str) 
     stats: list[taskpoint.SaveStats] = []
     ckpt.on_commit(stats.append)
     ckpt.save_sync(b"running", background=True)
-    _until_uploading(ckpt)
+    _until_writing()
     ckpt.save_sync(b"waiting", background=True)
     ckpt.save_sync(b"preemption save")  # goes first: after the upload in flight, alone
     ckpt.wait()
@@ -279,7 +287,7 @@ def test_a_background_preemption_save_replaces_the_waiting_one(slow_url: str) ->
     stats: list[taskpoint.SaveStats] = []
     ckpt.on_commit(stats.append)
     ckpt.save_sync(b"running", background=True)
-    _until_uploading(ckpt)
+    _until_writing()
     ckpt.save_sync(b"waiting", background=True)
     taskpoint.preemption.relay(60.0)
     try:

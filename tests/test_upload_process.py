@@ -57,9 +57,7 @@ def test_background_saves_upload_in_another_process_and_commit_in_order(
     os.kill(pid, 0)  # alive
     ckpt.wait()
     ckpt.save_sync(_tree(tmp_path / "second", 16, seed=2), background=True)
-    deadline = time.monotonic() + 30
-    while not ckpt._saves._background._running and time.monotonic() < deadline:
-        time.sleep(0.001)  # until the upload is in flight (a queued one would be superseded)
+    _sent(ckpt, 2)  # until the upload is in flight (a queued one would be superseded)
     ckpt.save_sync(b"third")  # waits for the upload in flight, then commits after it
     ckpt.wait()
     assert [(s.seq, s.kind, s.background) for s in stats] == [
@@ -313,12 +311,14 @@ def test_an_upload_process_no_open_checkpoint_uses_ends_once_idle(
     assert took >= _uploader.IDLE_EXIT_S - 1  # it waited for a new user first
 
     dropped = Checkpoint(tmp_path / "store", background_upload="process", keep=3)
-    dropped.save_sync(b"y", background=True)  # a thread, while a new upload process starts
+    # y starts a new upload process, and goes through a thread if that is not ready yet
+    dropped.save_sync(b"y", background=True)
     dropped.wait()
     pid = _upload_pid()
+    sent = dropped._saves.process_uploads
     dropped.save_sync(b"z", background=True)
     dropped.wait()
-    assert dropped._saves.process_uploads == 1
+    assert dropped._saves.process_uploads == sent + 1  # through the new upload process
     thread = _uploader.shared().thread
     del dropped  # never closed: collected
     gc.collect()
@@ -371,12 +371,14 @@ def test_release_ends_the_upload_process_at_once_and_the_next_save_takes_it_up(
     assert took < _uploader.IDLE_EXIT_S / 2  # not a closed checkpoint's idle wait
     assert not ckpt.closed and not other.closed
 
-    ckpt.save_sync(b"y", background=True)  # a thread, while a new upload process starts
+    # y starts a new upload process, and goes through a thread if that is not ready yet
+    ckpt.save_sync(b"y", background=True)
     ckpt.wait()
     pid = _upload_pid()
+    sent = ckpt._saves.process_uploads
     ckpt.save_sync(b"z", background=True)
     ckpt.wait()
-    assert ckpt._saves.process_uploads == 2  # through the new upload process
+    assert ckpt._saves.process_uploads == sent + 1  # through the new upload process
     thread = _uploader.shared().thread
     ckpt.release()
     assert _ended_within(_uploader.shared(), pid, thread, 30) < _uploader.IDLE_EXIT_S / 2
