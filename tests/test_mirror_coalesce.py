@@ -61,7 +61,9 @@ def test_a_mirror_save_during_an_upload_returns_and_the_newest_commits_next(
     folder = tmp_path / "out"
     mirror.save(_write(folder, 1), step=1)
     assert GatedMemoryFileSystem.held.wait(timeout=30)  # its upload is in flight, held
-    threading.Timer(10.0, GatedMemoryFileSystem.gate.set).start()  # a waiting save's cost
+    # a waiting save's cost; cancelled below, else it opens a later test's gate
+    timer = threading.Timer(10.0, GatedMemoryFileSystem.gate.set)
+    timer.start()
     for step in (2, 3, 4):
         _write(folder, step)  # the framework replaces the files, as Lightning does
         started = time.monotonic()
@@ -70,6 +72,7 @@ def test_a_mirror_save_during_an_upload_returns_and_the_newest_commits_next(
         # not wait; 20 s leaves a loaded CI machine room to copy 2 MiB
         assert time.monotonic() - started < 20, step
     assert mirror.uploading and checkpoint.committed() == []
+    timer.cancel()
     GatedMemoryFileSystem.gate.set()
     assert mirror.wait()
     stats = mirror.take_stats()
